@@ -1,0 +1,165 @@
+"""Model and engine configuration: one dataclass each, passed down (no global flags)."""
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ModelConfig:
+    """The shapes of a LLaMA-family decoder, read from a transformers config.json or a preset."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # {"rope_type": "llama3"|"linear"|"default", ...}
+    qkv_bias: bool = False             # Qwen2
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    """Reads `model_dir/config.json`; raises ModelLoadError naming what is missing or unsupported."""
+    if not os.path.isdir(model_dir):
+        raise ModelLoadError(f"model {model_dir!r} is neither a preset ({', '.join(preset_names())}) nor a directory")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model directory {model_dir!r} has no config.json (expected at {path})")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+    return config_from_hf_dict(raw, source=path)
+
+
+def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
+    archs = raw.get("architectures") or [_arch_from_model_type(raw.get("model_type"))]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch == "MistralForCausalLM" and raw.get("sliding_window"):
+        max_pos = raw.get("max_position_embeddings", 0)
+        if raw["sliding_window"] < max_pos:
+            raise ModelLoadError(f"{source}: Mistral with sliding_window={raw['sliding_window']} is not supported")
+    if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
+    if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise ModelLoadError(f"{source}: attention_bias / mlp_bias on {arch} is not supported")
+    heads = raw["num_attention_heads"]
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported (default, llama3, linear)")
+    rope["rope_type"] = rope_type
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=float(theta),
+        rope_scaling=None if rope_type == "default" else rope,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        architecture=arch,
+    )
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    for arch, mt in SUPPORTED_ARCHITECTURES.items():
+        if mt == model_type:
+            return arch
+    return str(model_type)
+
+
+# Presets: random weights, real shapes, a byte-level tokenizer (ids 0-255 bytes, 256 BOS, 257 EOS).
+PRESET_MAX_MODEL_LEN = 1 << 20
+_PRESETS = {
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
+                 num_kv_heads=2, head_dim=32, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                      num_heads=32, num_kv_heads=32, head_dim=128, rope_theta=10000.0, max_position_embeddings=4096),
+    "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40,
+                       num_heads=40, num_kv_heads=40, head_dim=128, rope_theta=10000.0, max_position_embeddings=4096),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+def preset_config(name: str) -> ModelConfig:
+    return ModelConfig(**_PRESETS[name], rms_norm_eps=1e-5, bos_token_id=256, eos_token_ids=[257])
+
+
+@dataclass
+class EngineConfig:
+    """What the engine was asked to run; built once by `LLM` and sent to every worker."""
+    model: str                      # a preset name or a local directory
+    devices: list[str]              # one torch device per worker, e.g. ["cuda:0", "cuda:1"]
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    sp_strategy: str = "burst"
+    overlap: bool = True
+    seed: int = 0
+    kernel: str = "auto"
+
+    @property
+    def is_preset(self) -> bool:
+        return self.model in _PRESETS
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+
+def resolve_model(engine: EngineConfig) -> tuple[ModelConfig, int]:
+    """Returns the model's config and the effective max_model_len; raises ModelLoadError."""
+    if engine.dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {engine.dtype!r} is not one of {', '.join(DTYPES)}")
+    if engine.is_preset:
+        cfg = preset_config(engine.model)
+        limit = PRESET_MAX_MODEL_LEN
+    else:
+        cfg = load_model_config(engine.model)
+        limit = cfg.max_position_embeddings
+    max_len = engine.max_model_len or limit
+    if max_len < 1:
+        raise ModelLoadError(f"max_model_len must be positive, got {max_len}")
+    return cfg, max_len

@@ -1,0 +1,254 @@
+"""The offline API: `LLM(model=..., devices=...)` and `llm.generate(prompts, SamplingParams(...))`.
+
+`LLM` validates everything it can before starting workers, spawns one worker process per device,
+routes each token that worker 0 sends back to its request, and raises (never hangs) if a worker
+dies. The HTTP server uses the same object through `submit` / `results`.
+"""
+import atexit
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Iterator
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig, ModelConfig, resolve_model
+from engine.devices import default_devices, parse_devices
+from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from engine.model_runner import SP_STRATEGIES
+from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
+from engine.sampling import SamplingParams
+from engine.tokenizer import load_tokenizer
+from engine.weights import weight_files
+from engine.worker import worker_main
+
+log = logging.getLogger(__name__)
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", devices: str | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, sp_strategy: str = "burst",
+                 overlap: bool = True, seed: int = 0, kernel: str = "auto"):
+        device_list = parse_devices(devices or default_devices())
+        if sp_strategy not in SP_STRATEGIES:
+            raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
+                                      "sp_strategy")
+        dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
+        self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
+                                   max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
+                                   seed=seed, kernel=kernel)
+        self.model_config, self.max_model_len = resolve_model(self.engine)
+        if not self.engine.is_preset:
+            weight_files(model)          # fails now, naming the file, rather than in every worker
+        self.tokenizer = load_tokenizer(model, self.engine.is_preset)
+        self._ids = itertools.count()
+        self._results: dict[str, queue.Queue] = {}
+        self._arrivals: dict[str, float] = {}
+        self._dead: str | None = None
+        self._closed = False
+        self.worker_info: list[dict] = []
+        self._start_workers()
+        atexit.register(self.shutdown)
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; a prompt is a string or a list of token ids."""
+        prompts = self._as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params", "sampling_params")
+        encoded = [self.encode(p) for p in prompts]                       # validate all before any work
+        ids = [self.submit(e, p) for e, p in zip(encoded, params)]
+        return [self._collect(rid, prompt, e) for rid, prompt, e in zip(ids, prompts, encoded)]
+
+    def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
+        """The model's next-token logits [V] (fp32) after a prompt: one prefill."""
+        encoded = self.encode(prompt)
+        rid = self.submit(encoded, SamplingParams(temperature=0, max_tokens=1), return_logits=True)
+        return self._collect(rid, None, encoded).prompt_logits
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, checked against the vocabulary and max_model_len."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        return ids
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               return_logits: bool = False) -> str:
+        """Queues one encoded prompt; its tokens arrive through `results(request_id)`."""
+        self._check_alive()
+        request_id = request_id or f"req-{next(self._ids)}"
+        self._results[request_id] = queue.Queue()
+        self._arrivals[request_id] = time.time()
+        self._requests.put(("add", Request(request_id, prompt_token_ids, params, time.time(), return_logits)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV cache on every worker."""
+        self._results.pop(request_id, None)
+        if not self._dead and not self._closed:
+            self._requests.put(("abort", request_id))
+
+    def results(self, request_id: str, poll_seconds: float = 0.2) -> Iterator[StepOutput]:
+        """Yields the request's tokens as they arrive; raises EngineDeadError if a worker dies."""
+        q = self._results[request_id]
+        while True:
+            try:
+                item = q.get(timeout=poll_seconds)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                self._results.pop(request_id, None)
+                return
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._requests.put(("shutdown",))
+        except Exception:  # queue already broken by a dead worker: terminate below
+            pass
+        for p in self._procs:
+            p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def kernel(self) -> str:
+        return self.worker_info[0]["kernel"] if self.worker_info else "?"
+
+    # ---- internals --------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._requests, self._outputs = ctx.Queue(), ctx.Queue()
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs = [ctx.Process(target=worker_main, daemon=True, name=f"burstserve-worker{r}",
+                                   args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs))
+                       for r in range(self.engine.world_size)]
+        for p in self._procs:
+            p.start()
+        info = {}
+        while len(info) < len(self._procs):
+            msg = self._next_message()
+            if msg[0] == "ready":
+                info[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                self._fail(f"worker {msg[1]} failed to start: {msg[2]}\n{msg[3]}")
+                raise EngineDeadError(self._dead)
+        self.worker_info = [info[r] for r in range(len(self._procs))]
+        log.info("engine ready: %d worker(s) on %s, attention kernel %s", len(self._procs),
+                 ",".join(self.engine.devices), self.kernel)
+        threading.Thread(target=self._route_outputs, daemon=True, name="burstserve-outputs").start()
+
+    def _next_message(self):
+        while True:
+            try:
+                return self._outputs.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._fail(f"{dead[0].name} exited with code {dead[0].exitcode}")
+                    raise EngineDeadError(self._dead)
+
+    def _route_outputs(self) -> None:
+        while not self._closed:
+            try:
+                msg = self._next_message()
+            except EngineDeadError:
+                return
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._fail("the engine's output queue closed")
+                return
+            if msg[0] == "out":
+                q = self._results.get(msg[1].request_id)
+                if q is not None:
+                    q.put(msg[1])
+            elif msg[0] == "error":
+                self._fail(f"worker {msg[1]} failed: {msg[2]}\n{msg[3]}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._dead = reason
+        log.error("engine failed: %s", reason)
+        for q in list(self._results.values()):
+            q.put(EngineDeadError(reason))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+
+    def _collect(self, request_id: str, prompt: Prompt | None, prompt_ids: list[int]) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=self._arrivals.pop(request_id, time.time()))
+        tokens, logprobs, reason, logits, last = [], [], None, None, None
+        for step in self.results(request_id):
+            if step.prefill is not None:
+                metrics.first_token_time = step.time
+                metrics.prefill_seconds = step.prefill.get("prefill_seconds")
+                metrics.prefill_stats = step.prefill
+                logits = step.logits
+            else:
+                metrics.decode_seconds.append(step.time - last)
+            last = step.time
+            tokens.append(step.token_id)
+            if step.logprobs is not None:
+                logprobs.append(step.logprobs)
+            reason = step.finish_reason
+        metrics.finished_time = last
+        cumulative = sum(lp[t] for lp, t in zip(logprobs, tokens)) if logprobs else None
+        completion = CompletionOutput(0, self.tokenizer.decode(tokens), tokens, cumulative,
+                                      logprobs if logprobs else None, reason)
+        return RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [completion],
+                             True, metrics, logits)
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of those",
+                                      "prompts")
+        return prompts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

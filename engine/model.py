@@ -1,0 +1,109 @@
+"""The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2), readable top to bottom.
+
+Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` callable, so the same
+model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
+distributed KV cache. Tensors are [tokens, ...] with no batch dimension.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor              # [(H + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
+    o: torch.Tensor                # [hidden, H D]
+    gate_up: torch.Tensor          # [2 I, hidden]
+    down: torch.Tensor             # [hidden, I]
+    input_norm: torch.Tensor       # [hidden]
+    post_norm: torch.Tensor        # [hidden]
+
+
+def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' tensor names and shapes for this config."""
+    h, d, hid, inter = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    kvd = cfg.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, hid), "model.norm.weight": (hid,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, hid)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (h * d, hid), p + "self_attn.k_proj.weight": (kvd, hid),
+            p + "self_attn.v_proj.weight": (kvd, hid), p + "self_attn.o_proj.weight": (hid, h * d),
+            p + "mlp.gate_proj.weight": (inter, hid), p + "mlp.up_proj.weight": (inter, hid),
+            p + "mlp.down_proj.weight": (hid, inter),
+            p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (h * d,), p + "self_attn.k_proj.bias": (kvd,),
+                           p + "self_attn.v_proj.bias": (kvd,)})
+    return shapes
+
+
+class LlamaModel:
+    """Weights and the forward pass; replicated on every worker."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.embed = weights.pop("model.embed_tokens.weight")
+        self.norm = weights.pop("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
+        self.dtype = self.embed.dtype
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.inv_freq = inverse_frequencies(cfg).to(device)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = None
+        if self.cfg.qkv_bias:
+            bias = torch.cat([w.pop(a + f"{x}_proj.bias") for x in "qkv"])
+        return LayerWeights(
+            qkv=torch.cat([w.pop(a + f"{x}_proj.weight") for x in "qkv"]),
+            qkv_bias=bias,
+            o=w.pop(a + "o_proj.weight"),
+            gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
+            down=w.pop(p + "mlp.down_proj.weight"),
+            input_norm=w.pop(p + "input_layernorm.weight"),
+            post_norm=w.pop(p + "post_attention_layernorm.weight"),
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """token_ids, positions [S] -> final-normed hidden states [S, hidden]."""
+        cfg = self.cfg
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(token_ids, self.embed)                        # [S, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, 1, D]
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)  # [S, (H+2Hkv) D]
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rope(q.view(-1, h, d), cos, sin)                 # [S, H, D]
+            k = apply_rope(k.view(-1, hkv, d), cos, sin)               # [S, Hkv, D]
+            attn = attend(i, q, k, v.view(-1, hkv, d))                 # [S, H, D]
+            x = x + F.linear(attn.reshape(attn.shape[0], h * d), layer.o)
+            x = x + self.mlp(self.rms_norm(x, layer.post_norm), layer)
+        return self.rms_norm(x, self.norm)
+
+    def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> logits [B, vocab] fp32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,112 @@
+"""What one worker does: hold the model replica and its KV shard, run prefill and decode steps.
+
+Every worker runs the same method with the same arguments (worker 0 broadcasts the call); the
+logits come back on worker 0 only.
+"""
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.burst_attention import BurstAttention
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.decode_attention import DecodeAttention
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel, hf_weight_shapes
+from engine.ring import RingCommunicator
+from engine.sharding import owner_of_position, zigzag_shards
+from engine.weights import load_weights, random_weights
+from kernels.attention import select_backend
+
+log = logging.getLogger(__name__)
+SP_STRATEGIES = ("burst",)
+
+
+class ModelRunner:
+    def __init__(self, engine: EngineConfig, cfg: ModelConfig, rank: int, device: torch.device, data_group=None):
+        self.engine, self.cfg, self.rank, self.device = engine, cfg, rank, device
+        self.world_size = engine.world_size
+        self.data_group = data_group
+        dtype = DTYPES[engine.dtype]
+        shapes = hf_weight_shapes(cfg)
+        if engine.is_preset:
+            weights = random_weights(shapes, device, dtype, engine.seed)
+        else:
+            weights = load_weights(engine.model, list(shapes), device, dtype)
+        self.model = LlamaModel(cfg, weights, device)
+        self.backend = select_backend(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, engine.kernel)
+        self.scale = cfg.head_dim ** -0.5
+        self.ring = RingCommunicator(rank, self.world_size, device, data_group) if self.world_size > 1 else None
+        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.decode_attention = DecodeAttention(self.backend, self.scale, self.world_size, data_group)
+        self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
+
+    @torch.inference_mode()
+    def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
+        """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
+        self._sync()
+        start = time.perf_counter()
+        shards = zigzag_shards(token_ids.shape[0], self.world_size)
+        shard = shards[self.rank]
+        positions = shard.positions()                                   # [n]
+        local_ids = token_ids[positions].to(self.device)
+        seq = self.kv.allocate(seq_id, shard.length + reserve)
+        burst = BurstAttention(self.ring, self.backend, shards, self.rank, self.scale, self.engine.overlap)
+
+        def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
+            seq.write(layer, 0, k, v)
+            return burst(q, seq.block(layer, shard.length))
+
+        hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
+        seq.length = shard.length
+        self.tokens_per_rank[seq_id] = [s.length for s in shards]
+        owner, row = owner_of_position(shards, token_ids.shape[0] - 1)
+        if self.rank == owner:
+            logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
+        else:
+            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if owner != 0:
+            dist.broadcast(logits, src=owner, group=self.data_group)
+        stats = self.ring.collect_stats() if self.ring else None
+        self._sync()
+        result = {"prefill_seconds": time.perf_counter() - start}
+        if stats is not None:
+            result.update(exchange_seconds=stats.exchange_seconds, exposed_seconds=stats.exposed_seconds,
+                          hidden_fraction=stats.hidden_fraction)
+        if self.device.type == "cuda":
+            result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.rank == 0:
+            result["logits"] = logits.cpu()
+        return result
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """One new token per sequence -> logits [B, V] (CPU fp32) on worker 0."""
+        owned = [self._next_owner(s) == self.rank for s in seq_ids]
+        seqs = [self.kv.seqs[s] for s in seq_ids]
+        self.decode_attention.begin_step(seqs, owned)
+        tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(tokens, pos, self.decode_attention)   # [B, hidden]
+        self.decode_attention.end_step()
+        return self.model.logits(hidden).cpu() if self.rank == 0 else None
+
+    def _next_owner(self, seq_id: int) -> int:
+        """The worker holding the fewest tokens of this sequence stores the next one (lowest rank on ties)."""
+        counts = self.tokens_per_rank[seq_id]
+        owner = counts.index(min(counts))
+        counts[owner] += 1
+        return owner
+
+    def free(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.kv.free(s)
+            self.tokens_per_rank.pop(s, None)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

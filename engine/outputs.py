@@ -1,0 +1,63 @@
+"""Results in the shape vLLM users know, and the per-token message workers send back."""
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One prompt to run; sent to worker 0."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    return_logits: bool = False     # attach the next-token logits of the prompt to the first output
+
+
+@dataclass
+class StepOutput:
+    """One generated token of one request, from worker 0."""
+    request_id: str
+    token_id: int
+    logprobs: dict[int, float] | None
+    finish_reason: str | None       # None while running, else "stop", "length" or "abort"
+    time: float                     # time.time() when the token existed
+    prefill: dict | None = None     # on the first token: prefill_seconds, exchange/hidden figures
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prefill_seconds: float | None = None      # measured on the workers, prefill alone
+    decode_seconds: list[float] = field(default_factory=list)   # gap before each later token
+    prefill_stats: dict = field(default_factory=dict)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logits: torch.Tensor | None = None   # only when asked for (LLM.next_token_logits)

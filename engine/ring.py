@@ -1,0 +1,104 @@
+"""Ring communicator: K/V blocks travel to the next worker while the current block computes.
+
+`exchange(send, recv)` starts sending `send` to rank+1 and receiving rank-1's block into `recv`;
+`wait(handle)` makes the compute stream wait for it. On GPUs the transfer is issued on a separate
+stream that first waits for all compute issued so far (so a buffer is never overwritten while
+still being read); on CPU (gloo) the transfer runs on gloo's own threads. Each exchange records
+how long it took and how long compute stalled waiting for it: the hidden fraction is
+1 - stall / exchange.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OverlapStats:
+    exchange_seconds: float = 0.0   # time the transfers took, end to end
+    exposed_seconds: float = 0.0    # time compute stood still waiting for them
+    exchanges: int = 0
+
+    @property
+    def hidden_fraction(self) -> float:
+        if self.exchange_seconds <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - self.exposed_seconds / self.exchange_seconds))
+
+
+@dataclass
+class _Handle:
+    works: list
+    issued_at: float = 0.0
+    events: tuple = ()     # (start, end) on the comm stream
+    stall: tuple = ()      # (before, after) the compute stream's wait
+
+
+class RingCommunicator:
+    def __init__(self, rank: int, world_size: int, device: torch.device, group=None):
+        self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
+        self.next_rank = (rank + 1) % world_size
+        self.prev_rank = (rank - 1) % world_size
+        self.is_cuda = device.type == "cuda"
+        self.comm_stream = torch.cuda.Stream(device=device, priority=-1) if self.is_cuda else None
+        self._pending_timings: list[_Handle] = []
+        self.stats = OverlapStats()
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _Handle:
+        """Sends `send` to the next rank, receives the previous rank's block into `recv` (async)."""
+        ops = []   # an empty block (a worker with no tokens) is skipped on both sides alike
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, self._global(self.next_rank), self.group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, self._global(self.prev_rank), self.group))
+        if not ops:
+            return _Handle([], issued_at=time.perf_counter())
+        if not self.is_cuda:
+            return _Handle(dist.batch_isend_irecv(ops), issued_at=time.perf_counter())
+        compute = torch.cuda.current_stream(self.device)
+        self.comm_stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.comm_stream):
+            start.record()
+            works = dist.batch_isend_irecv(ops)
+            for w in works:
+                w.wait()
+            end.record()
+        return _Handle(works, events=(start, end))
+
+    def wait(self, handle: _Handle) -> None:
+        """The compute stream (or the host, on CPU) waits until the exchange is complete."""
+        if not handle.works:
+            return
+        if not self.is_cuda:
+            before = time.perf_counter()
+            for w in handle.works:
+                w.wait()
+            after = time.perf_counter()
+            self.stats.exchange_seconds += after - handle.issued_at
+            self.stats.exposed_seconds += after - before
+            self.stats.exchanges += 1
+            return
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(handle.events[1])
+        after.record(compute)
+        handle.stall = (before, after)
+        self._pending_timings.append(handle)
+
+    def collect_stats(self) -> OverlapStats:
+        """Synchronizes, folds the recorded GPU timings into `stats` and returns them (then resets)."""
+        if self.is_cuda and self._pending_timings:
+            torch.cuda.synchronize(self.device)
+            for h in self._pending_timings:
+                self.stats.exchange_seconds += h.events[0].elapsed_time(h.events[1]) / 1e3
+                self.stats.exposed_seconds += h.stall[0].elapsed_time(h.stall[1]) / 1e3
+                self.stats.exchanges += 1
+            self._pending_timings.clear()
+        stats, self.stats = self.stats, OverlapStats()
+        return stats
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

@@ -1,0 +1,66 @@
+"""Weights: safetensors from a local directory (single file or sharded index), or random for presets.
+
+Tensors are read straight onto the worker's device (safetensors' `device=`), one at a time, so no
+worker holds a full CPU copy of the model.
+"""
+import json
+import os
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def weight_files(model_dir: str) -> dict[str, str]:
+    """Maps each tensor name to the safetensors file holding it; raises ModelLoadError when absent."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(model_dir, v))})
+        if missing:
+            raise ModelLoadError(f"{index} names weight files that are missing: {', '.join(missing)}")
+        return {name: os.path.join(model_dir, fname) for name, fname in weight_map.items()}
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ModelLoadError(f"model directory {model_dir!r} has no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_weights(model_dir: str, names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Reads the named tensors onto `device` in `dtype`; raises ModelLoadError naming a missing tensor."""
+    from safetensors import safe_open
+    files = weight_files(model_dir)
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise ModelLoadError(f"weights in {model_dir!r} lack tensor {missing[0]!r} ({len(missing)} missing)")
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        by_file.setdefault(files[n], []).append(n)
+    out = {}
+    load_device = "cpu" if device.type == "cpu" else str(device)
+    for path, file_names in by_file.items():
+        with safe_open(path, framework="pt", device=load_device) as f:
+            for n in file_names:
+                out[n] = f.get_tensor(n).to(dtype)
+    return out
+
+
+def random_weights(names_shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype,
+                   seed: int) -> dict[str, torch.Tensor]:
+    """Same seed, same weights on every worker: N(0, 0.02) for matrices, ones for norm scales."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in names_shapes.items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, device=device, dtype=torch.float32 if dtype == torch.float32 else dtype,
+                                     generator=gen) * 0.02).to(dtype)
+    return out

@@ -1,0 +1,122 @@
+"""Local attention backends: (q, k, v, causal, scale) -> (out, lse), never a score matrix on GPU.
+
+Layout: q [Sq, H, D], k and v [Sk, Hkv, D] with H % Hkv == 0 (GQA without repeating K/V where the
+backend allows); out [Sq, H, D] in q's dtype, lse [Sq, H] fp32 (natural log). `causal` means query i
+sees keys 0..i (top-left aligned); callers use it only on square blocks of the same tokens.
+An empty key block gives out = 0 and lse = -inf.
+"""
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    fn: KernelFn
+
+    def __call__(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        sq, h, d = q.shape
+        if sq == 0 or k.shape[0] == 0:
+            out = torch.zeros(sq, h, v.shape[-1], dtype=q.dtype, device=q.device)
+            return out, torch.full((sq, h), float("-inf"), dtype=torch.float32, device=q.device)
+        return self.fn(q, k, v, causal, scale)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)            # [S, H, D] -> [1, H, S, D] (a view)
+
+
+def _cudnn(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]
+    return out[0].transpose(0, 1), lse.reshape(lse.shape[1], lse.shape[2]).transpose(0, 1).float()
+
+
+def _flash_aten(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale)
+    return res[0][0].transpose(0, 1), res[1][0].transpose(0, 1).float()
+
+
+def _flash_attn_pkg(q, k, v, causal, scale):
+    from flash_attn import flash_attn_func
+    out, lse, _ = flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale,
+                                  causal=causal, return_attn_probs=True)
+    return out[0], lse[0].transpose(0, 1).float()
+
+
+def reference_attention(q, k, v, causal, scale, query_chunk: int = 1024):
+    """Materialized scores in fp32, a query chunk at a time: the CPU path and the no-LAO ablation."""
+    sq, h, d = q.shape
+    sk, hkv, _ = k.shape
+    g = h // hkv
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for start in range(0, sq, query_chunk):
+        qc = q[start:start + query_chunk].float().view(-1, hkv, g, d)            # [c, Hkv, g, D]
+        scores = torch.einsum("qhgd,khd->hgqk", qc, kf) * scale                  # [Hkv, g, c, Sk]
+        if causal:
+            rows = torch.arange(start, start + qc.shape[0], device=q.device)
+            mask = torch.arange(sk, device=q.device)[None, :] > rows[:, None]     # [c, Sk]
+            scores.masked_fill_(mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)                                    # [Hkv, g, c]
+        probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+        out = torch.einsum("hgqk,khd->qhgd", probs, vf)                          # [c, Hkv, g, D]
+        outs.append(out.reshape(-1, h, v.shape[-1]))
+        lses.append(lse.reshape(h, -1).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+_GPU_BACKENDS = {"cudnn": _cudnn, "flash_attn": _flash_attn_pkg, "flash": _flash_aten}
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that may run on this device, fastest first (cuDNN measured fastest on H200)."""
+    if device.type != "cuda":
+        return ["reference"]
+    names = ["cudnn"]
+    try:
+        import flash_attn  # noqa: F401
+        names.append("flash_attn")
+    except ImportError:
+        pass
+    return names + ["flash", "reference"]
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                   head_dim: int, requested: str = "auto") -> AttentionBackend:
+    """The first backend that runs and agrees with the reference on a small probe of these shapes."""
+    names = available_backends(device) if requested == "auto" else [requested]
+    for name in names:
+        if name == "reference":
+            return AttentionBackend("reference", reference_attention)
+        backend = AttentionBackend(name, _GPU_BACKENDS[name])
+        if _probe(backend, device, dtype, num_heads, num_kv_heads, head_dim):
+            return backend
+        if requested != "auto":
+            raise ValueError(f"attention kernel {name!r} does not run on {device} with {dtype}, d={head_dim}")
+    raise RuntimeError("no attention backend")
+
+
+def _probe(backend: AttentionBackend, device, dtype, h: int, hkv: int, d: int) -> bool:
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(256, n, d, device=device, dtype=dtype, generator=gen) for n in (h, hkv, hkv))
+        for causal in (True, False):
+            out, lse = backend(q, k, v, causal, d ** -0.5)
+            ref_out, ref_lse = reference_attention(q, k, v, causal, d ** -0.5)
+            if (out.float() - ref_out.float()).abs().max() > 2e-2 or (lse - ref_lse).abs().max() > 1e-2:
+                log.warning("attention backend %s disagrees with the reference; skipped", backend.name)
+                return False
+        return True
+    except Exception as e:  # a backend that cannot run these shapes is skipped, with the reason logged
+        log.info("attention backend %s unavailable: %s", backend.name, e)
+        return False

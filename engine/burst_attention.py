@@ -8,6 +8,7 @@ each step is one of:
   own block:          causal attention of all local queries to all local keys (square);
   block of rank s<r:  all local queries to the keys of s's first chunk (full);
   block of rank s>r:  the queries of r's second chunk to all of s's keys (full).
+Without a causal mask (causal=False) every step is all local queries to the whole block.
 """
 import torch
 
@@ -19,14 +20,18 @@ from kernels.merge import merge_into
 
 class BurstAttention:
     def __init__(self, ring: RingCommunicator | None, backend: AttentionBackend, shards: list[Shard],
-                 rank: int, scale: float, overlap: bool = True):
+                 rank: int, scale: float, overlap: bool = True, causal: bool = True):
         self.ring, self.backend, self.shards = ring, backend, shards
         self.rank, self.world_size = rank, len(shards)
-        self.scale, self.overlap = scale, overlap
+        self.scale, self.overlap, self.causal = scale, overlap, causal
         self._buffers: list[torch.Tensor] = []
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], kv [n, 2, Hkv, D] (this worker's block) -> out [n, H, D] in q's dtype."""
+        return self.forward(q, kv)[0]
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> out [n, H, D] in q's dtype, lse [n, H] fp32."""
         out = lse = None
         current = kv
         for step in range(self.world_size):
@@ -41,7 +46,7 @@ class BurstAttention:
             if handle is not None and self.overlap:
                 self.ring.wait(handle)
             current = incoming
-        return out.to(q.dtype)
+        return out.to(q.dtype), lse
 
     def _buffer(self, slot: int, source: int, like: torch.Tensor) -> torch.Tensor:
         longest = max(s.length for s in self.shards)
@@ -51,7 +56,9 @@ class BurstAttention:
 
     def _attend_block(self, q, block, source, out, lse):
         k, v = block[:, 0], block[:, 1]                                  # [m, Hkv, D] each
-        if source == self.rank:
+        if not self.causal:
+            rows, block_out, block_lse = slice(None), *self.backend(q, k, v, False, self.scale)
+        elif source == self.rank:
             rows, block_out, block_lse = slice(None), *self.backend(q, k, v, True, self.scale)
         elif source < self.rank:
             m = self.shards[source].len_first
@@ -59,7 +66,7 @@ class BurstAttention:
         else:
             m = self.shards[self.rank].len_first
             rows, block_out, block_lse = slice(m, None), *self.backend(q[m:], k, v, False, self.scale)
-        if out is None:   # the first step covers every query row (own block, causal)
+        if out is None:   # the first step (own block) covers every query row
             return block_out.float(), block_lse.clone()
         merge_into(out[rows], lse[rows], block_out, block_lse)
         return out, lse

@@ -1,0 +1,44 @@
+"""The engine's logits and greedy tokens equal transformers' on the same checkpoint (CPU, fp32),
+for 1-4 workers and prompt lengths 1, 2G-1, 37 and 1000 (zigzag shards, empty workers, uneven chunks)."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+KINDS = ["llama-mha", "llama3-gqa", "qwen2"]
+NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    model = save_checkpoint(request.param, path, seed=random.randrange(1 << 30))
+    return path, model, {}
+
+
+def _reference(checkpoint, prompt):
+    path, model, cache = checkpoint
+    key = tuple(prompt)
+    if key not in cache:
+        cache[key] = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+    return cache[key]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, workers):
+    path, model, _ = checkpoint
+    vocab = model.config.vocab_size
+    lengths = sorted({1, 2 * workers - 1, 37, 1000})
+    prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
+    with LLM(path, devices=f"cpu:{workers}", dtype="float32") as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+        for prompt, out in zip(prompts, outputs):
+            ref_logits, ref_tokens = _reference(checkpoint, prompt)
+            logits = llm.next_token_logits(prompt)
+            diff = (logits - ref_logits).abs().max().item()
+            assert diff <= 1e-4, f"{len(prompt)} tokens on {workers} workers: logits differ by {diff}"
+            assert out.outputs[0].token_ids == ref_tokens, f"{len(prompt)} tokens on {workers} workers"
+            assert out.outputs[0].finish_reason == "length"

@@ -1,0 +1,48 @@
+"""transformers checkpoints made inside the tests, and transformers' own answers on them."""
+import torch
+
+TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, initializer_range=0.08, max_position_embeddings=4096)
+
+
+def make_config(kind: str):
+    """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling) or 'qwen2' (qkv bias)."""
+    from transformers import LlamaConfig, Qwen2Config
+    if kind == "llama-mha":
+        return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
+    if kind == "llama3-gqa":
+        return LlamaConfig(**TINY_SHAPE, num_key_value_heads=2, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    if kind == "qwen2":
+        return Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0)
+    raise ValueError(kind)
+
+
+def save_checkpoint(kind: str, path: str, seed: int) -> torch.nn.Module:
+    """A random-weight model of that kind saved with save_pretrained; returns the model (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(kind), torch_dtype=torch.float32).eval()
+    with torch.no_grad():   # biases are zero at init; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_next_logits_and_greedy(model, prompt: list[int], num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' next-token logits [V] after the prompt, and its greedy continuation."""
+    ids = torch.tensor([prompt])
+    out = model(ids, use_cache=True)
+    first_logits = out.logits[0, -1].float()
+    past, token, tokens = out.past_key_values, int(first_logits.argmax()), []
+    for _ in range(num_tokens):
+        tokens.append(token)
+        if len(tokens) == num_tokens:
+            break
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    return first_logits, tokens

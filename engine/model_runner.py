@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from engine.burst_attention import BurstAttention
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_attention import DecodeAttention
+from engine.decode_attention import DecodeAttention, all_gather
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.ring import RingCommunicator
@@ -75,7 +75,7 @@ class ModelRunner:
             result.update(exchange_seconds=stats.exchange_seconds, exposed_seconds=stats.exposed_seconds,
                           hidden_fraction=stats.hidden_fraction)
         if self.device.type == "cuda":
-            result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:
             result["logits"] = logits.cpu()
         return result
@@ -106,6 +106,13 @@ class ModelRunner:
 
     def info(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name}
+
+    def _peak_memory_all_workers(self) -> int:
+        """The largest peak of allocated GPU memory over the workers (bytes)."""
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
+        if self.world_size > 1:
+            peak = all_gather(peak, self.world_size, self.data_group)
+        return int(peak.max())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

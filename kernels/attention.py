@@ -107,12 +107,15 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
 
 
 def _probe(backend: AttentionBackend, device, dtype, h: int, hkv: int, d: int) -> bool:
+    """Runs the layouts the engine uses (K/V as views of a packed [S, 2, Hkv, D] block; a one-row
+    decode query) and compares with the reference."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(256, n, d, device=device, dtype=dtype, generator=gen) for n in (h, hkv, hkv))
-        for causal in (True, False):
-            out, lse = backend(q, k, v, causal, d ** -0.5)
-            ref_out, ref_lse = reference_attention(q, k, v, causal, d ** -0.5)
+        q = torch.randn(256, h, d, device=device, dtype=dtype, generator=gen)
+        kv = torch.randn(256, 2, hkv, d, device=device, dtype=dtype, generator=gen)
+        for rows, causal in ((256, True), (256, False), (1, False)):
+            out, lse = backend(q[:rows], kv[:, 0], kv[:, 1], causal, d ** -0.5)
+            ref_out, ref_lse = reference_attention(q[:rows], kv[:, 0], kv[:, 1], causal, d ** -0.5)
             if (out.float() - ref_out.float()).abs().max() > 2e-2 or (lse - ref_lse).abs().max() > 1e-2:
                 log.warning("attention backend %s disagrees with the reference; skipped", backend.name)
                 return False

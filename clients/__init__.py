@@ -1,0 +1,1 @@
+"""Benchmark clients: prefill latency (time to first token) and baselines."""

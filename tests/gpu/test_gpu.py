@@ -1,0 +1,127 @@
+"""GPU checks, run on the H200 machines with `pytest -m gpu tests/gpu` (CI has no GPU and deselects them).
+
+Kernels against the fp32 reference, the NCCL ring against one-device attention, and the engine in
+bf16 on 2 GPUs against transformers on one GPU."""
+import random
+
+import pytest
+import torch
+
+from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("name", ["cudnn", "flash"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_kernel_matches_reference(name, causal):
+    dev = torch.device("cuda:0")
+    q = torch.randn(1000, 32, 128, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(1000, 2, 8, 128, device=dev, dtype=torch.bfloat16)
+    out, lse = AttentionBackend(name, _GPU_BACKENDS[name])(q, kv[:, 0], kv[:, 1], causal, 128 ** -0.5)
+    ref_out, ref_lse = reference_attention(q, kv[:, 0], kv[:, 1], causal, 128 ** -0.5)
+    assert (out.float() - ref_out.float()).abs().max() < 2e-2
+    assert (lse - ref_lse).abs().max() < 1e-3
+
+
+def test_auto_backend_prefers_cudnn():
+    assert available_backends(torch.device("cuda:0"))[0] == "cudnn"
+
+
+def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):
+    import torch.distributed as dist
+    from engine.burst_attention import BurstAttention
+    from engine.ring import RingCommunicator
+    from engine.sharding import zigzag_shards
+    from kernels.attention import select_backend
+    dev = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(seq_len, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(seq_len, 2, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    shards = zigzag_shards(seq_len, world)
+    pos = shards[rank].positions(dev)
+    backend = select_backend(dev, torch.bfloat16, 32, 8, 128)
+    ring = RingCommunicator(rank, world, dev)
+    out, lse = BurstAttention(ring, backend, shards, rank, 128 ** -0.5).forward(q[pos], kv[pos].contiguous())
+    ref_out, ref_lse = backend(q, kv[:, 0], kv[:, 1], True, 128 ** -0.5)
+    err = ((out.float() - ref_out[pos].float()).abs().max().item(), (lse - ref_lse[pos]).abs().max().item())
+    stats = ring.collect_stats()
+    out_q.put((rank, err, stats.exchanges, backend.name))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("seq_len", [4099, 65536])
+def test_nccl_ring_matches_one_device(seq_len):
+    import torch.multiprocessing as mp
+    from dist_harness import _free_port as free_port
+    world = min(torch.cuda.device_count(), 4)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_ring_rank, args=(r, world, port, seq_len, random.randrange(1 << 30), q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for rank, (out_err, lse_err), exchanges, name in results:
+        assert out_err < 2e-2 and lse_err < 2e-3, (rank, out_err, lse_err, name)
+        assert exchanges == world - 1
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_checkpoint(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = str(tmp_path_factory.mktemp("llama3-bf16"))
+    cfg = LlamaConfig(vocab_size=2000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384,
+                      rope_theta=500000.0, initializer_range=0.05,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    torch.manual_seed(random.randrange(1 << 30))
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    return path, model.to("cuda:0").eval()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt, n):
+    out = model(torch.tensor([prompt], device="cuda:0"), use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1].float().cpu()
+    past, tokens, margins = out.past_key_values, [], []
+    logits = first
+    for _ in range(n):
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        tokens.append(int(logits.argmax()))
+        if len(tokens) == n:
+            break
+        out = model(torch.tensor([[tokens[-1]]], device="cuda:0"), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1].float().cpu()
+    return first, tokens, margins
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
+    from engine import LLM, SamplingParams
+    path, model = hf_bf16_checkpoint
+    noise = 0.1    # bf16 logit noise between two correct implementations at this size
+    lengths = [1, 3, 37, 1000, 8191]
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in lengths]
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens, margins = _hf_greedy(model, prompt, 32)
+            logits = llm.next_token_logits(prompt)
+            scale = ref_logits.abs().max().item()
+            assert (logits - ref_logits).abs().max().item() <= noise * max(scale, 1.0), len(prompt)
+            tokens = out.outputs[0].token_ids
+            for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
+                if a != b:   # allowed only where transformers' own top-2 margin is within bf16 noise
+                    assert margins[i] < noise, (len(prompt), i, margins[i])
+                    break

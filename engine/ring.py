@@ -44,6 +44,18 @@ class RingCommunicator:
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1) if self.is_cuda else None
         self._pending_timings: list[_Handle] = []
         self.stats = OverlapStats()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small exchange, waited on the host: NCCL creates its peer-to-peer communicator on the
+        first send/recv, and the first prefill's time to first token should not pay for that."""
+        send = torch.zeros(1024, device=self.device)
+        recv = torch.empty_like(send)
+        self.wait(self.exchange(send, recv))
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self._pending_timings.clear()
+        self.stats = OverlapStats()
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _Handle:
         """Sends `send` to the next rank, receives the previous rank's block into `recv` (async)."""

@@ -61,9 +61,8 @@ def test_nccl_ring_matches_one_device(seq_len):
     world = min(torch.cuda.device_count(), 4)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_nccl_ring_rank, args=(r, world, port, seq_len, random.randrange(1 << 30), q))
-             for r in range(world)]
+    port, seed = free_port(), random.randrange(1 << 30)   # one seed: every rank draws the same q, k, v
+    procs = [ctx.Process(target=_nccl_ring_rank, args=(r, world, port, seq_len, seed, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = [q.get(timeout=300) for _ in procs]
@@ -119,9 +118,12 @@ def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
             ref_logits, ref_tokens, margins = _hf_greedy(model, prompt, 32)
             logits = llm.next_token_logits(prompt)
             scale = ref_logits.abs().max().item()
-            assert (logits - ref_logits).abs().max().item() <= noise * max(scale, 1.0), len(prompt)
+            diff = (logits - ref_logits).abs().max().item()
+            print(f"bf16 prompt {len(prompt)}: max |logit diff| {diff:.4f} (max |logit| {scale:.2f})")
+            assert diff <= noise * max(scale, 1.0), len(prompt)
             tokens = out.outputs[0].token_ids
             for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
                 if a != b:   # allowed only where transformers' own top-2 margin is within bf16 noise
+                    print(f"bf16 prompt {len(prompt)}: tokens diverge at step {i}, reference margin {margins[i]:.4f}")
                     assert margins[i] < noise, (len(prompt), i, margins[i])
                     break

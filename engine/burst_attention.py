@@ -10,6 +10,8 @@ each step is one of:
   block of rank s>r:  the queries of r's second chunk to all of s's keys (full).
 Without a causal mask (causal=False) every step is all local queries to the whole block.
 """
+import time
+
 import torch
 
 from engine.ring import RingCommunicator
@@ -48,6 +50,22 @@ class BurstAttention:
             current = incoming
         return out.to(q.dtype), lse
 
+    def time_exchanges_alone(self, block_shape: tuple, dtype: torch.dtype, device: torch.device) -> float:
+        """Seconds one layer's G-1 exchanges take with nothing else running: the yardstick for how
+        much of them overlap hides. Collective: every worker calls it at the same point."""
+        local = torch.empty((self.shards[self.rank].length,) + tuple(block_shape), dtype=dtype, device=device)
+        _synchronize(device)
+        start = time.perf_counter()
+        current = local
+        for step in range(self.world_size - 1):
+            incoming = self._buffer(step % 2, (self.rank - step - 1) % self.world_size, local)
+            self.ring.wait(self.ring.exchange(current, incoming))
+            current = incoming
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        self.ring.collect_stats()   # not part of the prefill's own figures
+        return elapsed
+
     def _buffer(self, slot: int, source: int, like: torch.Tensor) -> torch.Tensor:
         longest = max(s.length for s in self.shards)
         while len(self._buffers) < 2:
@@ -70,3 +88,8 @@ class BurstAttention:
             return block_out.float(), block_lse.clone()
         merge_into(out[rows], lse[rows], block_out, block_lse)
         return out, lse
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -58,3 +58,8 @@ class KVCache:
 
     def bytes_reserved(self) -> int:
         return sum(s.kv.numel() * s.kv.element_size() for s in self.seqs.values())
+
+
+def next_kv_owner(tokens_per_worker: list[int]) -> int:
+    """The worker that stores a sequence's next token: the one holding fewest (lowest rank on ties)."""
+    return tokens_per_worker.index(min(tokens_per_worker))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from engine.burst_attention import BurstAttention
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, all_gather
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, next_kv_owner
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.ring import RingCommunicator
 from engine.sharding import owner_of_position, zigzag_shards
@@ -41,18 +41,20 @@ class ModelRunner:
         self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.decode_attention = DecodeAttention(self.backend, self.scale, self.world_size, data_group)
         self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
+        self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
 
     @torch.inference_mode()
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
+        shards = zigzag_shards(token_ids.shape[0], self.world_size)
+        burst = BurstAttention(self.ring, self.backend, shards, self.rank, self.scale, self.engine.overlap)
+        exchange_alone = self._exchange_seconds_alone(burst, token_ids.shape[0])   # first time per length only
         self._sync()
         start = time.perf_counter()
-        shards = zigzag_shards(token_ids.shape[0], self.world_size)
         shard = shards[self.rank]
         positions = shard.positions()                                   # [n]
         local_ids = token_ids[positions].to(self.device)
         seq = self.kv.allocate(seq_id, shard.length + reserve)
-        burst = BurstAttention(self.ring, self.backend, shards, self.rank, self.scale, self.engine.overlap)
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
             seq.write(layer, 0, k, v)
@@ -71,9 +73,10 @@ class ModelRunner:
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         result = {"prefill_seconds": time.perf_counter() - start}
-        if stats is not None:
-            result.update(exchange_seconds=stats.exchange_seconds, exposed_seconds=stats.exposed_seconds,
-                          hidden_fraction=stats.hidden_fraction)
+        if stats is not None:   # hidden = the share of the exchanges' stand-alone time that compute covered
+            hidden = 1.0 - stats.exposed_seconds / exchange_alone if exchange_alone > 0 else 0.0
+            result.update(exchange_seconds=exchange_alone, exposed_seconds=stats.exposed_seconds,
+                          exchange_overlapped_seconds=stats.exchange_seconds, hidden_fraction=min(1.0, max(0.0, hidden)))
         if self.device.type == "cuda":
             result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:
@@ -92,10 +95,21 @@ class ModelRunner:
         self.decode_attention.end_step()
         return self.model.logits(hidden).cpu() if self.rank == 0 else None
 
+    def _exchange_seconds_alone(self, burst: BurstAttention, num_tokens: int) -> float:
+        """All layers' exchanges timed alone, once per prompt length (cached)."""
+        if self.ring is None:
+            return 0.0
+        if num_tokens not in self._exchange_alone:
+            if len(self._exchange_alone) > 64:
+                self._exchange_alone.clear()
+            shape = (2, self.cfg.num_kv_heads, self.cfg.head_dim)
+            per_layer = burst.time_exchanges_alone(shape, self.kv.dtype, self.device)
+            self._exchange_alone[num_tokens] = per_layer * self.cfg.num_layers
+        return self._exchange_alone[num_tokens]
+
     def _next_owner(self, seq_id: int) -> int:
-        """The worker holding the fewest tokens of this sequence stores the next one (lowest rank on ties)."""
         counts = self.tokens_per_rank[seq_id]
-        owner = counts.index(min(counts))
+        owner = next_kv_owner(counts)
         counts[owner] += 1
         return owner
 

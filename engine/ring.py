@@ -2,10 +2,11 @@
 
 `exchange(send, recv)` starts sending `send` to rank+1 and receiving rank-1's block into `recv`;
 `wait(handle)` makes the compute stream wait for it. On GPUs the transfer is issued on a separate
-stream that first waits for all compute issued so far (so a buffer is never overwritten while
-still being read); on CPU (gloo) the transfer runs on gloo's own threads. Each exchange records
-how long it took and how long compute stalled waiting for it: the hidden fraction is
-1 - stall / exchange.
+high-priority stream that first waits for all compute issued so far (so a buffer is never
+overwritten while still being read); on CPU (gloo) the transfer runs on gloo's own threads. Each
+exchange records how long it took as it ran and how long compute stalled waiting for it (the
+exposed time). The share hidden is judged against the exchanges' time alone (see
+BurstAttention.time_exchanges_alone), since overlap itself stretches a transfer.
 """
 import time
 from dataclasses import dataclass, field
@@ -16,15 +17,9 @@ import torch.distributed as dist
 
 @dataclass
 class OverlapStats:
-    exchange_seconds: float = 0.0   # time the transfers took, end to end
+    exchange_seconds: float = 0.0   # time the transfers took, end to end, as they ran (stretched by overlap)
     exposed_seconds: float = 0.0    # time compute stood still waiting for them
     exchanges: int = 0
-
-    @property
-    def hidden_fraction(self) -> float:
-        if self.exchange_seconds <= 0:
-            return 0.0
-        return max(0.0, min(1.0, 1.0 - self.exposed_seconds / self.exchange_seconds))
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""The offline API: sampling, stops, logprobs, limits, batching, prefill figures, bad input, dead workers."""
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
+                    SamplingParams)
+from engine.devices import parse_devices
+from engine.kv_cache import next_kv_owner
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3"))
+    model = save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    with LLM(checkpoint[0], devices="cpu:3", dtype="float32", max_model_len=300) as engine:
+        yield engine
+
+
+def _prompt(n, vocab=320):
+    return [random.randrange(vocab) for _ in range(n)]
+
+
+def test_seed_makes_sampling_reproducible(llm):
+    prompt = _prompt(20)
+    a, b, c = (llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=s, ignore_eos=True))[0]
+               for s in (7, 7, 8))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids != c.outputs[0].token_ids
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_top_token(llm):
+    prompt = _prompt(30)
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    top_k = llm.generate(prompt, SamplingParams(temperature=0.8, top_k=1, max_tokens=8, seed=1, ignore_eos=True))[0]
+    top_p = llm.generate(prompt, SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=8, seed=1, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == top_k.outputs[0].token_ids == top_p.outputs[0].token_ids
+
+
+def test_stop_token_ids_end_the_output(llm):
+    prompt = _prompt(25)
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = full.token_ids[4]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop],
+                                              ignore_eos=True))[0].outputs[0]
+    first = full.token_ids.index(stop)
+    assert cut.token_ids == full.token_ids[:first + 1] and cut.finish_reason == "stop"
+
+
+def test_logprobs_match_transformers(llm, checkpoint):
+    prompt = _prompt(40)
+    ref_logits, ref_tokens = hf_next_logits_and_greedy(checkpoint[1], prompt, 4)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref_tokens
+    assert len(out.logprobs) == 4 and all(len(lp) >= 5 and t in lp for lp, t in zip(out.logprobs, out.token_ids))
+    ref_logp = torch.log_softmax(ref_logits, dim=-1)
+    for token, value in out.logprobs[0].items():
+        assert abs(value - ref_logp[token].item()) < 1e-4
+    assert sorted(out.logprobs[0], key=out.logprobs[0].get, reverse=True)[:5] == ref_logp.topk(5).indices.tolist()
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_batched_decode_equals_one_at_a_time(llm):
+    prompts = [_prompt(n) for n in (1, 5, 17, 64, 150)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+
+
+def test_max_model_len_bounds_prompt_and_generation(llm):
+    with pytest.raises(PromptTooLongError, match="301 tokens.*max_model_len=300"):
+        llm.generate(_prompt(301), SamplingParams(max_tokens=1))
+    out = llm.generate(_prompt(295), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_timings_and_ring_figures_are_reported(llm):
+    out = llm.generate(_prompt(200), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    m = out.metrics
+    assert 0 < m.prefill_seconds <= m.time_to_first_token < 60
+    assert len(m.decode_seconds) == 4 and all(d > 0 for d in m.decode_seconds)
+    stats = m.prefill_stats
+    assert stats["exchange_seconds"] > 0 and stats["exposed_seconds"] >= 0 and 0 <= stats["hidden_fraction"] <= 1
+
+
+@pytest.mark.parametrize("bad,param", [
+    ([], "prompt"), ([5, 320], "prompt"), ([-1], "prompt"),
+])
+def test_invalid_prompts_are_named(llm, bad, param):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([bad] if bad else bad)
+    assert e.value.param in (param, "prompts")
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"), (dict(top_k=-3), "top_k"),
+])
+def test_invalid_sampling_params(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_string_prompt_without_tokenizer_is_refused(llm):
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        llm.generate("hello")
+
+
+def test_model_directory_errors(tmp_path, checkpoint):
+    with pytest.raises(ModelLoadError, match="neither a preset"):
+        LLM(str(tmp_path / "missing"), devices="cpu")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path), devices="cpu")
+    (tmp_path / "config.json").write_text(open(os.path.join(checkpoint[0], "config.json")).read())
+    with pytest.raises(ModelLoadError, match="no weights.*model.safetensors"):
+        LLM(str(tmp_path), devices="cpu")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        LLM(str(tmp_path), devices="cpu")
+
+
+@pytest.mark.parametrize("spec", ["cpu:0", "cpu:x", "tpu", "cuda:0,0", "cuda:1"])
+def test_bad_device_strings(spec):
+    with pytest.raises(DeviceSpecError):
+        parse_devices(spec)
+
+
+def test_device_strings():
+    assert parse_devices("cpu") == ["cpu"] and parse_devices("cpu:3") == ["cpu"] * 3
+
+
+def test_next_kv_owner_balances():
+    counts = [3, 2, 2]
+    for _ in range(7):
+        counts[next_kv_owner(counts)] += 1
+    assert sorted(counts) == [4, 5, 5]
+
+
+def test_a_dead_worker_makes_the_engine_raise():
+    llm = LLM("tiny", devices="cpu:2")
+    try:
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        llm._procs[1].kill()
+        start = time.time()
+        with pytest.raises(EngineDeadError):
+            llm.generate([1, 2, 3] * 50, SamplingParams(max_tokens=20))
+        assert time.time() - start < 30
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in llm._procs)

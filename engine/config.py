@@ -105,6 +105,8 @@ def _arch_from_model_type(model_type: str | None) -> str:
     return str(model_type)
 
 
+CPU_KV_TOKENS = 1 << 20   # default KV capacity of a CPU worker, in tokens (allocated only as used)
+
 # Presets: random weights, real shapes, a byte-level tokenizer (ids 0-255 bytes, 256 BOS, 257 EOS).
 PRESET_MAX_MODEL_LEN = 1 << 20
 _PRESETS = {
@@ -139,6 +141,8 @@ class EngineConfig:
     overlap: bool = True
     seed: int = 0
     kernel: str = "auto"
+    kv_cache_tokens: int | None = None      # per worker; None: a share of free GPU memory, or CPU_KV_TOKENS
+    kv_cache_memory_fraction: float = 0.5   # share of the GPU memory free after loading weights
 
     @property
     def is_preset(self) -> bool:

@@ -11,7 +11,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -33,7 +33,8 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str = "tiny", devices: str | None = None, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, sp_strategy: str = "burst",
-                 overlap: bool = True, seed: int = 0, kernel: str = "auto"):
+                 overlap: bool = True, seed: int = 0, kernel: str = "auto", kv_cache_tokens: int | None = None,
+                 kv_cache_memory_fraction: float = 0.5):
         device_list = parse_devices(devices or default_devices())
         if sp_strategy not in SP_STRATEGIES:
             raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
@@ -41,13 +42,16 @@ class LLM:
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
         self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
-                                   seed=seed, kernel=kernel)
+                                   seed=seed, kernel=kernel, kv_cache_tokens=kv_cache_tokens,
+                                   kv_cache_memory_fraction=kv_cache_memory_fraction)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker
         self.tokenizer = load_tokenizer(model, self.engine.is_preset)
         self._ids = itertools.count()
-        self._results: dict[str, queue.Queue] = {}
+        self._results: dict[str, Callable[[object], None]] = {}   # request id -> where its outputs go
+        self._queues: dict[str, queue.Queue] = {}
+        self.stats: dict = {}                                      # worker 0's latest scheduler figures
         self._arrivals: dict[str, float] = {}
         self._dead: str | None = None
         self._closed = False
@@ -65,6 +69,8 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params", "sampling_params")
         encoded = [self.encode(p) for p in prompts]                       # validate all before any work
+        for e, p in zip(encoded, params):
+            self.check_fits(len(e), p.max_tokens)
         ids = [self.submit(e, p) for e, p in zip(encoded, params)]
         return [self._collect(rid, prompt, e) for rid, prompt, e in zip(ids, prompts, encoded)]
 
@@ -87,12 +93,24 @@ class LLM:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         return ids
 
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raises InvalidRequestError when a request could never fit in the KV cache, even alone."""
+        needed = min(prompt_tokens + max_tokens, self.max_model_len)
+        if needed > self.kv_capacity_tokens:
+            raise InvalidRequestError(f"the request needs {needed} tokens of KV cache, more than the engine's "
+                                      f"capacity of {self.kv_capacity_tokens} tokens", "max_tokens")
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               return_logits: bool = False) -> str:
-        """Queues one encoded prompt; its tokens arrive through `results(request_id)`."""
+               return_logits: bool = False, sink: Callable[[object], None] | None = None) -> str:
+        """Queues one encoded prompt. Its StepOutputs (or an EngineDeadError) are passed to `sink`
+        from the engine's router thread; without a sink they are read with `results(request_id)`."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
-        self._results[request_id] = queue.Queue()
+        if sink is None:
+            q = queue.Queue()
+            self._queues[request_id] = q
+            sink = q.put
+        self._results[request_id] = sink
         self._arrivals[request_id] = time.time()
         self._requests.put(("add", Request(request_id, prompt_token_ids, params, time.time(), return_logits)))
         return request_id
@@ -100,12 +118,13 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV cache on every worker."""
         self._results.pop(request_id, None)
+        self._queues.pop(request_id, None)
         if not self._dead and not self._closed:
             self._requests.put(("abort", request_id))
 
     def results(self, request_id: str, poll_seconds: float = 0.2) -> Iterator[StepOutput]:
         """Yields the request's tokens as they arrive; raises EngineDeadError if a worker dies."""
-        q = self._results[request_id]
+        q = self._queues[request_id]
         while True:
             try:
                 item = q.get(timeout=poll_seconds)
@@ -116,7 +135,7 @@ class LLM:
                 raise item
             yield item
             if item.finish_reason is not None:
-                self._results.pop(request_id, None)
+                self._queues.pop(request_id, None)
                 return
 
     def shutdown(self) -> None:
@@ -140,6 +159,11 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache the engine admits, summed over workers."""
+        return sum(w["kv_capacity_tokens"] for w in self.worker_info)
 
     @property
     def kernel(self) -> str:
@@ -189,9 +213,13 @@ class LLM:
                     self._fail("the engine's output queue closed")
                 return
             if msg[0] == "out":
-                q = self._results.get(msg[1].request_id)
-                if q is not None:
-                    q.put(msg[1])
+                sink = self._results.get(msg[1].request_id)
+                if msg[1].finish_reason is not None:
+                    self._results.pop(msg[1].request_id, None)
+                if sink is not None:
+                    sink(msg[1])
+            elif msg[0] == "stats":
+                self.stats = msg[1]
             elif msg[0] == "error":
                 self._fail(f"worker {msg[1]} failed: {msg[2]}\n{msg[3]}")
                 return
@@ -201,8 +229,9 @@ class LLM:
             return
         self._dead = reason
         log.error("engine failed: %s", reason)
-        for q in list(self._results.values()):
-            q.put(EngineDeadError(reason))
+        for sink in list(self._results.values()):
+            sink(EngineDeadError(reason))
+        self._results.clear()
         for p in self._procs:
             if p.is_alive():
                 p.terminate()

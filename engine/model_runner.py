@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from engine.burst_attention import BurstAttention
-from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, all_gather
 from engine.kv_cache import KVCache, next_kv_owner
 from engine.model import LlamaModel, hf_weight_shapes
@@ -42,6 +42,7 @@ class ModelRunner:
         self.decode_attention = DecodeAttention(self.backend, self.scale, self.world_size, data_group)
         self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
+        self.kv_capacity_tokens = self._kv_capacity()
 
     @torch.inference_mode()
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
@@ -119,7 +120,26 @@ class ModelRunner:
             self.tokens_per_rank.pop(s, None)
 
     def info(self) -> dict:
-        return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name}
+        return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
+                "kv_capacity_tokens": self.kv_capacity_tokens}
+
+    def kv_tokens_per_worker(self) -> list[int]:
+        """Tokens each worker holds over all live sequences (the same bookkeeping on every worker)."""
+        totals = [0] * self.world_size
+        for counts in self.tokens_per_rank.values():
+            for r, n in enumerate(counts):
+                totals[r] += n
+        return totals
+
+    def _kv_capacity(self) -> int:
+        """Tokens of KV cache this worker admits: as configured, else a share of free GPU memory."""
+        if self.engine.kv_cache_tokens:
+            return self.engine.kv_cache_tokens
+        if self.device.type != "cuda":
+            return CPU_KV_TOKENS
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_token = self.cfg.num_layers * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.kv.dtype.itemsize
+        return int(free * self.engine.kv_cache_memory_fraction) // per_token
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

@@ -26,22 +26,51 @@ class RunningSequence:
 
 class Scheduler:
     def __init__(self, call: Callable, requests: "queue.Queue", outputs: "queue.Queue", world_size: int,
-                 max_num_seqs: int, max_model_len: int, eos_token_ids: list[int]):
+                 max_num_seqs: int, max_model_len: int, eos_token_ids: list[int], kv_capacity_per_worker: int,
+                 kv_tokens_per_worker: Callable[[], list[int]]):
         self.call, self.requests, self.outputs = call, requests, outputs
         self.world_size, self.max_num_seqs, self.max_model_len = world_size, max_num_seqs, max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        self.kv_capacity_per_worker = kv_capacity_per_worker
+        self.kv_tokens_per_worker = kv_tokens_per_worker
+        self.kv_reserved = 0          # tokens promised to running sequences (prompt + what they may generate)
+        self._published: tuple | None = None
+        self._published_at = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[RunningSequence] = []
         self.aborted: set[str] = set()
         self.next_seq_id = 0
 
     def run(self) -> None:
-        while self._poll(block=not (self.waiting or self.running)):
+        while True:
+            self._publish_stats()
+            if not self._poll(block=not (self.waiting or self.running)):
+                return
             self._drop_aborted()
-            if self.waiting and len(self.running) < self.max_num_seqs:
+            if self.waiting and self._can_admit(self.waiting[0]):
                 self._prefill(self.waiting.popleft())
             elif self.running:
                 self._decode()
+
+    def _kv_needed(self, request: Request) -> int:
+        return min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
+
+    def _can_admit(self, request: Request) -> bool:
+        """First come, first served: the head waits until a batch slot and its KV tokens are free."""
+        capacity = self.kv_capacity_per_worker * self.world_size
+        return len(self.running) < self.max_num_seqs and self.kv_reserved + self._kv_needed(request) <= capacity
+
+    def _publish_stats(self) -> None:
+        """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""
+        kv = self.kv_tokens_per_worker()
+        state = (len(self.running), len(self.waiting), tuple(kv))
+        now = time.monotonic()
+        if state == self._published or (now - self._published_at < 0.25 and self.running and
+                                        state[:2] == self._published[:2]):
+            return
+        self._published, self._published_at = state, now
+        self.outputs.put(("stats", {"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
+                                    "kv_capacity_per_worker": self.kv_capacity_per_worker}))
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""
@@ -66,13 +95,14 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if r.request_id not in self.aborted)
         gone = [s for s in self.running if s.request.request_id in self.aborted]
         if gone:
-            self.call("free", [s.seq_id for s in gone])
+            self._free(gone)
             self.running = [s for s in self.running if s.request.request_id not in self.aborted]
         self.aborted.clear()
 
     def _prefill(self, request: Request) -> None:
         seq = RunningSequence(request, self.next_seq_id, make_generator(request.params, torch.device("cpu")))
         self.next_seq_id += 1
+        self.kv_reserved += self._kv_needed(request)
         room = self.max_model_len - len(request.prompt_token_ids)
         reserve = min(request.params.max_tokens, max(room, 0)) // self.world_size + 2
         result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64), reserve)
@@ -100,7 +130,11 @@ class Scheduler:
         if reason is None:
             self.running.append(seq)
         else:
-            self.call("free", [seq.seq_id])
+            self._free([seq])
+
+    def _free(self, seqs: list[RunningSequence]) -> None:
+        self.call("free", [s.seq_id for s in seqs])
+        self.kv_reserved -= sum(self._kv_needed(s.request) for s in seqs)
 
     def _finish_reason(self, seq: RunningSequence, token: int) -> str | None:
         params = seq.request.params

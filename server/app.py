@@ -1,0 +1,102 @@
+"""The FastAPI application: routes, API-key check, request-size limit, error handlers."""
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import LLM
+from server.async_engine import AsyncEngine
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import error_response, install_handlers
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.serving import ServerContext
+
+log = logging.getLogger(__name__)
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before the app reads it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        response = error_response(413, f"the request body is larger than {self.limit} bytes")
+        await response(scope, receive, send)
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting: int = 256,
+              max_body_bytes: int = 128 << 20) -> FastAPI:
+    metrics = Metrics(model_name)
+    engine = AsyncEngine(llm, metrics, max_waiting)
+    ctx = ServerContext(llm, engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        log.info("shutting down the engine")
+        llm.shutdown()
+
+    app = FastAPI(title="burstserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if engine.healthy:
+            return Response(status_code=200)
+        return error_response(503, f"the engine is not running: {(llm._dead or 'shut down').splitlines()[0]}")
+
+    @app.get("/metrics")
+    async def prometheus():
+        stats = dict(llm.stats, waiting=engine.waiting)
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "burstserve",
+             "max_model_len": llm.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await create_completion(ctx, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await create_chat_completion(ctx, req)
+
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
+    return app

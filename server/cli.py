@@ -1,0 +1,68 @@
+"""The `burstserve` command: `burstserve serve [--model PATH|PRESET] [--devices ...] ...`."""
+import argparse
+import logging
+import sys
+
+from engine.config import preset_names
+
+log = logging.getLogger("burstserve")
+
+
+def serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="tiny", help=f"a local model directory or a preset ({', '.join(preset_names())})")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--devices", default=None, help="cpu, cpu:N, cuda, cuda:N or cuda:0,1,... (default: every GPU, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on GPUs, float32 on CPU")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a first token before 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=128 << 20)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity per worker, in tokens")
+    p.add_argument("--sp-strategy", default="burst")
+    p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
+    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from engine import LLM, BurstServeError
+    from server.app import build_app
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        llm = LLM(model=args.model, devices=args.devices, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
+                  seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
+    except BurstServeError as e:
+        log.error("%s", e)
+        sys.exit(2)
+    name = args.served_model_name or args.model
+    log.info("model %s (served as %r), %d worker(s) on %s, dtype %s, attention kernel %s, max_model_len %d, "
+             "KV capacity %d tokens", args.model, name, llm.engine.world_size, ",".join(llm.engine.devices),
+             llm.engine.dtype, llm.kernel, llm.max_model_len, llm.kv_capacity_tokens)
+    log.info("listening on http://%s:%d", args.host, args.port)
+    app = build_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting,
+                    max_body_bytes=args.max_request_body_bytes)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="burstserve", description="Long-context LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Prometheus metrics, named like vLLM's under a `burstserve:` prefix, label `model_name`."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.outputs import StepOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                   320.0, 640.0, 1280.0)          # prompts of a million tokens take minutes
+TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+THROUGHPUT_BUCKETS = (100, 1e3, 5e3, 1e4, 2.5e4, 5e4, 1e5, 2e5, 4e5, 8e5, 1.6e6)
+FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("burstserve:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("burstserve:e2e_request_latency_seconds", "End-to-end request latency.", lab,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("burstserve:time_per_output_token_seconds", "Time between output tokens.", lab,
+                              buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.prefill = Histogram("burstserve:request_prefill_time_seconds", "Prefill time measured on the workers.",
+                                 lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_tps = Histogram("burstserve:prefill_throughput_tokens_per_second",
+                                     "Prompt tokens per second of prefill.", lab, buckets=THROUGHPUT_BUCKETS, registry=r)
+        self.ring_exchange = Histogram("burstserve:ring_exchange_seconds",
+                                       "Per prefill: the ring's K/V exchanges, timed alone.", lab,
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.ring_exposed = Histogram("burstserve:ring_exchange_exposed_seconds",
+                                      "Per prefill: time compute waited for K/V exchanges.", lab,
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.ring_hidden = Histogram("burstserve:ring_exchange_hidden_fraction",
+                                     "Per prefill: share of the exchange time hidden behind attention.", lab,
+                                     buckets=FRACTION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("burstserve:prompt_tokens", "Prefilled prompt tokens.", lab, registry=r)
+        self.generation_tokens = Counter("burstserve:generation_tokens", "Generated tokens.", lab, registry=r)
+        self.success = Counter("burstserve:request_success", "Finished requests.", lab + ["finished_reason"],
+                               registry=r)
+        self.running = Gauge("burstserve:num_requests_running", "Requests decoding.", lab, registry=r)
+        self.waiting = Gauge("burstserve:num_requests_waiting", "Requests waiting for prefill.", lab, registry=r)
+        self.kv_usage = Gauge("burstserve:kv_cache_usage_perc", "KV cache usage per worker (0-1).",
+                              lab + ["worker"], registry=r)
+
+    def first_token(self, item: StepOutput, arrival: float, prompt_tokens: int) -> None:
+        m = self.model_name
+        self.ttft.labels(m).observe(item.time - arrival)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc()
+        stats = item.prefill or {}
+        if stats.get("prefill_seconds"):
+            self.prefill.labels(m).observe(stats["prefill_seconds"])
+            self.prefill_tps.labels(m).observe(prompt_tokens / stats["prefill_seconds"])
+        if "exchange_seconds" in stats:
+            self.ring_exchange.labels(m).observe(stats["exchange_seconds"])
+            self.ring_exposed.labels(m).observe(stats["exposed_seconds"])
+            self.ring_hidden.labels(m).observe(stats["hidden_fraction"])
+
+    def next_token(self, gap_seconds: float) -> None:
+        self.tpot.labels(self.model_name).observe(gap_seconds)
+        self.generation_tokens.labels(self.model_name).inc()
+
+    def finished(self, reason: str, e2e_seconds: float) -> None:
+        self.e2e.labels(self.model_name).observe(e2e_seconds)
+        self.success.labels(self.model_name, reason).inc()
+
+    def render(self, engine_stats: dict) -> bytes:
+        """The exposition text, with the gauges refreshed from worker 0's latest figures."""
+        m = self.model_name
+        self.running.labels(m).set(engine_stats.get("running", 0))
+        self.waiting.labels(m).set(engine_stats.get("waiting", 0))
+        capacity = engine_stats.get("kv_capacity_per_worker") or 0
+        for worker, tokens in enumerate(engine_stats.get("kv_tokens_per_worker", [])):
+            self.kv_usage.labels(m, str(worker)).set(tokens / capacity if capacity else 0.0)
+        return generate_latest(self.registry)

@@ -46,3 +46,22 @@ def hf_next_logits_and_greedy(model, prompt: list[int], num_tokens: int) -> tupl
         out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past, token = out.past_key_values, int(out.logits[0, -1].argmax())
     return first_logits, tokens
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def save_tokenizer(path: str, vocab_size: int = 300) -> None:
+    """A byte-level BPE tokenizer trained here (nothing downloaded), saved in transformers' format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 20])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)

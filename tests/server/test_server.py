@@ -1,0 +1,286 @@
+"""The real server (subprocess, cpu:2 workers) through the official openai client and raw HTTP."""
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
+from server_harness import RemoteServer
+
+KEY = "test-key"
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("served"))
+    model = save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+    save_tokenizer(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    srv = RemoteServer(["--model", checkpoint[0], "--served-model-name", "test-model", "--devices", "cpu:2",
+                        "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--kv-cache-tokens", "4096"],
+                       api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def _prompt(n):
+    return [random.randrange(2, 320) for _ in range(n)]
+
+
+def metrics(srv) -> dict:
+    text = httpx.get(srv.url("/metrics")).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + json.dumps({k: v for k, v in sorted(sample.labels.items()) if k != "model_name"})
+            values[key] = sample.value
+    return values
+
+
+def test_token_prompt_greedy_matches_transformers_with_logprobs(server, checkpoint):
+    prompt = _prompt(50)
+    _, ref_tokens = hf_next_logits_and_greedy(checkpoint[1], prompt, 8)
+    ref_logp = []
+    with torch.no_grad():
+        ids = torch.tensor([prompt + ref_tokens])
+        logits = checkpoint[1](ids).logits[0, len(prompt) - 1:-1].float()
+        ref_logp = torch.log_softmax(logits, dim=-1)
+    out = server.client().completions.create(model="test-model", prompt=prompt, max_tokens=8, temperature=0,
+                                             logprobs=3, extra_body={"return_tokens_as_token_ids": True,
+                                                                     "ignore_eos": True})
+    choice = out.choices[0]
+    tokens = [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+    assert tokens == ref_tokens
+    for i, (t, lp) in enumerate(zip(tokens, choice.logprobs.token_logprobs)):
+        assert abs(lp - ref_logp[i, t].item()) < 1e-3
+        assert len(choice.logprobs.top_logprobs[i]) == 3
+    assert out.usage.prompt_tokens == 50 and out.usage.completion_tokens == 8 and out.usage.total_tokens == 58
+    assert choice.finish_reason == "length" and out.model == "test-model"
+
+
+def test_streaming_completion_ends_with_done_and_usage(server):
+    stream = server.client().completions.create(model="test-model", prompt="hello world", max_tokens=6,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == 6 and token_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    with httpx.stream("POST", server.url("/v1/completions"), headers=server.headers,
+                      json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_text_and_stream_agree(server):
+    client = server.client()
+    kw = dict(model="test-model", prompt="the quick brown fox", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert whole == streamed
+
+
+def test_chat_uses_the_template_and_streams(server, checkpoint):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(checkpoint[0])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    expected_prompt = len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    client = server.client()
+    out = client.chat.completions.create(model="test-model", messages=messages, max_completion_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == expected_prompt and out.usage.completion_tokens == 5
+    assert len(out.choices[0].logprobs.content) == 5
+    assert all(len(c.top_logprobs) == 2 for c in out.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model="test-model", messages=messages, max_tokens=5,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seed_reproduces_sampling(server):
+    client = server.client()
+    kw = dict(model="test-model", prompt=_prompt(20), max_tokens=12, temperature=1.0, logprobs=0,
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    a, b, c = (client.completions.create(seed=s, **kw).choices[0].logprobs.tokens for s in (3, 3, 4))
+    assert a == b and a != c
+
+
+def test_stop_string_cuts_the_text(server):
+    client = server.client()
+    full = client.completions.create(model="test-model", prompt="hello", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:5] if len(full.strip()) >= 5 else None
+    if stop is None or not stop.strip():
+        pytest.skip(f"greedy text {full!r} has no usable stop string")
+    cut = client.completions.create(model="test-model", prompt="hello", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_several_prompts_in_one_request(server):
+    out = server.client().completions.create(model="test-model", prompt=[_prompt(5), _prompt(9)], max_tokens=3,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 14 and out.usage.completion_tokens == 6
+
+
+def test_32_concurrent_streams_complete(server):
+    async def one(client, i):
+        n = 4 + i % 7
+        stream = await client.completions.create(model="test-model", prompt=_prompt(10 + i), max_tokens=n,
+                                                 temperature=0.7, seed=i, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        count = 0
+        async for chunk in stream:
+            count += len(chunk.choices)
+        return count, n
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+    for got, want in asyncio.run(run()):
+        assert got == want
+
+
+def test_disconnect_frees_kv_and_metrics_move(server):
+    before = metrics(server)
+    with httpx.stream("POST", server.url("/v1/completions"), headers=server.headers, timeout=60,
+                      json={"prompt": _prompt(300), "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        during = metrics(server)
+    usage_during = [v for k, v in during.items() if k.startswith("burstserve:kv_cache_usage_perc")]
+    assert sum(usage_during) > 0 and during['burstserve:num_requests_running{}'] >= 1
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        after = metrics(server)
+        if after['burstserve:num_requests_running{}'] == 0 and not any(
+                v for k, v in after.items() if k.startswith("burstserve:kv_cache_usage_perc")):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"KV not freed after disconnect: {after}")
+    assert after['burstserve:prompt_tokens_total{}'] >= before.get('burstserve:prompt_tokens_total{}', 0) + 300
+    assert after['burstserve:time_to_first_token_seconds_count{}'] > before.get(
+        'burstserve:time_to_first_token_seconds_count{}', 0)
+    assert after['burstserve:ring_exchange_hidden_fraction_count{}'] >= 1
+    assert after['burstserve:request_prefill_time_seconds_count{}'] >= 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": [1, 2, 100000]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_invalid_parameters_get_400(server, body, param):
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_context_overflow_is_worded_like_vllm(server):
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers,
+                   json={"prompt": _prompt(500), "max_tokens": 20})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        f"This model's maximum context length is {MAX_LEN} tokens. However, you requested 520 tokens")
+
+
+def test_malformed_bodies(server):
+    r = httpx.post(server.url("/v1/completions"), headers={**server.headers, "content-type": "application/json"},
+                   content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, content=b"plain text")
+    assert r.status_code == 400
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="nope", prompt="hi", max_tokens=1)
+
+
+def test_api_key_is_required(server):
+    assert httpx.post(server.url("/v1/completions"), json={"prompt": "hi"}).status_code == 401
+    r = httpx.post(server.url("/v1/completions"), headers={"Authorization": "Bearer wrong"}, json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_models_endpoint(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["test-model"]
+
+
+def test_server_stays_healthy_after_bad_input(server):
+    assert httpx.get(server.url("/health")).status_code == 200
+    out = server.client().completions.create(model="test-model", prompt="ok", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+@pytest.fixture(scope="module")
+def small_server(checkpoint):
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:2", "--dtype", "float32",
+                        "--max-waiting", "1", "--max-request-body-bytes", "20000"])
+    yield srv
+    srv.stop()
+
+
+def test_body_over_limit_is_413(small_server):
+    r = httpx.post(small_server.url("/v1/completions"), json={"prompt": "x" * 30000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    async def one(client):
+        return await client.post(small_server.url("/v1/completions"),
+                                 json={"prompt": _prompt(400), "max_tokens": 1}, timeout=60)
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client) for _ in range(8)))
+    responses = asyncio.run(run())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 429 in codes, codes
+    busy = next(r for r in responses if r.status_code == 429)
+    assert busy.headers["retry-after"] and busy.json()["error"]["type"] == "rate_limit_error"
+    assert httpx.get(small_server.url("/health")).status_code == 200
+
+
+def test_dead_engine_is_503(checkpoint):
+    import subprocess
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:2", "--dtype", "float32"])
+    try:
+        workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
+        assert workers
+        for pid in workers:
+            subprocess.run(["kill", "-9", pid])
+        deadline = time.time() + 10
+        while httpx.get(srv.url("/health")).status_code != 503 and time.time() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(srv.url("/health")).status_code == 503
+        r = httpx.post(srv.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    finally:
+        srv.stop()

@@ -1,0 +1,45 @@
+"""Time to first token of a running server, measured on the client over the SSE stream.
+
+    python -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --repeats 3
+Sends token-id prompts of exactly that length (random ids, fresh each time) with max_tokens=1 and
+stream=true; TTFT is the time until the first SSE chunk that carries a token.
+"""
+import argparse
+import json
+import random
+import time
+
+import httpx
+
+
+def ttft_once(url: str, model: str | None, prompt_tokens: int, vocab: int, api_key: str | None) -> float:
+    body = {"prompt": [random.randrange(vocab) for _ in range(prompt_tokens)], "max_tokens": 1, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--api-key", default=None)
+    args = ap.parse_args()
+    times = [ttft_once(args.url, args.model, args.prompt_tokens, args.vocab, args.api_key) for _ in range(args.repeats)]
+    print(json.dumps({"prompt_tokens": args.prompt_tokens, "ttft_seconds": times, "best": min(times)}))
+
+
+if __name__ == "__main__":
+    main()

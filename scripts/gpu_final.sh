@@ -23,3 +23,4 @@ timeout 120 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-t
 curl -s http://127.0.0.1:8000/metrics | grep -E "^burstserve:(request_prefill_time_seconds_(sum|count)|ring_exchange_hidden_fraction_(sum|count)|time_to_first_token_seconds_(sum|count))" | tee -a "$out/server_ttft.json"
 kill -TERM $server; wait $server
 grep -E "kernel|listening|Shutting|shutting" "$out/server.log" | head -5
+timeout 120 python3 scripts/overlap_experiment.py 2>&1 | grep -v -i warn | tee "$out/overlap.md"

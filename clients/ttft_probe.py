@@ -32,13 +32,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--prompt-tokens", default="32768", help="one length or a comma list, measured in order")
     ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--api-key", default=None)
     args = ap.parse_args()
-    times = [ttft_once(args.url, args.model, args.prompt_tokens, args.vocab, args.api_key) for _ in range(args.repeats)]
-    print(json.dumps({"prompt_tokens": args.prompt_tokens, "ttft_seconds": times, "best": min(times)}))
+    for n in [int(x) for x in args.prompt_tokens.split(",")]:
+        times = [ttft_once(args.url, args.model, n, args.vocab, args.api_key) for _ in range(args.repeats)]
+        print(json.dumps({"prompt_tokens": n, "ttft_seconds": times, "best": min(times)}), flush=True)
 
 
 if __name__ == "__main__":

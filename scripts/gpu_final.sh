@@ -11,15 +11,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 n=$(nvidia-smi -L | wc -l)
 gpus=1; g=2; while [ "$g" -le "$n" ]; do gpus="$gpus,$g"; g=$((g * 2)); done
 echo "GPUs: $n, counts measured: $gpus"
-timeout 240 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
+[ -n "${SKIP_GPU_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
 timeout ${PREFILL_TIMEOUT:-420} python3 -m clients.prefill_table --model llama3-8b --lengths ${LENGTHS:-32768,131072} \
     --gpus "$gpus" --repeats 2 --no-overlap-too --output "$out/benchmarks.md" --json "$out/prefill.json" \
     2>&1 | grep -v -i warn | tee "$out/prefill.log"
 python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-timeout 120 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --vocab 128256 \
+# the same length three times, then three new lengths once each: what a new prompt length costs
+timeout 150 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --vocab 128256 \
     --repeats 3 2>&1 | tee "$out/server_ttft.json"
+timeout 150 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32769,32770,32771,32768 \
+    --vocab 128256 --repeats 1 2>&1 | tee -a "$out/server_ttft.json"
 curl -s http://127.0.0.1:8000/metrics | grep -E "^burstserve:(request_prefill_time_seconds_(sum|count)|ring_exchange_hidden_fraction_(sum|count)|time_to_first_token_seconds_(sum|count))" | tee -a "$out/server_ttft.json"
 kill -TERM $server; wait $server
 grep -E "kernel|listening|Shutting|shutting" "$out/server.log" | head -5

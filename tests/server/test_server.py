@@ -121,14 +121,15 @@ def test_seed_reproduces_sampling(server):
 
 def test_stop_string_cuts_the_text(server):
     client = server.client()
-    full = client.completions.create(model="test-model", prompt="hello", max_tokens=20, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = full[3:5] if len(full.strip()) >= 5 else None
-    if stop is None or not stop.strip():
-        pytest.skip(f"greedy text {full!r} has no usable stop string")
-    cut = client.completions.create(model="test-model", prompt="hello", max_tokens=20, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    kw = dict(model="test-model", prompt="hello", max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) >= 8, f"greedy text {full!r} is too short to pick a stop string from"
+    start = next(i for i in range(2, len(full) - 1) if full[i:i + 2].strip())
+    stop = full[start:start + 2]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
     assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw))
+    assert streamed == cut.text
 
 
 def test_several_prompts_in_one_request(server):

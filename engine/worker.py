@@ -7,6 +7,7 @@ the same method locally; every other worker loops receiving and running those ca
 """
 import logging
 import os
+import time
 import traceback
 
 import torch
@@ -83,3 +84,59 @@ def _follow(runner: ModelRunner, control) -> None:
         if name == "shutdown":
             return
         getattr(runner, name)(*args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run under torchrun: `torchrun --nproc-per-node N -m engine.worker --model M --prompts P.json`.
+
+    Every process is one worker (device cuda:LOCAL_RANK, or cpu); rank 0 runs the scheduler in a
+    thread, feeds it the prompts (a JSON list of token-id lists), prints one JSON line per result
+    and shuts the workers down. The same worker code as under `LLM`, for multi-host runs."""
+    import argparse
+    import json
+    import queue
+    import threading
+
+    from engine.config import EngineConfig
+    from engine.sampling import SamplingParams
+    from engine.outputs import Request
+
+    ap = argparse.ArgumentParser(prog="python -m engine.worker")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if args.device == "cuda" else "cpu"
+    engine = EngineConfig(model=args.model, devices=[device] * world,
+                          dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    requests, outputs = queue.Queue(), queue.Queue()
+    if rank != 0:
+        worker_main(rank, engine, None, None, outputs)
+        return
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        requests.put(("add", Request(str(i), ids, params, time.time())))
+    runner = threading.Thread(target=worker_main, args=(0, engine, None, requests, outputs))
+    runner.start()
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    done = 0
+    while done < len(prompts):
+        msg = outputs.get()
+        if msg[0] == "error":
+            raise SystemExit(f"worker {msg[1]} failed: {msg[2]}")
+        if msg[0] == "out":
+            tokens[msg[1].request_id].append(msg[1].token_id)
+            done += msg[1].finish_reason is not None
+    for i in range(len(prompts)):
+        print(json.dumps({"prompt": i, "token_ids": tokens[str(i)]}), flush=True)
+    requests.put(("shutdown",))
+    runner.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -162,3 +162,15 @@ def test_a_dead_worker_makes_the_engine_raise():
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in llm._procs)
+
+
+def test_kv_capacity_admission():
+    with LLM("tiny", devices="cpu:2", kv_cache_tokens=100) as small:     # 200 tokens over both workers
+        assert small.kv_capacity_tokens == 200
+        with pytest.raises(InvalidRequestError, match="capacity of 200 tokens"):
+            small.generate([1] * 150, SamplingParams(max_tokens=60))
+        # each fits alone, not together: the second waits for the first to finish, then runs
+        outs = small.generate([[1] * 120, [2] * 120], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]
+        first, second = (o.metrics for o in outs)
+        assert second.first_token_time >= first.finished_time

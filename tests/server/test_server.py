@@ -285,3 +285,15 @@ def test_dead_engine_is_503(checkpoint):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
     finally:
         srv.stop()
+
+
+def test_sigterm_stops_every_worker(checkpoint):
+    import subprocess
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:3", "--dtype", "float32"])
+    workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "spawn_main"], capture_output=True,
+                             text=True).stdout.split()
+    assert len(workers) >= 3
+    srv.stop()
+    assert srv.proc.returncode in (0, -15)   # uvicorn re-raises SIGTERM after its graceful shutdown
+    alive = [pid for pid in workers if subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0]
+    assert not alive, f"workers left running: {alive}"

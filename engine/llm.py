@@ -161,6 +161,11 @@ class LLM:
         self.shutdown()
 
     @property
+    def dead_reason(self) -> str | None:
+        """None while the engine serves; else why it stopped (a worker died, or it was shut down)."""
+        return self._dead or ("the engine was shut down" if self._closed else None)
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache the engine admits, summed over workers."""
         return sum(w["kv_capacity_tokens"] for w in self.worker_info)

@@ -77,7 +77,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     async def health():
         if engine.healthy:
             return Response(status_code=200)
-        return error_response(503, f"the engine is not running: {(llm._dead or 'shut down').splitlines()[0]}")
+        return error_response(503, f"the engine is not running: {llm.dead_reason.splitlines()[0]}")
 
     @app.get("/metrics")
     async def prometheus():

@@ -23,7 +23,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.llm._dead is None and not self.llm._closed
+        return self.llm.dead_reason is None
 
     def admit(self, num_prompts: int) -> None:
         """Checked before a response starts: 503 if the engine is down, 429 if the queue is full."""

@@ -1,8 +1,6 @@
-"""OpenAI request and response shapes (field for field, in OpenAI's order), plus vLLM's extensions."""
-import time
-import uuid
-from typing import Literal
-
+"""OpenAI request shapes (field for field, in OpenAI's order), plus vLLM's extensions. Responses are
+built in server/completions.py and server/chat.py in OpenAI's shapes; the openai client parses
+them in the tests."""
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -10,7 +8,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+class VLLMExtensions(BaseModel):
+    """vLLM's sampling extensions, accepted by both endpoints."""
+    top_k: int = -1
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+
+
+class CompletionRequest(VLLMExtensions):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -30,11 +36,6 @@ class CompletionRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     user: str | None = None
-    # vLLM's extensions
-    top_k: int = -1
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -44,7 +45,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(VLLMExtensions):
     model_config = ConfigDict(extra="allow")
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -63,117 +64,3 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     user: str | None = None
-    # vLLM's extensions
-    top_k: int = -1
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "burstserve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

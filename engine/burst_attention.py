@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.ring import RingCommunicator
+from engine.ring import RingCommunicator, RingPass
 from engine.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_into
@@ -23,10 +23,10 @@ from kernels.merge import merge_into
 class BurstAttention:
     def __init__(self, ring: RingCommunicator | None, backend: AttentionBackend, shards: list[Shard],
                  rank: int, scale: float, overlap: bool = True, causal: bool = True):
-        self.ring, self.backend, self.shards = ring, backend, shards
-        self.rank, self.world_size = rank, len(shards)
-        self.scale, self.overlap, self.causal = scale, overlap, causal
-        self._buffers: list[torch.Tensor] = []
+        self.backend, self.shards, self.rank = backend, shards, rank
+        self.scale, self.causal = scale, causal
+        self.ring = ring
+        self.ring_pass = RingPass(ring, [s.length for s in shards], rank, overlap)
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], kv [n, 2, Hkv, D] (this worker's block) -> out [n, H, D] in q's dtype."""
@@ -34,21 +34,17 @@ class BurstAttention:
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> out [n, H, D] in q's dtype, lse [n, H] fp32."""
-        out = lse = None
-        current = kv
-        for step in range(self.world_size):
-            source = (self.rank - step) % self.world_size
-            handle, incoming = None, None
-            if step + 1 < self.world_size:
-                incoming = self._buffer(step % 2, (self.rank - step - 1) % self.world_size, kv)
-                handle = self.ring.exchange(current, incoming)
-                if not self.overlap:
-                    self.ring.wait(handle)
-            out, lse = self._attend_block(q, current, source, out, lse)
-            if handle is not None and self.overlap:
-                self.ring.wait(handle)
-            current = incoming
-        return out.to(q.dtype), lse
+        acc = {}
+
+        def attend(source: int, block: torch.Tensor) -> None:
+            rows, block_out, block_lse = self._attend_block(q, block, source)
+            if not acc:   # the first block is this worker's own: it covers every query row
+                acc["out"], acc["lse"] = block_out.float(), block_lse.clone()
+            else:
+                merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
+
+        self.ring_pass.run(kv, attend)
+        return acc["out"].to(q.dtype), acc["lse"]
 
     def time_exchanges_alone(self, block_shape: tuple, dtype: torch.dtype, device: torch.device,
                              rounds: int = 3) -> float:
@@ -60,39 +56,23 @@ class BurstAttention:
         for round_ in range(rounds + 1):
             _synchronize(device)
             start = time.perf_counter()
-            current = local
-            for step in range(self.world_size - 1):
-                incoming = self._buffer(step % 2, (self.rank - step - 1) % self.world_size, local)
-                self.ring.wait(self.ring.exchange(current, incoming))
-                current = incoming
+            self.ring_pass.run(local, lambda source, block: None)
             _synchronize(device)
             if round_ > 0:
                 best = min(best, time.perf_counter() - start)
         self.ring.collect_stats()   # not part of the prefill's own figures
         return best
 
-    def _buffer(self, slot: int, source: int, like: torch.Tensor) -> torch.Tensor:
-        longest = max(s.length for s in self.shards)
-        while len(self._buffers) < 2:
-            self._buffers.append(torch.empty((longest,) + like.shape[1:], dtype=like.dtype, device=like.device))
-        return self._buffers[slot][:self.shards[source].length]
-
-    def _attend_block(self, q, block, source, out, lse):
+    def _attend_block(self, q, block, source):
+        """-> (query rows, out, lse) of this worker's queries against one worker's K/V block."""
         k, v = block[:, 0], block[:, 1]                                  # [m, Hkv, D] each
-        if not self.causal:
-            rows, block_out, block_lse = slice(None), *self.backend(q, k, v, False, self.scale)
-        elif source == self.rank:
-            rows, block_out, block_lse = slice(None), *self.backend(q, k, v, True, self.scale)
-        elif source < self.rank:
+        if not self.causal or source == self.rank:
+            return slice(None), *self.backend(q, k, v, self.causal, self.scale)
+        if source < self.rank:
             m = self.shards[source].len_first
-            rows, block_out, block_lse = slice(None), *self.backend(q, k[:m], v[:m], False, self.scale)
-        else:
-            m = self.shards[self.rank].len_first
-            rows, block_out, block_lse = slice(m, None), *self.backend(q[m:], k, v, False, self.scale)
-        if out is None:   # the first step (own block) covers every query row
-            return block_out.float(), block_lse.clone()
-        merge_into(out[rows], lse[rows], block_out, block_lse)
-        return out, lse
+            return slice(None), *self.backend(q, k[:m], v[:m], False, self.scale)
+        m = self.shards[self.rank].len_first
+        return slice(m, None), *self.backend(q[m:], k, v, False, self.scale)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -110,3 +110,37 @@ class RingCommunicator:
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+
+class RingPass:
+    """Sends one block per worker around the whole ring: `run(local, compute)` calls
+    compute(source_rank, block) for every worker's block, own first, while the next block is
+    already in flight into the other of two buffers (unless overlap is off). Block sizes follow
+    `lengths` (tokens per worker), known to every worker; the trailing shape is the local block's."""
+
+    def __init__(self, ring: RingCommunicator | None, lengths: list[int], rank: int, overlap: bool = True):
+        self.ring, self.lengths, self.rank, self.overlap = ring, lengths, rank, overlap
+        self.world_size = len(lengths)
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def run(self, local: torch.Tensor, compute) -> None:
+        current = local
+        for step in range(self.world_size):
+            source = (self.rank - step) % self.world_size
+            handle, incoming = None, None
+            if step + 1 < self.world_size:
+                incoming = self._buffer(step % 2, (self.rank - step - 1) % self.world_size, local)
+                handle = self.ring.exchange(current, incoming)
+                if not self.overlap:
+                    self.ring.wait(handle)
+            compute(source, current)
+            if handle is not None and self.overlap:
+                self.ring.wait(handle)
+            current = incoming
+
+    def _buffer(self, slot: int, source: int, like: torch.Tensor) -> torch.Tensor:
+        key = (tuple(like.shape[1:]), like.dtype)
+        if key not in self._buffers:
+            shape = (max(self.lengths),) + key[0]
+            self._buffers[key] = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
+        return self._buffers[key][slot][:self.lengths[source]]

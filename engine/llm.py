@@ -39,12 +39,17 @@ class LLM:
         if sp_strategy not in SP_STRATEGIES:
             raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
                                       "sp_strategy")
+        if sp_strategy == "single":
+            device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
         self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
                                    seed=seed, kernel=kernel, kv_cache_tokens=kv_cache_tokens,
                                    kv_cache_memory_fraction=kv_cache_memory_fraction)
         self.model_config, self.max_model_len = resolve_model(self.engine)
+        if sp_strategy == "ulysses" and self.model_config.num_heads % len(device_list):
+            raise InvalidRequestError(f"ulysses splits the {self.model_config.num_heads} attention heads over the "
+                                      f"workers; {len(device_list)} workers do not divide them", "sp_strategy")
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker
         self.tokenizer = load_tokenizer(model, self.engine.is_preset)

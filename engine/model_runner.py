@@ -5,6 +5,7 @@ logits come back on worker 0 only.
 """
 import logging
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,14 @@ from engine.model import LlamaModel, hf_weight_shapes
 from engine.ring import RingCommunicator
 from engine.sharding import owner_of_position, zigzag_shards
 from engine.weights import load_weights, random_weights
-from kernels.attention import select_backend
+from engine.ring_rsa import RingSelfAttention
+from engine.ulysses import UlyssesAttention
+from kernels.attention import AttentionBackend, reference_attention, select_backend
 
 log = logging.getLogger(__name__)
-SP_STRATEGIES = ("burst",)
+# Prefill strategies (how attention spans the workers); decoding afterwards is the same for all.
+SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "single")
+MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
 class ModelRunner:
@@ -48,8 +53,8 @@ class ModelRunner:
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
         shards = zigzag_shards(token_ids.shape[0], self.world_size)
-        burst = BurstAttention(self.ring, self.backend, shards, self.rank, self.scale, self.engine.overlap)
-        exchange_alone = self._exchange_seconds_alone(burst, token_ids.shape[0])   # first time per length only
+        attention = self._prefill_attention(shards)
+        exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
         self._sync()
         start = time.perf_counter()
         shard = shards[self.rank]
@@ -59,7 +64,7 @@ class ModelRunner:
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
             seq.write(layer, 0, k, v)
-            return burst(q, seq.block(layer, shard.length))
+            return attention(q, seq.block(layer, shard.length))
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
         seq.length = shard.length
@@ -74,10 +79,11 @@ class ModelRunner:
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         result = {"prefill_seconds": time.perf_counter() - start}
-        if stats is not None:   # hidden = the share of the exchanges' stand-alone time that compute covered
-            hidden = 1.0 - stats.exposed_seconds / exchange_alone if exchange_alone > 0 else 0.0
-            result.update(exchange_seconds=exchange_alone, exposed_seconds=stats.exposed_seconds,
-                          exchange_overlapped_seconds=stats.exchange_seconds, hidden_fraction=min(1.0, max(0.0, hidden)))
+        if stats is not None:
+            result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
+        if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
+            hidden = 1.0 - stats.exposed_seconds / exchange_alone
+            result.update(exchange_seconds=exchange_alone, hidden_fraction=min(1.0, max(0.0, hidden)))
         if self.device.type == "cuda":
             result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:
@@ -96,15 +102,25 @@ class ModelRunner:
         self.decode_attention.end_step()
         return self.model.logits(hidden).cpu() if self.rank == 0 else None
 
-    def _exchange_seconds_alone(self, burst: BurstAttention, num_tokens: int) -> float:
-        """All layers' exchanges timed alone, once per prompt length (cached)."""
-        if self.ring is None:
+    def _prefill_attention(self, shards):
+        """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for this prefill's strategy."""
+        strategy, overlap = self.engine.sp_strategy, self.engine.overlap
+        if strategy == "ring-rsa":
+            return RingSelfAttention(self.ring, shards, self.rank, self.scale, overlap)
+        if strategy == "ulysses":
+            return UlyssesAttention(self.backend, shards, self.rank, self.scale, self.data_group)
+        backend = MATERIALIZED if strategy == "burst-nolao" else self.backend
+        return BurstAttention(self.ring, backend, shards, self.rank, self.scale, overlap)
+
+    def _exchange_seconds_alone(self, attention, num_tokens: int) -> float:
+        """All layers' exchanges timed alone, once per prompt length (cached); 0 without a K/V ring."""
+        if self.ring is None or not isinstance(attention, BurstAttention):
             return 0.0
         if num_tokens not in self._exchange_alone:
             if len(self._exchange_alone) > 64:
                 self._exchange_alone.clear()
             shape = (2, self.cfg.num_kv_heads, self.cfg.head_dim)
-            per_layer = burst.time_exchanges_alone(shape, self.kv.dtype, self.device)
+            per_layer = attention.time_exchanges_alone(shape, self.kv.dtype, self.device)
             self._exchange_alone[num_tokens] = per_layer * self.cfg.num_layers
         return self._exchange_alone[num_tokens]
 

@@ -4,6 +4,7 @@ import logging
 import sys
 
 from engine.config import preset_names
+from engine.model_runner import SP_STRATEGIES
 
 log = logging.getLogger("burstserve")
 
@@ -22,7 +23,8 @@ def serve_parser(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a first token before 429")
     p.add_argument("--max-request-body-bytes", type=int, default=128 << 20)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity per worker, in tokens")
-    p.add_argument("--sp-strategy", default="burst")
+    p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
+                   help="how prefill attention spans the workers (decoding is the same for all)")
     p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")

@@ -1,0 +1,54 @@
+"""DeepSpeed-Ulysses: all-to-all over heads.
+
+Each worker holds its shard's Q, K, V for every head. One all-to-all gives every worker the whole
+sequence for H/G heads; it runs ordinary causal attention on it (sorted by position), and a second
+all-to-all returns each worker its own tokens with every head. K/V heads that do not divide by G
+are repeated up to the query heads first. The KV cache keeps the shard's own K/V, as `burst` does.
+"""
+import torch
+import torch.distributed as dist
+
+from engine.sharding import Shard
+from kernels.attention import AttentionBackend
+
+
+class UlyssesAttention:
+    def __init__(self, backend: AttentionBackend, shards: list[Shard], rank: int, scale: float, group=None):
+        self.backend, self.shards, self.rank, self.scale, self.group = backend, shards, rank, scale, group
+        self.world_size = len(shards)
+        self.lengths = [s.length for s in shards]
+        rank_order = torch.cat([s.positions() for s in shards])                 # [N] positions, by rank
+        self.sort = torch.argsort(rank_order)                                    # rank order -> sorted
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D]."""
+        h = q.shape[1]
+        if h % self.world_size:
+            raise ValueError(f"ulysses needs the {h} query heads to divide by {self.world_size} workers")
+        k, v = kv[:, 0], kv[:, 1]
+        if k.shape[1] % self.world_size:
+            k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+        sort = self.sort.to(q.device)
+        q_all, k_all, v_all = (self._seq_to_heads(x)[sort] for x in (q, k, v))  # [N, heads/G, D], sorted
+        out_sorted, _ = self.backend(q_all, k_all, v_all, True, self.scale)
+        out_rank_order = torch.empty_like(out_sorted)
+        out_rank_order[sort] = out_sorted
+        return self._heads_to_seq(out_rank_order)
+
+    def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, Hx, D] (my tokens, all heads) -> [N, Hx/G, D] (all tokens by rank, my heads)."""
+        g, (n, hx, d) = self.world_size, x.shape
+        send = x.reshape(n, g, hx // g, d).transpose(0, 1).contiguous().view(g * n, hx // g, d)
+        recv = torch.empty(sum(self.lengths), hx // g, d, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(recv, send, output_split_sizes=self.lengths, input_split_sizes=[n] * g,
+                               group=self.group)
+        return recv
+
+    def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
+        """[N, H/G, D] (all tokens by rank, my heads) -> [n, H, D] (my tokens, all heads)."""
+        g, n = self.world_size, self.lengths[self.rank]
+        hg, d = y.shape[1], y.shape[2]
+        recv = torch.empty(g * n, hg, d, dtype=y.dtype, device=y.device)
+        dist.all_to_all_single(recv, y.contiguous(), output_split_sizes=[n] * g, input_split_sizes=self.lengths,
+                               group=self.group)
+        return recv.view(g, n, hg, d).transpose(0, 1).reshape(n, g * hg, d)

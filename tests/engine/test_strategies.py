@@ -1,0 +1,46 @@
+"""Every prefill strategy produces transformers' greedy tokens (and next-token logits) on CPU workers."""
+import random
+
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("strategies"))
+    return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.parametrize("strategy,workers", [
+    ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
+    ("single", 3), ("burst", 2),
+])
+def test_strategy_matches_transformers(checkpoint, strategy, workers):
+    path, model = checkpoint
+    prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
+    with LLM(path, devices=f"cpu:{workers}", dtype="float32", sp_strategy=strategy) as llm:
+        assert llm.engine.world_size == (1 if strategy == "single" else workers)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
+            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
+            assert out.outputs[0].token_ids == ref_tokens, (strategy, len(prompt))
+
+
+def test_no_overlap_gives_the_same_tokens(checkpoint):
+    prompt = [random.randrange(320) for _ in range(200)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(checkpoint[0], devices="cpu:3", dtype="float32", overlap=False) as llm:
+        slow = llm.generate(prompt, params)[0]
+    _, ref = hf_next_logits_and_greedy(checkpoint[1], prompt, 8)
+    assert slow.outputs[0].token_ids == ref
+    assert slow.metrics.prefill_stats["exchange_seconds"] > 0
+
+
+def test_unknown_strategy_and_indivisible_heads(checkpoint):
+    with pytest.raises(InvalidRequestError, match="not one of"):
+        LLM(checkpoint[0], devices="cpu:2", sp_strategy="magic")
+    with pytest.raises(InvalidRequestError, match="do not divide"):
+        LLM(checkpoint[0], devices="cpu:3", sp_strategy="ulysses")

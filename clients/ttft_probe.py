@@ -12,20 +12,30 @@ import time
 import httpx
 
 
-def ttft_once(url: str, model: str | None, prompt_tokens: int, vocab: int, api_key: str | None) -> float:
-    body = {"prompt": [random.randrange(vocab) for _ in range(prompt_tokens)], "max_tokens": 1, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+def ttft_once(url: str, model: str | None, prompt_tokens: int, vocab: int, api_key: str | None,
+              max_tokens: int = 1) -> float:
+    """Seconds from sending the request to the first SSE chunk carrying a token (reads the stream to its end)."""
+    body = {"prompt": [random.randrange(vocab) for _ in range(prompt_tokens)], "max_tokens": max_tokens,
+            "stream": True, "temperature": 0, "ignore_eos": True}
     if model:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    ttft = None
     start = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                return time.perf_counter() - start
-    raise RuntimeError("the stream ended without a token")
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft
 
 
 def main() -> None:

@@ -124,8 +124,9 @@ class LLM:
         """Stops a request and frees its KV cache on every worker."""
         self._results.pop(request_id, None)
         self._queues.pop(request_id, None)
-        if not self._dead and not self._closed:
-            self._requests.put(("abort", request_id))
+        requests = self._requests
+        if not self._dead and not self._closed and requests is not None:
+            requests.put(("abort", request_id))
 
     def results(self, request_id: str, poll_seconds: float = 0.2) -> Iterator[StepOutput]:
         """Yields the request's tokens as they arrive; raises EngineDeadError if a worker dies."""
@@ -157,6 +158,10 @@ class LLM:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        for q in (self._requests, self._outputs):   # release the queues' semaphores now, not at exit
+            q.close()
+            q.cancel_join_thread()
+        self._requests = self._outputs = None
         atexit.unregister(self.shutdown)
 
     def __enter__(self) -> "LLM":
@@ -204,8 +209,11 @@ class LLM:
 
     def _next_message(self):
         while True:
+            outputs = self._outputs
+            if outputs is None:
+                raise EngineDeadError("the engine was shut down")
             try:
-                return self._outputs.get(timeout=0.5)
+                return outputs.get(timeout=0.5)
             except queue.Empty:
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead:
@@ -218,7 +226,7 @@ class LLM:
                 msg = self._next_message()
             except EngineDeadError:
                 return
-            except (EOFError, OSError):
+            except (EOFError, OSError, AttributeError):   # AttributeError: shut down while waiting
                 if not self._closed:
                     self._fail("the engine's output queue closed")
                 return

@@ -88,7 +88,9 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     async def models():
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "burstserve",
-             "max_model_len": llm.max_model_len}]})
+             "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
+             "sp_strategy": llm.engine.sp_strategy, "overlap": llm.engine.overlap,
+             "devices": llm.engine.devices, "kernel": llm.kernel}]})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

@@ -61,9 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="burstserve", description="Long-context LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
+    from clients.bench import add_parser as bench_parser
+    bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "bench":
+        from clients.bench import run as run_bench
+        run_bench(args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from engine import LLM, SamplingParams
-from server_harness import free_port
+from clients.server_process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,7 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
-from server_harness import RemoteServer
+from clients.server_process import RemoteServer
 
 KEY = "test-key"
 MAX_LEN = 512

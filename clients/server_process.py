@@ -1,4 +1,5 @@
-"""Starts the real server as a subprocess on a free port and waits for /health (vLLM's RemoteOpenAIServer)."""
+"""Starts the real server as a subprocess on a free port and waits for /health (as vLLM's
+RemoteOpenAIServer does): used by `burstserve bench --serve ...` and by the tests."""
 import os
 import signal
 import socket
@@ -8,7 +9,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root (for PYTHONPATH)
 
 
 def free_port() -> int:
@@ -18,7 +19,7 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 120):
+    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 600):
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args]

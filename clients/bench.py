@@ -1,0 +1,104 @@
+"""`burstserve bench`: prefill-latency sweeps and load tests, against a server or offline.
+
+    burstserve bench sweep --url http://127.0.0.1:8000 --lengths 4096,8192 --repeats 3 --output-dir out
+    burstserve bench sweep --serve "--model llama3-8b --devices cuda --sp-strategy ring-rsa" --label ring-rsa
+    burstserve bench sweep --offline --model llama3-8b --devices cuda:4 --sp-strategy burst
+    burstserve bench load --url ... --num-prompts 200 --input-len 4096 --output-len 128 --request-rate 4
+    burstserve bench merge out-a/results.json out-b/results.json --output-dir merged
+"""
+import argparse
+import asyncio
+import contextlib
+import shlex
+import sys
+
+from clients import report
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark time to first token (sweep) or a request load")
+    modes = p.add_subparsers(dest="mode", required=True)
+    sweep = modes.add_parser("sweep", help="TTFT over prompt lengths, one request at a time")
+    load = modes.add_parser("load", help="many requests at a rate; vllm bench serve's metrics")
+    for m in (sweep, load):
+        m.add_argument("--url", default=None, help="a running server (default: --serve, else http://127.0.0.1:8000)")
+        m.add_argument("--serve", default=None, help="start `burstserve serve` with these arguments for this run")
+        m.add_argument("--api-key", default=None)
+        m.add_argument("--label", default=None, help="the configuration's name in tables and plots")
+        m.add_argument("--output-dir", default="bench-out")
+    sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()))
+    sweep.add_argument("--repeats", type=int, default=3)
+    sweep.add_argument("--max-tokens", type=int, default=1)
+    sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
+    sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
+    sweep.add_argument("--devices", default=None, help="offline: devices")
+    sweep.add_argument("--dtype", default=None, help="offline: dtype")
+    sweep.add_argument("--sp-strategy", default="burst", help="offline: prefill strategy")
+    sweep.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--input-len", type=int, default=1024)
+    load.add_argument("--output-len", type=int, default=128)
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--seed", type=int, default=0)
+    merge = modes.add_parser("merge", help="several sweeps' results.json into one table and plot")
+    merge.add_argument("paths", nargs="+")
+    merge.add_argument("--output-dir", default="bench-merged")
+
+
+def _default_lengths() -> list[int]:
+    from clients.sweep import DEFAULT_LENGTHS
+    return DEFAULT_LENGTHS
+
+
+def run(args) -> None:
+    from tqdm import tqdm
+    if args.mode == "merge":
+        rows = report.merge(args.paths, args.output_dir)
+        print(report.sweep_table(rows, {}))
+        return
+    with _server(args) as url:
+        if args.mode == "sweep":
+            from clients.sweep import sweep_http, sweep_offline
+            lengths = [int(x) for x in args.lengths.split(",")]
+            with tqdm(total=len(lengths) * args.repeats, desc="sweep", file=sys.stderr) as bar:
+                if args.offline:
+                    llm_args = dict(model=args.model, devices=args.devices, dtype=args.dtype,
+                                    sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
+                                    max_model_len=max(lengths) + args.max_tokens)
+                    rows = sweep_offline(llm_args, lengths, args.repeats, args.max_tokens, args.label, bar)
+                else:
+                    rows = sweep_http(url, lengths, args.repeats, args.max_tokens, args.label, args.api_key, bar)
+            meta = {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+                    "url": None if args.offline else url}
+            report.write_sweep(args.output_dir, rows, meta)
+            print(report.sweep_table(rows, meta))
+        else:
+            from clients.load import run_load
+            from clients.sweep import server_info
+            info = server_info(url, args.api_key)
+            with tqdm(total=args.num_prompts, desc="load", file=sys.stderr) as bar:
+                result = asyncio.run(run_load(url, info["id"], info.get("vocab_size", 1000), args.num_prompts,
+                                              args.input_len, args.output_len, args.request_rate,
+                                              args.max_concurrency, args.api_key, bar, args.seed))
+            result.update(label=args.label, input_len=args.input_len, output_len=args.output_len,
+                          num_prompts=args.num_prompts, server=info)
+            report.write_load(args.output_dir, result)
+            print(open(f"{args.output_dir}/results.md").read())
+
+
+@contextlib.contextmanager
+def _server(args):
+    """The URL to measure: --url, a server started from --serve for this run, or the default port."""
+    if getattr(args, "offline", False):
+        yield None
+        return
+    if args.serve:
+        from clients.server_process import RemoteServer
+        server = RemoteServer(shlex.split(args.serve), api_key=args.api_key)
+        try:
+            yield server.url("").rstrip("/")
+        finally:
+            server.stop()
+        return
+    yield (args.url or "http://127.0.0.1:8000").rstrip("/")

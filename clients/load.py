@@ -1,0 +1,99 @@
+"""Load mode: many requests at a request rate and concurrency cap, reported with the metric names and
+JSON keys of `vllm bench serve` (TTFT, TPOT, ITL, E2EL: mean/median/std/p99 in ms; throughputs)."""
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from clients.stats import summarize
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if result.output_tokens == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.output_tokens += 1
+        result.latency = time.perf_counter() - start
+        result.ok = True
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_load(url: str, model: str, vocab: int, num_prompts: int, input_len: int, output_len: int,
+                   request_rate: float, max_concurrency: int | None, api_key: str | None, progress,
+                   seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency or num_prompts)
+    bodies = [{"model": model, "prompt": [rng.randrange(vocab) for _ in range(input_len)], "max_tokens": output_len,
+               "stream": True, "ignore_eos": True, "temperature": 0} for _ in range(num_prompts)]
+
+    async def limited(client, body):
+        async with limit:
+            res = await one_request(client, url, body, headers)
+        progress.update(1)
+        return res
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(client, body)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))     # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    return summarize_load(results, duration, input_len, request_rate, max_concurrency)
+
+
+def summarize_load(results: list[RequestResult], duration: float, input_len: int, request_rate: float,
+                   max_concurrency: int | None) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    summary = {
+        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": input_len * len(done), "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (input_len * len(done) + out_tokens) / duration,
+        "request_rate": request_rate if request_rate != float("inf") else "inf", "max_concurrency": max_concurrency,
+    }
+    summary.update(summarize("ttft", [r.ttft for r in done]))
+    summary.update(summarize("tpot", tpots))
+    summary.update(summarize("itl", [gap for r in done for gap in r.itl]))
+    summary.update(summarize("e2el", [r.latency for r in done]))
+    summary["errors"] = [r.error for r in results if not r.ok][:10]
+    return summary

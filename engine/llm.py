@@ -22,6 +22,7 @@ from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongErr
 from engine.model_runner import SP_STRATEGIES
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.sampling import SamplingParams
+from engine.tensor_parallel import tp_check
 from engine.tokenizer import load_tokenizer
 from engine.weights import weight_files
 from engine.worker import worker_main
@@ -47,6 +48,9 @@ class LLM:
                                    seed=seed, kernel=kernel, kv_cache_tokens=kv_cache_tokens,
                                    kv_cache_memory_fraction=kv_cache_memory_fraction)
         self.model_config, self.max_model_len = resolve_model(self.engine)
+        reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None
+        if reason:
+            raise InvalidRequestError(reason, "sp_strategy")
         if sp_strategy == "ulysses" and self.model_config.num_heads % len(device_list):
             raise InvalidRequestError(f"ulysses splits the {self.model_config.num_heads} attention heads over the "
                                       f"workers; {len(device_list)} workers do not divide them", "sp_strategy")
@@ -178,7 +182,7 @@ class LLM:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache the engine admits, summed over workers."""
-        return sum(w["kv_capacity_tokens"] for w in self.worker_info)
+        return self.worker_info[0]["kv_capacity_total"]
 
     @property
     def kernel(self) -> str:

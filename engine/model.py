@@ -53,9 +53,11 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class LlamaModel:
     """Weights and the forward pass; replicated on every worker."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.cfg = cfg
         self.device = device
+        self.reduce = reduce or (lambda x: x)   # tensor parallelism: all-reduce of partial sums
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
@@ -96,8 +98,8 @@ class LlamaModel:
             q = apply_rope(q.view(-1, h, d), cos, sin)                 # [S, H, D]
             k = apply_rope(k.view(-1, hkv, d), cos, sin)               # [S, Hkv, D]
             attn = attend(i, q, k, v.view(-1, hkv, d))                 # [S, H, D]
-            x = x + F.linear(attn.reshape(attn.shape[0], h * d), layer.o)
-            x = x + self.mlp(self.rms_norm(x, layer.post_norm), layer)
+            x = x + self.reduce(F.linear(attn.reshape(attn.shape[0], h * d), layer.o))
+            x = x + self.reduce(self.mlp(self.rms_norm(x, layer.post_norm), layer))
         return self.rms_norm(x, self.norm)
 
     def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -19,12 +19,13 @@ from engine.ring import RingCommunicator
 from engine.sharding import owner_of_position, zigzag_shards
 from engine.weights import load_weights, random_weights
 from engine.ring_rsa import RingSelfAttention
+from engine.tensor_parallel import shard_weights
 from engine.ulysses import UlyssesAttention
 from kernels.attention import AttentionBackend, reference_attention, select_backend
 
 log = logging.getLogger(__name__)
 # Prefill strategies (how attention spans the workers); decoding afterwards is the same for all.
-SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "single")
+SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "tp", "single")
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
@@ -34,17 +35,23 @@ class ModelRunner:
         self.world_size = engine.world_size
         self.data_group = data_group
         dtype = DTYPES[engine.dtype]
+        self.tp = engine.sp_strategy == "tp" and self.world_size > 1
         shapes = hf_weight_shapes(cfg)
         if engine.is_preset:
             weights = random_weights(shapes, device, dtype, engine.seed)
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype)
-        self.model = LlamaModel(cfg, weights, device)
-        self.backend = select_backend(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, engine.kernel)
+        local = cfg
+        if self.tp:   # each worker keeps its heads and MLP slice; all-reduce after o_proj and down_proj
+            local, weights = shard_weights(cfg, weights, rank, self.world_size)
+        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if self.tp else None)
+        self.backend = select_backend(device, dtype, local.num_heads, local.num_kv_heads, cfg.head_dim, engine.kernel)
         self.scale = cfg.head_dim ** -0.5
-        self.ring = RingCommunicator(rank, self.world_size, device, data_group) if self.world_size > 1 else None
-        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-        self.decode_attention = DecodeAttention(self.backend, self.scale, self.world_size, data_group)
+        multi_ring = self.world_size > 1 and not self.tp
+        self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
+        self.kv = KVCache(cfg.num_layers, local.num_kv_heads, cfg.head_dim, dtype, device)
+        self.decode_attention = DecodeAttention(self.backend, self.scale, 1 if self.tp else self.world_size,
+                                                data_group)
         self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
         self.kv_capacity_tokens = self._kv_capacity()
@@ -52,12 +59,12 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
-        shards = zigzag_shards(token_ids.shape[0], self.world_size)
+        shards = zigzag_shards(token_ids.shape[0], 1 if self.tp else self.world_size)
         attention = self._prefill_attention(shards)
         exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
         self._sync()
         start = time.perf_counter()
-        shard = shards[self.rank]
+        shard = shards[0 if self.tp else self.rank]
         positions = shard.positions()                                   # [n]
         local_ids = token_ids[positions].to(self.device)
         seq = self.kv.allocate(seq_id, shard.length + reserve)
@@ -68,8 +75,8 @@ class ModelRunner:
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
         seq.length = shard.length
-        self.tokens_per_rank[seq_id] = [s.length for s in shards]
-        owner, row = owner_of_position(shards, token_ids.shape[0] - 1)
+        self.tokens_per_rank[seq_id] = [s.length for s in shards] * (self.world_size if self.tp else 1)
+        owner, row = owner_of_position(shards, token_ids.shape[0] - 1)  # tp: worker 0 (all hold every row)
         if self.rank == owner:
             logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
         else:
@@ -105,6 +112,8 @@ class ModelRunner:
     def _prefill_attention(self, shards):
         """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for this prefill's strategy."""
         strategy, overlap = self.engine.sp_strategy, self.engine.overlap
+        if self.tp:   # the whole prompt, this worker's heads: one causal kernel call
+            return lambda q, kv: self.backend(q, kv[:, 0], kv[:, 1], True, self.scale)[0]
         if strategy == "ring-rsa":
             return RingSelfAttention(self.ring, shards, self.rank, self.scale, overlap)
         if strategy == "ulysses":
@@ -126,6 +135,10 @@ class ModelRunner:
 
     def _next_owner(self, seq_id: int) -> int:
         counts = self.tokens_per_rank[seq_id]
+        if self.tp:   # every worker stores every token (for its own heads)
+            for r in range(len(counts)):
+                counts[r] += 1
+            return self.rank
         owner = next_kv_owner(counts)
         counts[owner] += 1
         return owner
@@ -136,8 +149,13 @@ class ModelRunner:
             self.tokens_per_rank.pop(s, None)
 
     def info(self) -> dict:
+        total = self.kv_capacity_tokens * (1 if self.tp else self.world_size)   # tp: every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
-                "kv_capacity_tokens": self.kv_capacity_tokens}
+                "kv_capacity_tokens": self.kv_capacity_tokens, "kv_capacity_total": total}
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.data_group)
+        return x
 
     def kv_tokens_per_worker(self) -> list[int]:
         """Tokens each worker holds over all live sequences (the same bookkeeping on every worker)."""

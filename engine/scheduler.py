@@ -27,11 +27,12 @@ class RunningSequence:
 class Scheduler:
     def __init__(self, call: Callable, requests: "queue.Queue", outputs: "queue.Queue", world_size: int,
                  max_num_seqs: int, max_model_len: int, eos_token_ids: list[int], kv_capacity_per_worker: int,
-                 kv_tokens_per_worker: Callable[[], list[int]]):
+                 kv_capacity_total: int, kv_tokens_per_worker: Callable[[], list[int]]):
         self.call, self.requests, self.outputs = call, requests, outputs
         self.world_size, self.max_num_seqs, self.max_model_len = world_size, max_num_seqs, max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.kv_capacity_per_worker = kv_capacity_per_worker
+        self.kv_capacity_total = kv_capacity_total     # tokens admitted over all workers
         self.kv_tokens_per_worker = kv_tokens_per_worker
         self.kv_reserved = 0          # tokens promised to running sequences (prompt + what they may generate)
         self._published: tuple | None = None
@@ -57,8 +58,8 @@ class Scheduler:
 
     def _can_admit(self, request: Request) -> bool:
         """First come, first served: the head waits until a batch slot and its KV tokens are free."""
-        capacity = self.kv_capacity_per_worker * self.world_size
-        return len(self.running) < self.max_num_seqs and self.kv_reserved + self._kv_needed(request) <= capacity
+        return (len(self.running) < self.max_num_seqs
+                and self.kv_reserved + self._kv_needed(request) <= self.kv_capacity_total)
 
     def _publish_stats(self) -> None:
         """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""

@@ -33,7 +33,8 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
             Scheduler(call, requests, outputs, engine.world_size, engine.max_num_seqs, max_model_len,
-                      cfg.eos_token_ids, runner.kv_capacity_tokens, runner.kv_tokens_per_worker).run()
+                      cfg.eos_token_ids, runner.kv_capacity_tokens, runner.info()["kv_capacity_total"],
+                      runner.kv_tokens_per_worker).run()
             call("shutdown")
         else:
             _follow(runner, control)

@@ -15,7 +15,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy,workers", [
     ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
-    ("single", 3), ("burst", 2),
+    ("tp", 2), ("tp", 4), ("single", 3), ("burst", 2),
 ])
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
@@ -42,5 +42,16 @@ def test_no_overlap_gives_the_same_tokens(checkpoint):
 def test_unknown_strategy_and_indivisible_heads(checkpoint):
     with pytest.raises(InvalidRequestError, match="not one of"):
         LLM(checkpoint[0], devices="cpu:2", sp_strategy="magic")
-    with pytest.raises(InvalidRequestError, match="do not divide"):
-        LLM(checkpoint[0], devices="cpu:3", sp_strategy="ulysses")
+    for strategy in ("ulysses", "tp"):
+        with pytest.raises(InvalidRequestError, match="do not divide"):
+            LLM(checkpoint[0], devices="cpu:3", sp_strategy=strategy)
+
+
+def test_tp_slices_qkv_biases(tmp_path):
+    model = save_checkpoint("qwen2", str(tmp_path), seed=random.randrange(1 << 30))
+    prompt = [random.randrange(320) for _ in range(50)]
+    ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
+    with LLM(str(tmp_path), devices="cpu:2", dtype="float32", sp_strategy="tp") as llm:
+        assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == ref_tokens

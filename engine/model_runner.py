@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.burst_attention import BurstAttention
+from engine.cqs import CQSAttention, contiguous_shards
 from engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, all_gather
 from engine.kv_cache import KVCache, next_kv_owner
@@ -25,7 +26,7 @@ from kernels.attention import AttentionBackend, reference_attention, select_back
 
 log = logging.getLogger(__name__)
 # Prefill strategies (how attention spans the workers); decoding afterwards is the same for all.
-SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "tp", "single")
+SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "single")
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
@@ -59,7 +60,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
-        shards = zigzag_shards(token_ids.shape[0], 1 if self.tp else self.world_size)
+        shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
+        shards = shard_fn(token_ids.shape[0], 1 if self.tp else self.world_size)
         attention = self._prefill_attention(shards)
         exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
         self._sync()
@@ -116,6 +118,8 @@ class ModelRunner:
             return lambda q, kv: self.backend(q, kv[:, 0], kv[:, 1], True, self.scale)[0]
         if strategy == "ring-rsa":
             return RingSelfAttention(self.ring, shards, self.rank, self.scale, overlap)
+        if strategy == "cqs":
+            return CQSAttention(self.backend, shards, self.rank, self.scale, self.data_group)
         if strategy == "ulysses":
             return UlyssesAttention(self.backend, shards, self.rank, self.scale, self.data_group)
         backend = MATERIALIZED if strategy == "burst-nolao" else self.backend

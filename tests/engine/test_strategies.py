@@ -15,7 +15,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy,workers", [
     ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
-    ("tp", 2), ("tp", 4), ("single", 3), ("burst", 2),
+    ("tp", 2), ("tp", 4), ("cqs", 3), ("cqs", 4), ("cqs", 2), ("single", 3), ("burst", 2),
 ])
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
@@ -55,3 +55,15 @@ def test_tp_slices_qkv_biases(tmp_path):
         assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("workers", [3, 4, 5, 7, 8, 13])
+def test_cqs_plan_computes_every_block_once(workers):
+    from engine.cqs import CQSPlan, difference_cover
+    plan = CQSPlan(workers)
+    blocks = [pair for tasks in plan.tasks for pair in tasks]
+    assert sorted(blocks) == sorted((q, k) for q in range(workers) for k in range(q + 1))   # causal blocks, once
+    assert all(set(plan.needs[w]) <= set(plan.quorums[w]) for w in range(workers))
+    assert len(difference_cover(workers)) <= 1 + int(workers ** 0.5) + 1                   # near sqrt(W)
+    sizes = [len(t) for t in plan.tasks]
+    assert max(sizes) - min(sizes) <= 2, sizes

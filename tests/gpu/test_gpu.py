@@ -127,3 +127,22 @@ def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
                     print(f"bf16 prompt {len(prompt)}: tokens diverge at step {i}, reference margin {margins[i]:.4f}")
                     assert margins[i] < noise, (len(prompt), i, margins[i])
                     break
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp"])
+def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, strategy):
+    from engine import LLM, SamplingParams
+    path, model = hf_bf16_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 4099)]
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy=strategy) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens, margins = _hf_greedy(model, prompt, 16)
+            diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+            print(f"{strategy} prompt {len(prompt)}: max |logit diff| {diff:.4f}")
+            assert diff <= 0.1 * max(ref_logits.abs().max().item(), 1.0), (strategy, len(prompt))
+            for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+                if a != b:
+                    assert margins[i] < 0.1, (strategy, len(prompt), i, margins[i])
+                    break

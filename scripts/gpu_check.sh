@@ -4,10 +4,7 @@
 set -uo pipefail
 gpus=${1:-1,2}
 lengths=${2:-32768,131072}
-out=${OUT:-/tmp/burstserve-gpu}
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 timeout 300 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"

@@ -3,11 +3,7 @@
 # machine has (transformers on one GPU in the same run), then the HTTP server with the llama3-8b
 # preset on all GPUs answering streaming 32K-token prompts. Needs the wheels in .whl/ (fastapi...).
 set -uo pipefail
-out=${OUT:-/tmp/burstserve-gpu}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 n=$(nvidia-smi -L | wc -l)
 gpus=1; g=2; while [ "$g" -le "$n" ]; do gpus="$gpus,$g"; g=$((g * 2)); done
 echo "GPUs: $n, counts measured: $gpus"

@@ -2,11 +2,7 @@
 # Every prefill strategy on 2 GPUs: bf16 exactness vs transformers, then a short offline sweep of the
 # llama3-8b preset (one table, OOM shown as OOM).
 set -uo pipefail
-out=${OUT:-/tmp/burstserve-gpu}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 timeout 170 python3 -m pytest -q -s -m gpu tests/gpu -k every_strategy 2>&1 | grep -E "logit diff|passed|failed|Error" \
     | tee "$out/strategies_tests.log"
 results=()

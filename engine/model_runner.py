@@ -11,17 +11,17 @@ import torch
 import torch.distributed as dist
 
 from engine.burst_attention import BurstAttention
-from engine.cqs import CQSAttention, contiguous_shards
 from engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig, ModelConfig
+from engine.cqs import CQSAttention, contiguous_shards
 from engine.decode_attention import DecodeAttention, all_gather
 from engine.kv_cache import KVCache, next_kv_owner
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.ring import RingCommunicator
-from engine.sharding import owner_of_position, zigzag_shards
-from engine.weights import load_weights, random_weights
 from engine.ring_rsa import RingSelfAttention
+from engine.sharding import owner_of_position, zigzag_shards
 from engine.tensor_parallel import shard_weights
 from engine.ulysses import UlyssesAttention
+from engine.weights import load_weights, random_weights
 from kernels.attention import AttentionBackend, reference_attention, select_backend
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ class ModelRunner:
         if stats is not None:
             result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
-            hidden = 1.0 - stats.exposed_seconds / exchange_alone
-            result.update(exchange_seconds=exchange_alone, hidden_fraction=min(1.0, max(0.0, hidden)))
+            share = 1.0 - stats.exposed_seconds / exchange_alone
+            result.update(exchange_seconds=exchange_alone, hidden_fraction=min(1.0, max(0.0, share)))
         if self.device.type == "cuda":
             result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:

@@ -49,6 +49,22 @@ class BodySizeLimit:
         await response(scope, receive, send)
 
 
+class ApiKeyCheck:
+    """ASGI middleware: /v1/* needs 'Authorization: Bearer KEY' (a plain ASGI layer, so handlers
+    still see the client's disconnect)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting: int = 256,
               max_body_bytes: int = 128 << 20) -> FastAPI:
     metrics = Metrics(model_name)
@@ -64,14 +80,6 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     app = FastAPI(title="burstserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_handlers(app)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -93,12 +101,14 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
              "devices": llm.engine.devices, "kernel": llm.kernel}]})
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await create_completion(ctx, req)
+    async def completions(req: CompletionRequest, raw: Request):
+        return await create_completion(ctx, req, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await create_chat_completion(ctx, req)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(ctx, req, raw)
 
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(BodySizeLimit, limit=max_body_bytes)
     return app

@@ -7,7 +7,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.serving import (ServerContext, check_model, check_token_ids, make_params, merge_choices,
-                            refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings)
+                            refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings,
+                            unless_disconnected)
 from server.text import chat_logprob_entry
 
 UNSUPPORTED = {"n": 1, "logit_bias": None, "frequency_penalty": 0.0, "presence_penalty": 0.0}
@@ -40,7 +41,7 @@ def render_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     return tok.encode(text)
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw=None):
     check_model(ctx, req.model)
     refuse_unsupported(req, UNSUPPORTED)
     if req.top_logprobs is not None and not req.logprobs:
@@ -57,6 +58,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(ctx, req, len(ids), stream, rid, created, include_usage),
                                  media_type="text/event-stream")
+    return JSONResponse(await unless_disconnected(_collect(ctx, req, ids, stream, rid, created, top), raw))
+
+
+async def _collect(ctx, req, ids, stream, rid, created, top) -> dict:
     text, entries, tokens, reason = "", [], 0, None
     async for event in merge_choices([stream]):
         text += event.text
@@ -65,11 +70,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         if req.logprobs and event.logprobs is not None:
             entries.append(chat_logprob_entry(ctx.llm.tokenizer, event.token_id, event.logprobs, top,
                                               req.return_tokens_as_token_ids))
-    return JSONResponse({
+    return {
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "logprobs": {"content": entries} if req.logprobs else None, "finish_reason": reason}],
-        "usage": {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}})
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}}
 
 
 async def _stream(ctx, req, prompt_tokens, stream, rid, created, include_usage):

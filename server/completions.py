@@ -7,7 +7,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.errors import APIError
 from server.protocol import CompletionRequest
 from server.serving import (ServerContext, check_model, check_token_ids, encode_text, make_params, merge_choices,
-                            refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings)
+                            refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings,
+                            unless_disconnected)
 from server.text import completion_logprob_entry
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "suffix": None, "logit_bias": None, "frequency_penalty": 0.0,
@@ -31,7 +32,7 @@ async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str | None, list[in
     return out
 
 
-async def create_completion(ctx: ServerContext, req: CompletionRequest):
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None):
     check_model(ctx, req.model)
     refuse_unsupported(req, UNSUPPORTED)
     if req.echo and req.logprobs is not None:
@@ -47,7 +48,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(ctx, req, prompts, streams, rid, created, include_usage),
                                  media_type="text/event-stream")
-    return JSONResponse(await _collect(ctx, req, prompts, streams, rid, created))
+    return JSONResponse(await unless_disconnected(_collect(ctx, req, prompts, streams, rid, created), raw))
 
 
 class _Choice:

@@ -17,6 +17,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
+class ClientGone(Exception):
+    """The client closed the connection before a non-streaming response was ready."""
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
 
@@ -53,5 +57,9 @@ def install_handlers(app: FastAPI) -> None:
         err = as_api_error(exc)
         return error_response(err.status, err.message, err.param, err.headers)
 
+    async def _gone(request: Request, exc: Exception):   # nobody is listening; 499 as nginx logs it
+        return JSONResponse({"error": None}, status_code=499)
+
     app.add_exception_handler(APIError, _known)
     app.add_exception_handler(BurstServeError, _known)
+    app.add_exception_handler(ClientGone, _gone)

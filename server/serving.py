@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from engine import LLM, SamplingParams
 from server.async_engine import AsyncEngine
-from server.errors import APIError, as_api_error, error_body
+from server.errors import APIError, ClientGone, as_api_error, error_body
 from server.text import TextAssembler
 
 
@@ -132,6 +132,24 @@ async def merge_choices(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncItera
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def unless_disconnected(work, request, poll_seconds: float = 0.2):
+    """Awaits `work` (a coroutine); if the client disconnects first, cancels it (aborting its engine
+    requests, which frees their KV) and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def sse(payload) -> str:

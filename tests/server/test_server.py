@@ -297,3 +297,22 @@ def test_sigterm_stops_every_worker(checkpoint):
     assert srv.proc.returncode in (0, -15)   # uvicorn re-raises SIGTERM after its graceful shutdown
     alive = [pid for pid in workers if subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0]
     assert not alive, f"workers left running: {alive}"
+
+
+def test_non_streaming_disconnect_cancels_the_request(server):
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), headers=server.headers, timeout=httpx.Timeout(30, read=0.5),
+                   json={"prompt": _prompt(20), "max_tokens": 480, "ignore_eos": True})
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        after = metrics(server)
+        if after['burstserve:num_requests_running{}'] == 0 and not any(
+                v for k, v in after.items() if k.startswith("burstserve:kv_cache_usage_perc")):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"request not cancelled: {after}")
+    generated = after['burstserve:generation_tokens_total{}'] - before.get('burstserve:generation_tokens_total{}', 0)
+    assert generated < 480, "the request ran to its end instead of being cancelled"
+    assert httpx.get(server.url("/health")).status_code == 200

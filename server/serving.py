@@ -135,21 +135,30 @@ async def merge_choices(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncItera
 
 
 async def unless_disconnected(work, request, poll_seconds: float = 0.2):
-    """Awaits `work` (a coroutine); if the client disconnects first, cancels it (aborting its engine
-    requests, which frees their KV) and raises ClientGone."""
-    task = asyncio.ensure_future(work)
+    """Awaits `work` (a coroutine) inline, so admission stays atomic; a watcher cancels it if the
+    client disconnects first (aborting its engine requests, which frees their KV): ClientGone."""
+    if request is None:
+        return await work
+    handler = asyncio.current_task()
+    gone = False
+
+    async def watch():
+        nonlocal gone
+        while not await request.is_disconnected():
+            await asyncio.sleep(poll_seconds)
+        gone = True
+        handler.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
-            if done:
-                return task.result()
-            if request is not None and await request.is_disconnected():
-                raise ClientGone()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        handler.uncancel()
+        raise ClientGone() from None
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        watcher.cancel()
 
 
 def sse(payload) -> str:

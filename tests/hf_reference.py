@@ -52,16 +52,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
-def save_tokenizer(path: str, vocab_size: int = 300) -> None:
-    """A byte-level BPE tokenizer trained here (nothing downloaded), saved in transformers' format."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_tokenizer(path: str, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer built here (nothing downloaded), saved in transformers' format: the
+    256 byte symbols, <s> and </s>, and letter-pair merges up to the test models' whole vocabulary
+    (320), so every generated id decodes to text."""
+    import itertools
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {sym: i for i, sym in enumerate(symbols)}
+    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
+    pairs = itertools.islice(itertools.product("etaoinshrd", repeat=2), vocab_size - len(vocab))
+    merges = []
+    for a, b in pairs:
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 20])
+    assert tok.get_vocab_size() == vocab_size
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)

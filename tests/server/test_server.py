@@ -48,6 +48,19 @@ def metrics(srv) -> dict:
     return values
 
 
+def wait_until_idle(srv, seconds: float = 10) -> dict:
+    """The server's metrics once nothing runs and every worker's KV cache is empty; fails after `seconds`."""
+    deadline = time.time() + seconds
+    while True:
+        values = metrics(srv)
+        kv_in_use = any(v for k, v in values.items() if k.startswith("burstserve:kv_cache_usage_perc"))
+        if values['burstserve:num_requests_running{}'] == 0 and not kv_in_use:
+            return values
+        if time.time() > deadline:
+            pytest.fail(f"requests still running or KV still held after {seconds}s: {values}")
+        time.sleep(0.2)
+
+
 def test_token_prompt_greedy_matches_transformers_with_logprobs(server, checkpoint):
     prompt = _prompt(50)
     _, ref_tokens = hf_next_logits_and_greedy(checkpoint[1], prompt, 8)
@@ -179,15 +192,7 @@ def test_disconnect_frees_kv_and_metrics_move(server):
         during = metrics(server)
     usage_during = [v for k, v in during.items() if k.startswith("burstserve:kv_cache_usage_perc")]
     assert sum(usage_during) > 0 and during['burstserve:num_requests_running{}'] >= 1
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        after = metrics(server)
-        if after['burstserve:num_requests_running{}'] == 0 and not any(
-                v for k, v in after.items() if k.startswith("burstserve:kv_cache_usage_perc")):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"KV not freed after disconnect: {after}")
+    after = wait_until_idle(server)
     assert after['burstserve:prompt_tokens_total{}'] >= before.get('burstserve:prompt_tokens_total{}', 0) + 300
     assert after['burstserve:time_to_first_token_seconds_count{}'] > before.get(
         'burstserve:time_to_first_token_seconds_count{}', 0)
@@ -317,15 +322,7 @@ def test_non_streaming_disconnect_cancels_the_request(small_server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url("/v1/completions"), timeout=httpx.Timeout(30, read=0.5),
                    json={"prompt": _prompt(20), "max_tokens": 4000, "ignore_eos": True})
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        after = metrics(server)
-        if after['burstserve:num_requests_running{}'] == 0 and not any(
-                v for k, v in after.items() if k.startswith("burstserve:kv_cache_usage_perc")):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"request not cancelled: {after}")
+    after = wait_until_idle(server)
     generated = after['burstserve:generation_tokens_total{}'] - before.get('burstserve:generation_tokens_total{}', 0)
     assert generated < 4000, "the request ran to its end instead of being cancelled"
     assert httpx.get(server.url("/health")).status_code == 200

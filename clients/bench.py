@@ -4,11 +4,13 @@
     burstserve bench sweep --serve "--model llama3-8b --devices cuda --sp-strategy ring-rsa" --label ring-rsa
     burstserve bench sweep --offline --model llama3-8b --devices cuda:4 --sp-strategy burst
     burstserve bench load --url ... --num-prompts 200 --input-len 4096 --output-len 128 --request-rate 4
-    burstserve bench merge out-a/results.json out-b/results.json --output-dir merged
+    burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers
+    burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
+        --doc docs/benchmarks.md --section llama3-8b --title "llama3-8b, every strategy"
 """
-import argparse
 import asyncio
 import contextlib
+import datetime
 import shlex
 import sys
 
@@ -27,13 +29,16 @@ def add_parser(sub) -> None:
         m.add_argument("--label", default=None, help="the configuration's name in tables and plots")
         m.add_argument("--output-dir", default="bench-out")
     sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()))
-    sweep.add_argument("--repeats", type=int, default=3)
+    sweep.add_argument("--repeats", type=int, default=3, help="measured requests per length")
+    sweep.add_argument("--warmup", type=int, default=1,
+                       help="unmeasured requests per length first (a new length builds kernel plans); recorded apart")
     sweep.add_argument("--max-tokens", type=int, default=1)
     sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
     sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
     sweep.add_argument("--devices", default=None, help="offline: devices")
     sweep.add_argument("--dtype", default=None, help="offline: dtype")
-    sweep.add_argument("--sp-strategy", default="burst", help="offline: prefill strategy")
+    sweep.add_argument("--sp-strategy", default="burst",
+                       help="offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
     sweep.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--input-len", type=int, default=1024)
@@ -44,6 +49,12 @@ def add_parser(sub) -> None:
     merge = modes.add_parser("merge", help="several sweeps' results.json into one table and plot")
     merge.add_argument("paths", nargs="+")
     merge.add_argument("--output-dir", default="bench-merged")
+    merge.add_argument("--lengths", default=None, help="only these prompt lengths (comma-separated)")
+    merge.add_argument("--doc", default=None, help="also write the tables into this markdown file's section")
+    merge.add_argument("--section", default=None, help="the section's name (replaced on a rerun); default: title")
+    merge.add_argument("--title", default="Time to first token")
+    merge.add_argument("--scaling-length", type=int, default=65536,
+                       help="the prompt length of the scaling table (configurations by device count)")
 
 
 def _default_lengths() -> list[int]:
@@ -54,23 +65,39 @@ def _default_lengths() -> list[int]:
 def run(args) -> None:
     from tqdm import tqdm
     if args.mode == "merge":
-        rows = report.merge(args.paths, args.output_dir)
+        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+        rows = report.merge(args.paths, args.output_dir, lengths)
         print(report.sweep_table(rows, {}))
+        if args.doc:
+            report.write_doc_section(args.doc, args.section or args.title, args.title, args.paths, rows,
+                                     args.output_dir, args.scaling_length)
         return
     with _server(args) as url:
         if args.mode == "sweep":
             from clients.sweep import sweep_http, sweep_offline
             lengths = [int(x) for x in args.lengths.split(",")]
-            with tqdm(total=len(lengths) * args.repeats, desc="sweep", file=sys.stderr) as bar:
-                if args.offline:
+            total = len(lengths) * (args.repeats + args.warmup)
+            with tqdm(total=total, desc="sweep", file=sys.stderr) as bar:
+                if args.offline and args.sp_strategy == "transformers":
+                    from clients.hf_baseline import sweep_transformers
+                    rows = sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats,
+                                              args.warmup, args.label, bar)
+                elif args.offline:
+                    # one request at a time: admit the longest one whatever the strategy's KV layout
+                    # (the KV cache is allocated per sequence, so this costs no memory up front)
                     llm_args = dict(model=args.model, devices=args.devices, dtype=args.dtype,
                                     sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
-                                    max_model_len=max(lengths) + args.max_tokens)
-                    rows = sweep_offline(llm_args, lengths, args.repeats, args.max_tokens, args.label, bar)
+                                    max_model_len=max(lengths) + args.max_tokens,
+                                    kv_cache_tokens=max(lengths) + args.max_tokens)
+                    rows = sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens,
+                                         args.label, bar)
                 else:
-                    rows = sweep_http(url, lengths, args.repeats, args.max_tokens, args.label, args.api_key, bar)
+                    rows = sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label,
+                                      args.api_key, bar)
             meta = {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-                    "url": None if args.offline else url}
+                    "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
+                    "machine": report.this_machine() if args.offline or args.serve else None,
+                    "repeats": args.repeats, "warmup": args.warmup}
             report.write_sweep(args.output_dir, rows, meta)
             print(report.sweep_table(rows, meta))
         else:

@@ -1,21 +1,24 @@
-"""transformers on one GPU: the baseline a user would pick instead. Prints one JSON line per length.
+"""transformers on one GPU: the baseline a user would pick instead, measured by the same sweep.
 
-    python -m clients.hf_baseline --model llama3-8b --lengths 32768,131072 --repeats 2
-Random weights with the preset's shapes (or a local checkpoint); prefill only, logits of the last
-position only (`logits_to_keep=1`), sdpa attention, bf16; OOM is reported as OOM.
+    burstserve bench sweep --offline --sp-strategy transformers --model llama3-8b --devices cuda
+Random weights with the preset's shapes (or a local checkpoint), `LlamaForCausalLM` with sdpa
+attention in bf16; a request is one forward pass over the prompt with the KV cache on and the
+logits of the last position only (`logits_to_keep=1`), then the greedy token on the host: the same
+work the engine does before its first token. OOM is reported as OOM.
 """
-import argparse
-import json
+import random
 import time
 
 import torch
 
+from clients.sweep import make_row, timed_requests
 
-def build_model(model: str, dtype: torch.dtype):
+
+def build_model(model: str, dtype: torch.dtype, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
     from engine.config import preset_config, preset_names
     if model not in preset_names():
-        return LlamaForCausalLM.from_pretrained(model, torch_dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        return LlamaForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     c = preset_config(model)
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
@@ -23,42 +26,52 @@ def build_model(model: str, dtype: torch.dtype):
                       max_position_embeddings=1 << 20, rms_norm_eps=c.rms_norm_eps)
     cfg._attn_implementation = "sdpa"
     torch.set_default_dtype(dtype)
-    with torch.device("cuda"):
-        m = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
+    try:
+        with device:
+            m = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
     return m.eval()
 
 
 @torch.inference_mode()
-def time_prefill(model, length: int, repeats: int) -> dict:
-    ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda")
-    times = []
-    try:
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return {"prompt_tokens": length, "oom": True}
-    return {"prompt_tokens": length, "seconds": min(times), "mean_seconds": sum(times) / len(times),
-            "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+def first_token_seconds(model, length: int) -> float:
+    """One request: prompt of `length` random ids -> seconds to the greedy first token on the host."""
+    device = model.device
+    ids = torch.tensor([[random.randrange(model.config.vocab_size) for _ in range(length)]])
+    _synchronize(device)
+    start = time.perf_counter()
+    logits = model(ids.to(device), use_cache=True, logits_to_keep=1).logits
+    int(logits[0, -1].argmax())
+    return time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--lengths", default="32768,131072")
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    model = build_model(args.model, torch.bfloat16)
-    time_prefill(model, 1024, 1)   # warm-up
-    for n in [int(x) for x in args.lengths.split(",")]:
-        torch.cuda.reset_peak_memory_stats()
-        print(json.dumps(time_prefill(model, n, args.repeats)), flush=True)
+def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengths: list[int], repeats: int,
+                       warmup: int, label: str | None, progress) -> list[dict]:
+    """The sweep's rows for transformers on the first device of `devices` (default cuda, else cpu).
+    An error (OOM) ends it: longer prompts are not tried."""
+    from engine.devices import default_devices, parse_devices
+    device = torch.device(parse_devices(devices or default_devices())[0])
+    torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    lm = build_model(model, torch_dtype, device)
+    first_token_seconds(lm, 16)   # warm-up
+    fields = {"strategy": "transformers", "devices": str(device), "num_devices": 1, "kernel": "sdpa"}
+    label = label or f"transformers, 1 device ({device.type})"
+    rows = []
+    for n in lengths:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        warm, error = timed_requests(warmup, lambda: first_token_seconds(lm, n), progress)
+        timed, error = timed_requests(repeats, lambda: first_token_seconds(lm, n), progress) if not error \
+            else ([], error)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        rows.append(make_row(label, fields, n, timed, timed, error, warm, {"peak_memory_gib": peak}))
+        if error:
+            break
+    del lm
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

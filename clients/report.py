@@ -3,9 +3,14 @@ ttft.png (TTFT vs prompt length, log-log, one line per configuration); merges se
 import csv
 import json
 import os
+import re
+import shutil
+import subprocess
 
-SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "prompt_tokens", "repeats", "mean_ttft_ms",
-                 "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms", "error"]
+SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "kernel", "prompt_tokens", "repeats",
+                 "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms",
+                 "mean_exchange_ms", "mean_exposed_ms", "hidden_fraction", "peak_memory_gib", "error"]
+NOT_RUN = "-: not run (a shorter prompt of that configuration had already failed)"
 
 
 def write_sweep(output_dir: str, rows: list[dict], meta: dict) -> None:
@@ -38,9 +43,150 @@ def _cell(row: dict | None) -> str:
     if row is None:
         return "-"
     if row.get("error"):
-        return "OOM" if "OutOfMemory" in row["error"] or "out of memory" in row["error"] else "error"
+        return failure(row)
     return f"{row['mean_ttft_ms'] / 1e3:.3f} ({row['std_ttft_ms'] / 1e3:.3f})"
 
+
+def failure(row: dict) -> str:
+    """A failed row's cell: OOM when the GPU (or the KV cache) ran out of memory, else `error`."""
+    error = row["error"].lower()
+    return "OOM" if "outofmemory" in error or "out of memory" in error or "kv cache" in error else "error"
+
+
+def details_table(rows: list[dict]) -> str:
+    """One line per configuration and length: the figures behind the main table's cells."""
+    lines = ["| configuration | prompt tokens | mean s | warm-up s | prefill s | exchange ms | exposed ms | hidden "
+             "| peak GiB/GPU | kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        warm = ", ".join(f"{t / 1e3:.3f}" for t in r.get("warmup_ttft_ms_samples", []))
+        if r.get("error"):
+            lines.append(f"| {r['label']} | {r['prompt_tokens']} | {failure(r)} | {warm} | | | | | | |")
+            continue
+        exchange = r.get("mean_exchange_ms")
+        lines.append(
+            f"| {r['label']} | {r['prompt_tokens']} | {r['mean_ttft_ms'] / 1e3:.3f} | {warm} | "
+            f"{r['mean_server_prefill_ms'] / 1e3:.3f} | " + (
+                f"{exchange:.1f} | {r['mean_exposed_ms']:.1f} | {r['hidden_fraction']:.0%} | " if exchange
+                else "| | | ") + f"{r.get('peak_memory_gib', 0):.1f} | {r.get('kernel', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def scaling_table(rows: list[dict], length: int) -> str:
+    """Configurations (by strategy) x device counts at one prompt length: mean TTFT s and the
+    speed-up over transformers on one device when that was measured in the same results."""
+    at = [r for r in rows if r["prompt_tokens"] == length]
+    counts = sorted({r["num_devices"] for r in at})
+    strategies = list(dict.fromkeys(r["strategy"] for r in at))
+    base = next((r for r in at if r["strategy"] == "transformers" and not r.get("error")), None)
+    strategies = [s for s in strategies if s != "single" or len(strategies) == 1]
+    lines = [f"| strategy ({length} tokens) | " + " | ".join(f"{g} GPU" for g in counts) + " |",
+             "|---|" + "---|" * len(counts)]
+    single = next((r for r in at if r["strategy"] == "single"), None)
+    for strategy in strategies:
+        cells = []
+        for g in counts:
+            row = next((r for r in at if r["strategy"] == strategy and r["num_devices"] == g), None)
+            if row is None and g == 1 and strategy not in ("transformers", "single"):
+                row = single      # every engine strategy is the same computation on one device
+            cell = _cell(row)
+            if row is not None and not row.get("error"):
+                cell = f"{row['mean_ttft_ms'] / 1e3:.3f}"
+                if base is not None:
+                    cell += f" ({base['mean_ttft_ms'] / row['mean_ttft_ms']:.2f}x)"
+            cells.append(cell)
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_scaling(rows: list[dict], length: int, path: str) -> None:
+    """TTFT vs device count at one prompt length, one line per strategy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    at = [r for r in rows if r["prompt_tokens"] == length and not r.get("error")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    single = {r["num_devices"]: r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == "single"}
+    for strategy in dict.fromkeys(r["strategy"] for r in at):
+        if strategy == "single":
+            continue
+        points = {r["num_devices"]: r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == strategy}
+        if strategy != "transformers":
+            points = {**single, **points}
+        points = sorted(points.items())
+        ax.plot(*zip(*points), marker="o", linestyle="-" if len(points) > 1 else "none", label=strategy)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    counts = sorted({r["num_devices"] for r in at})
+    ax.set_xticks(counts, [str(g) for g in counts])
+    ax.minorticks_off()
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel(f"time to first token at {length} tokens (s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def this_machine() -> str:
+    """`N x GPU name` from nvidia-smi, else the CPU count."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+        if names:
+            return f"{len(names)} x {names[0]}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"CPU, {os.cpu_count()} cores"
+
+
+def write_doc_section(doc: str, section: str, title: str, paths: list[str], rows: list[dict], output_dir: str,
+                      scaling_length: int) -> None:
+    """Writes (or replaces) a marked section of a markdown file: the commands, date and machine of
+    every merged run, the table, the plots (copied next to the file) and the details."""
+    slug = re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+    runs = [json.load(open(p)) for p in paths]
+    image_dir = os.path.join(os.path.dirname(doc) or ".", "img")
+    os.makedirs(image_dir, exist_ok=True)
+    machines = sorted({r.get("machine") or "?" for r in runs})
+    dates = sorted({r.get("date") or "?" for r in runs})
+    counts = {(r.get("repeats"), r.get("warmup")) for r in runs}
+    lines = [f"<!-- bench:{slug}:begin -->", f"## {title}", "",
+             f"Date: {', '.join(dates)}  ", f"Machine: {', '.join(machines)}  ",
+             "Written by: `burstserve bench merge ... --doc` over these runs, one process each:", ""]
+    lines += [f"- `{r.get('command', '?')}`" for r in runs]
+    lines += ["", "Time to first token in seconds: mean (std) over the measured requests of each length, "
+              "after " + "; ".join(f"{w} warm-up request(s) and {n} measured" for n, w in sorted(counts, key=str))
+              + ". OOM: out of GPU memory. " + NOT_RUN + ".", ""]
+    if len({r["prompt_tokens"] for r in rows}) > 1:
+        shutil.copy(os.path.join(output_dir, "ttft.png"), os.path.join(image_dir, f"{slug}-ttft.png"))
+        lines += [sweep_table(rows, {}).split("\n", 2)[2].rstrip("\n"), "",
+                  f"![time to first token vs prompt length](img/{slug}-ttft.png)", ""]
+    if len({r["num_devices"] for r in rows if r["prompt_tokens"] == scaling_length}) > 1:
+        plot_scaling(rows, scaling_length, os.path.join(image_dir, f"{slug}-scaling.png"))
+        lines += [f"Scaling at {scaling_length} tokens: seconds (speed-up over transformers on one GPU). The "
+                  "1-GPU cell of an engine strategy is the engine on one GPU (`single`): every strategy is the "
+                  "same computation there.", "",
+                  scaling_table(rows, scaling_length).rstrip("\n"), "",
+                  f"![scaling](img/{slug}-scaling.png)", ""]
+    lines += ["Details. Warm-up: the TTFT of the first request(s) of that length (kernel plans for new shapes). "
+              "Prefill: the workers' own time. Exchange: all layers' K/V ring exchanges timed alone; exposed: "
+              "time compute stalled waiting for them (including waiting for a slower peer); hidden = 1 - "
+              "exposed / exchange. Peak: the largest peak of allocated GPU memory over the workers.", "",
+              details_table(rows).rstrip("\n"), f"<!-- bench:{slug}:end -->", ""]
+    replace_section(doc, f"<!-- bench:{slug}:begin -->", f"<!-- bench:{slug}:end -->", "\n".join(lines))
+
+
+def replace_section(path: str, begin: str, end: str, section: str) -> None:
+    """Puts `section` (which starts with `begin` and ends with `end`) in place of the old one, else at the end."""
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end) + 1:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text)
 
 def plot_sweep(rows: list[dict], path: str) -> None:
     import matplotlib
@@ -77,15 +223,15 @@ def write_load(output_dir: str, result: dict) -> None:
             f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n" for k, v in scalars.items()))
 
 
-def merge(paths: list[str], output_dir: str) -> list[dict]:
-    """Several sweeps' results.json into one table and plot."""
+def merge(paths: list[str], output_dir: str, lengths: list[int] | None = None) -> list[dict]:
+    """Several sweeps' results.json (their rows of `lengths` only, if given) into one table and plot."""
     rows, notes = [], []
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         if data.get("mode") != "sweep":
             raise ValueError(f"{p} is not a sweep's results.json")
-        rows += data["rows"]
+        rows += [r for r in data["rows"] if lengths is None or r["prompt_tokens"] in lengths]
         notes.append(data.get("note", ""))
     write_sweep(output_dir, rows, {"note": " ".join(n for n in notes if n), "merged_from": paths})
     return rows

@@ -35,62 +35,87 @@ def config_fields(info: dict) -> dict:
     return {"strategy": strategy, "devices": ",".join(devices), "num_devices": len(devices)}
 
 
-def _row(label: str, fields: dict, n: int, ttfts: list[float], prefills: list[float], error: str | None) -> dict:
+def make_row(label: str, fields: dict, n: int, ttfts: list[float], prefills: list[float], error: str | None,
+             warmups: list[float] = (), details: dict | None = None) -> dict:
+    """One prompt length's results: TTFT summary over the measured repeats (warm-up requests apart)."""
     row = {"label": label, **fields, "prompt_tokens": n, "repeats": len(ttfts), "error": error,
-           "ttft_ms_samples": [t * 1e3 for t in ttfts], "server_prefill_ms_samples": [p * 1e3 for p in prefills]}
+           "ttft_ms_samples": [t * 1e3 for t in ttfts], "warmup_ttft_ms_samples": [t * 1e3 for t in warmups],
+           "server_prefill_ms_samples": [p * 1e3 for p in prefills]}
     row.update(summarize("ttft", ttfts))
     row["mean_server_prefill_ms"] = sum(prefills) / len(prefills) * 1e3 if prefills else 0.0
+    row.update(details or {})
     return row
 
 
-def sweep_http(url: str, lengths: list[int], repeats: int, max_tokens: int, label: str | None,
+def timed_requests(count: int, send, progress) -> tuple[list, str | None]:
+    """Calls send() `count` times -> (its results, the error that stopped it or None)."""
+    results = []
+    for _ in range(count):
+        try:
+            results.append(send())
+        except Exception as e:  # recorded in the row (OOM shows as OOM), and the sweep goes on
+            progress.update(count - len(results))
+            return results, f"{type(e).__name__}: {e}"
+        progress.update(1)
+    return results, None
+
+
+def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, max_tokens: int, label: str | None,
                api_key: str | None, progress) -> list[dict]:
     info = server_info(url, api_key)
     fields = config_fields(info)
     label = label or f"{fields['strategy']}, {fields['num_devices']} device(s)"
     vocab = info.get("vocab_size", 1000)
+
+    def send():
+        before = prefill_seconds_total(url)
+        ttft = ttft_once(url, info["id"], n, vocab, api_key, max_tokens)
+        return ttft, prefill_seconds_total(url) - before
+
     rows = []
     for n in lengths:
-        ttfts, prefills, error = [], [], None
-        for _ in range(repeats):
-            before = prefill_seconds_total(url)
-            try:
-                ttfts.append(ttft_once(url, info["id"], n, vocab, api_key, max_tokens))
-            except Exception as e:  # recorded in the row (OOM shows as OOM), and the sweep goes on
-                error = str(e)
-                progress.update(repeats - len(ttfts))
-                break
-            prefills.append(prefill_seconds_total(url) - before)
-            progress.update(1)
-        rows.append(_row(label, fields, n, ttfts, prefills, error))
+        warm, error = timed_requests(warmup, send, progress)
+        timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
+        rows.append(make_row(label, fields, n, [t for t, _ in timed], [p for _, p in timed], error,
+                             [t for t, _ in warm]))
     return rows
 
 
-def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, max_tokens: int, label: str | None,
-                  progress) -> list[dict]:
+def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int, max_tokens: int,
+                  label: str | None, progress) -> list[dict]:
+    """The same sweep through the LLM API in this process. An error (an OOM kills the engine) ends
+    this configuration: longer prompts are not tried."""
     from engine import LLM, SamplingParams
     with LLM(**llm_args) as llm:
         devices = llm.engine.devices
         fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
-                  "devices": ",".join(devices), "num_devices": len(devices)}
+                  "devices": ",".join(devices), "num_devices": len(devices), "kernel": llm.kernel}
         label = label or f"{fields['strategy']}, {len(devices)} device(s), offline"
         vocab = llm.model_config.vocab_size
         llm.generate([random.randrange(vocab) for _ in range(16)], SamplingParams(max_tokens=1))   # warm-up
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        def send():
+            return llm.generate([random.randrange(vocab) for _ in range(n)], params)[0].metrics
+
         rows = []
         for n in lengths:
-            ttfts, prefills, error = [], [], None
-            for _ in range(repeats):
-                try:
-                    out = llm.generate([random.randrange(vocab) for _ in range(n)],
-                                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
-                except Exception as e:  # an OOM kills the engine: record it and stop this configuration
-                    error = str(e)
-                    break
-                finally:
-                    progress.update(1)
-                ttfts.append(out.metrics.time_to_first_token)
-                prefills.append(out.metrics.prefill_seconds)
-            rows.append(_row(label, fields, n, ttfts, prefills, error))
+            warm, error = timed_requests(warmup, send, progress)
+            timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
+            rows.append(make_row(label, fields, n, [m.time_to_first_token for m in timed],
+                                 [m.prefill_seconds for m in timed], error,
+                                 [m.time_to_first_token for m in warm], prefill_details(timed)))
             if error:
                 break
     return rows
+
+
+def prefill_details(metrics: list) -> dict:
+    """Means over the measured requests of the workers' prefill figures (exchange, stall, peak memory)."""
+    stats = [m.prefill_stats for m in metrics if m.prefill_stats]
+    if not stats:
+        return {}
+    mean = lambda key: sum(s.get(key, 0.0) for s in stats) / len(stats)   # noqa: E731
+    return {"mean_exchange_ms": mean("exchange_seconds") * 1e3, "mean_exposed_ms": mean("exposed_seconds") * 1e3,
+            "hidden_fraction": mean("hidden_fraction"),
+            "peak_memory_gib": max(s.get("peak_memory_bytes", 0) for s in stats) / 2**30}

@@ -2,7 +2,7 @@
 # the project on PYTHONPATH, NVLink multicast kept off, and $out for results ($OUT on the device machine).
 out=${OUT:-/tmp/burstserve-gpu}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then   # SKIP_WHEELS=1: a CPU dry run here
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -74,30 +74,20 @@ def run(args) -> None:
         return
     with _server(args) as url:
         if args.mode == "sweep":
-            from clients.sweep import sweep_http, sweep_offline
             lengths = [int(x) for x in args.lengths.split(",")]
-            total = len(lengths) * (args.repeats + args.warmup)
-            with tqdm(total=total, desc="sweep", file=sys.stderr) as bar:
-                if args.offline and args.sp_strategy == "transformers":
-                    from clients.hf_baseline import sweep_transformers
-                    rows = sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats,
-                                              args.warmup, args.label, bar)
-                elif args.offline:
-                    # one request at a time: admit the longest one whatever the strategy's KV layout
-                    # (the KV cache is allocated per sequence, so this costs no memory up front)
-                    llm_args = dict(model=args.model, devices=args.devices, dtype=args.dtype,
-                                    sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
-                                    max_model_len=max(lengths) + args.max_tokens,
-                                    kv_cache_tokens=max(lengths) + args.max_tokens)
-                    rows = sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens,
-                                         args.label, bar)
-                else:
-                    rows = sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label,
-                                      args.api_key, bar)
             meta = {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
                     "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
                     "machine": report.this_machine() if args.offline or args.serve else None,
                     "repeats": args.repeats, "warmup": args.warmup}
+            rows = []
+            with tqdm(total=len(lengths) * (args.repeats + args.warmup), desc="sweep", file=sys.stderr) as bar:
+                # written as it goes, with the length being measured marked: a killed run keeps its rows
+                report.write_sweep(args.output_dir, [report.unfinished_row(args, lengths[0], None)], meta)
+                for row in _sweep_rows(args, url, lengths, bar):
+                    rows.append(row)
+                    pending = [report.unfinished_row(args, lengths[len(rows)], row)] if len(rows) < len(lengths) \
+                        else []
+                    report.write_sweep(args.output_dir, rows + pending, meta)
             report.write_sweep(args.output_dir, rows, meta)
             print(report.sweep_table(rows, meta))
         else:
@@ -112,6 +102,23 @@ def run(args) -> None:
                           num_prompts=args.num_prompts, server=info)
             report.write_load(args.output_dir, result)
             print(open(f"{args.output_dir}/results.md").read())
+
+
+def _sweep_rows(args, url: str | None, lengths: list[int], bar):
+    """The chosen sweep's rows, one per prompt length, as they are measured."""
+    if args.offline and args.sp_strategy == "transformers":
+        from clients.hf_baseline import sweep_transformers
+        return sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
+                                  args.label, bar)
+    from clients.sweep import sweep_http, sweep_offline
+    if args.offline:
+        # one request at a time: admit the longest one whatever the strategy's KV layout
+        # (the KV cache is allocated per sequence, so this reserves no memory up front)
+        llm_args = dict(model=args.model, devices=args.devices, dtype=args.dtype, sp_strategy=args.sp_strategy,
+                        overlap=not args.no_overlap, max_model_len=max(lengths) + args.max_tokens,
+                        kv_cache_tokens=max(lengths) + args.max_tokens)
+        return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens, args.label, bar)
+    return sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label, args.api_key, bar)
 
 
 @contextlib.contextmanager

@@ -47,8 +47,8 @@ def first_token_seconds(model, length: int) -> float:
 
 
 def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengths: list[int], repeats: int,
-                       warmup: int, label: str | None, progress) -> list[dict]:
-    """The sweep's rows for transformers on the first device of `devices` (default cuda, else cpu).
+                       warmup: int, label: str | None, progress):
+    """Yields the sweep's rows for transformers on the first device of `devices` (default cuda, else cpu).
     An error (OOM) ends it: longer prompts are not tried."""
     from engine.devices import default_devices, parse_devices
     device = torch.device(parse_devices(devices or default_devices())[0])
@@ -57,7 +57,6 @@ def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengt
     first_token_seconds(lm, 16)   # warm-up
     fields = {"strategy": "transformers", "devices": str(device), "num_devices": 1, "kernel": "sdpa"}
     label = label or f"transformers, 1 device ({device.type})"
-    rows = []
     for n in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -65,11 +64,10 @@ def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengt
         timed, error = timed_requests(repeats, lambda: first_token_seconds(lm, n), progress) if not error \
             else ([], error)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        rows.append(make_row(label, fields, n, timed, timed, error, warm, {"peak_memory_gib": peak}))
+        yield make_row(label, fields, n, timed, timed, error, warm, {"peak_memory_gib": peak})
         if error:
             break
     del lm
-    return rows
 
 
 def _synchronize(device: torch.device) -> None:

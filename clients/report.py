@@ -47,9 +47,22 @@ def _cell(row: dict | None) -> str:
     return f"{row['mean_ttft_ms'] / 1e3:.3f} ({row['std_ttft_ms'] / 1e3:.3f})"
 
 
+UNFINISHED = "unfinished: the run stopped while measuring this length (killed at its time limit?)"
+
+
+def unfinished_row(args, n: int, previous: dict | None) -> dict:
+    """The row written for the length being measured, replaced once it is measured."""
+    fields = {k: previous[k] for k in ("label", "strategy", "devices", "num_devices", "kernel") if k in previous} \
+        if previous else {"label": args.label or "?", "strategy": args.sp_strategy, "num_devices": 0}
+    return {**fields, "prompt_tokens": n, "repeats": 0, "error": UNFINISHED, "ttft_ms_samples": [],
+            "warmup_ttft_ms_samples": [], "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0, "mean_server_prefill_ms": 0.0}
+
+
 def failure(row: dict) -> str:
     """A failed row's cell: OOM when the GPU (or the KV cache) ran out of memory, else `error`."""
     error = row["error"].lower()
+    if row["error"] == UNFINISHED:
+        return "timeout"
     return "OOM" if "outofmemory" in error or "out of memory" in error or "kv cache" in error else "error"
 
 
@@ -158,7 +171,7 @@ def write_doc_section(doc: str, section: str, title: str, paths: list[str], rows
     lines += [f"- `{r.get('command', '?')}`" for r in runs]
     lines += ["", "Time to first token in seconds: mean (std) over the measured requests of each length, "
               "after " + "; ".join(f"{w} warm-up request(s) and {n} measured" for n, w in sorted(counts, key=str))
-              + ". OOM: out of GPU memory. " + NOT_RUN + ".", ""]
+              + ". OOM: out of GPU memory; timeout: not finished within the run's time limit. " + NOT_RUN + ".", ""]
     if len({r["prompt_tokens"] for r in rows}) > 1:
         shutil.copy(os.path.join(output_dir, "ttft.png"), os.path.join(image_dir, f"{slug}-ttft.png"))
         lines += [sweep_table(rows, {}).split("\n", 2)[2].rstrip("\n"), "",

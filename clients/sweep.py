@@ -61,7 +61,8 @@ def timed_requests(count: int, send, progress) -> tuple[list, str | None]:
 
 
 def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, max_tokens: int, label: str | None,
-               api_key: str | None, progress) -> list[dict]:
+               api_key: str | None, progress):
+    """Yields one row per prompt length."""
     info = server_info(url, api_key)
     fields = config_fields(info)
     label = label or f"{fields['strategy']}, {fields['num_devices']} device(s)"
@@ -72,18 +73,15 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, max_toke
         ttft = ttft_once(url, info["id"], n, vocab, api_key, max_tokens)
         return ttft, prefill_seconds_total(url) - before
 
-    rows = []
     for n in lengths:
         warm, error = timed_requests(warmup, send, progress)
         timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
-        rows.append(make_row(label, fields, n, [t for t, _ in timed], [p for _, p in timed], error,
-                             [t for t, _ in warm]))
-    return rows
+        yield make_row(label, fields, n, [t for t, _ in timed], [p for _, p in timed], error, [t for t, _ in warm])
 
 
 def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int, max_tokens: int,
-                  label: str | None, progress) -> list[dict]:
-    """The same sweep through the LLM API in this process. An error (an OOM kills the engine) ends
+                  label: str | None, progress):
+    """Yields one row per prompt length: the same sweep through the LLM API in this process. An error (an OOM kills the engine) ends
     this configuration: longer prompts are not tried."""
     from engine import LLM, SamplingParams
     with LLM(**llm_args) as llm:
@@ -98,16 +96,14 @@ def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int,
         def send():
             return llm.generate([random.randrange(vocab) for _ in range(n)], params)[0].metrics
 
-        rows = []
         for n in lengths:
             warm, error = timed_requests(warmup, send, progress)
             timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
-            rows.append(make_row(label, fields, n, [m.time_to_first_token for m in timed],
-                                 [m.prefill_seconds for m in timed], error,
-                                 [m.time_to_first_token for m in warm], prefill_details(timed)))
+            yield make_row(label, fields, n, [m.time_to_first_token for m in timed],
+                           [m.prefill_seconds for m in timed], error,
+                           [m.time_to_first_token for m in warm], prefill_details(timed))
             if error:
                 break
-    return rows
 
 
 def prefill_details(metrics: list) -> dict:

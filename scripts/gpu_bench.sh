@@ -16,7 +16,8 @@ LENGTHS=${LENGTHS:-4096,8192,16384,32768,65536,131072,262144}
 SCALING_LENGTH=${SCALING_LENGTH:-65536}
 OVERLAP_LENGTHS=${OVERLAP_LENGTHS:-32768,131072}
 REPEATS=${REPEATS:-2}
-LIMIT=${LIMIT:-170}          # seconds per configuration
+LIMIT=${LIMIT:-170}          # seconds per configuration on 2+ GPUs
+LIMIT_ONE=${LIMIT_ONE:-330}  # seconds per configuration on one GPU (256K there takes ~45 s a request)
 STRATEGIES="burst tp ulysses cqs burst-nolao ring-rsa"
 if [ "$KIND" = cuda ]; then gpus=$(nvidia-smi -L | wc -l); else gpus=4; fi
 
@@ -39,9 +40,9 @@ devices() { echo "$KIND:$1"; }            # N workers on the first N visible dev
 small_counts() {
   local i=0 pids=()
   for model in $MODELS; do   # 1 GPU: two runs per model at once, one GPU each
-    sweep "transformers-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $i)" --sp-strategy transformers \
+    LIMIT=$LIMIT_ONE sweep "transformers-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $i)" --sp-strategy transformers \
         --lengths "$LENGTHS" --label "transformers, 1 GPU" & pids+=($!)
-    sweep "single-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $((i + 1)))" --sp-strategy single \
+    LIMIT=$LIMIT_ONE sweep "single-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $((i + 1)))" --sp-strategy single \
         --lengths "$LENGTHS" --label "engine (single), 1 GPU" & pids+=($!)
     i=$((i + 2))
   done

@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     merge.add_argument("--section", default=None, help="the section's name (replaced on a rerun); default: title")
     merge.add_argument("--title", default="Time to first token")
     merge.add_argument("--scaling-length", type=int, default=65536,
-                       help="the prompt length of the scaling table (configurations by device count)")
+                       help="the prompt length of the scaling table (configurations by device count); 0: none")
 
 
 def _default_lengths() -> list[int]:

@@ -176,7 +176,7 @@ def write_doc_section(doc: str, section: str, title: str, paths: list[str], rows
         shutil.copy(os.path.join(output_dir, "ttft.png"), os.path.join(image_dir, f"{slug}-ttft.png"))
         lines += [sweep_table(rows, {}).split("\n", 2)[2].rstrip("\n"), "",
                   f"![time to first token vs prompt length](img/{slug}-ttft.png)", ""]
-    if len({r["num_devices"] for r in rows if r["prompt_tokens"] == scaling_length}) > 1:
+    if scaling_length and len({r["num_devices"] for r in rows if r["prompt_tokens"] == scaling_length}) > 1:
         plot_scaling(rows, scaling_length, os.path.join(image_dir, f"{slug}-scaling.png"))
         lines += [f"Scaling at {scaling_length} tokens: seconds (speed-up over transformers on one GPU). The "
                   "1-GPU cell of an engine strategy is the engine on one GPU (`single`): every strategy is the "

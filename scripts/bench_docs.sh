@@ -19,7 +19,7 @@ for model in $MODELS; do
   gpus=$(ls -d "$dir"/burst-[0-9]* | sed 's/.*-//' | sort -n | tail -1)
   all=$(existing "$dir/transformers-1/results.json" "$dir/single-1/results.json" \
         $(for s in $STRATEGIES; do echo "$dir/$s-$gpus/results.json"; done))
-  python3 -m server.cli bench merge $all --output-dir "$work/$model-all" --doc "$doc" --section "$model" \
+  python3 -m server.cli bench merge $all --output-dir "$work/$model-all" --doc "$doc" --section "$model" --scaling-length 0 \
       --title "Prefill: time to first token, \`$model\` preset, every strategy on $gpus GPUs (bf16, batch 1)"
   scaling=$(existing "$dir/transformers-1/results.json" "$dir/single-1/results.json" \
             $(for s in $STRATEGIES; do for g in 2 4 8; do echo "$dir/$s-$g/results.json"; done; done))

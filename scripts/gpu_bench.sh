@@ -4,9 +4,9 @@
 #   bash scripts/gpu_bench.sh small-counts       # 1 GPU: transformers and the engine (`single`);
 #                                                # 2 GPUs: every strategy at the scaling length;
 #                                                # both models, the GPUs split between concurrent runs
-#   bash scripts/gpu_bench.sh strategies MODEL   # every strategy on all GPUs over LENGTHS, then burst
+#   bash scripts/gpu_bench.sh strategies MODEL.. # every strategy on all GPUs over LENGTHS, then burst
 #                                                # with --no-overlap at 32K and 128K
-# Results land in $out/MODEL/CONFIG/results.json; scripts/bench_docs.sh merges them into the docs.
+# Results: $out/results.tgz holding MODEL/CONFIG/results.json; scripts/bench_docs.sh merges them into the docs.
 # KIND=cpu runs the same commands on CPU workers (a dry run: MODELS=tiny LENGTHS=64,256).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -68,9 +68,12 @@ strategies() {
       --lengths "$OVERLAP_LENGTHS" --label "burst, no overlap, $gpus GPU"
 }
 
+# the device tool brings back at most 8 files: everything travels as one archive
+pack() { tar czf /tmp/results.tgz --exclude='*.png' -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/results.tgz "$out/"; }
 echo "$(date +%T) $KIND x $gpus; models: $MODELS; lengths: $LENGTHS"
 case "${1:-}" in
   small-counts) small_counts ;;
-  strategies) strategies "${2:?strategies MODEL}" ;;
-  *) echo "usage: $0 small-counts | strategies MODEL" >&2; exit 2 ;;
+  strategies) shift; for model in "$@"; do strategies "$model"; done ;;
+  *) echo "usage: $0 small-counts | strategies MODEL..." >&2; exit 2 ;;
 esac
+pack

@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# The end-of-session GPU run, in one call: GPU tests, the prefill table over every GPU count the
-# machine has (transformers on one GPU in the same run), then the HTTP server with the llama3-8b
-# preset on all GPUs answering streaming 32K-token prompts. Needs the wheels in .whl/ (fastapi...).
+# The end-of-session GPU run, in one call: GPU tests, then the HTTP server with the llama3-8b preset
+# on all GPUs answering streaming 32K-token prompts, then the overlap experiment. The prefill tables
+# are scripts/gpu_bench.sh's. Needs the wheels in .whl/ (fastapi...).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-n=$(nvidia-smi -L | wc -l)
-gpus=1; g=2; while [ "$g" -le "$n" ]; do gpus="$gpus,$g"; g=$((g * 2)); done
-echo "GPUs: $n, counts measured: $gpus"
+echo "GPUs: $(nvidia-smi -L | wc -l)"
 [ -n "${SKIP_GPU_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
-timeout ${PREFILL_TIMEOUT:-420} python3 -m clients.prefill_table --model llama3-8b --lengths ${LENGTHS:-32768,131072} \
-    --gpus "$gpus" --repeats 2 --no-overlap-too --output "$out/benchmarks.md" --json "$out/prefill.json" \
-    2>&1 | grep -v -i warn | tee "$out/prefill.log"
 python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done

@@ -79,3 +79,65 @@ def test_load_mode_reports_vllm_metrics(tmp_path):
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["mean_itl_ms"] > 0
     assert result["request_throughput"] == pytest.approx(12 / result["duration"])
     assert os.path.exists(tmp_path / "load" / "results.csv") and os.path.exists(tmp_path / "load" / "results.md")
+
+
+def test_transformers_baseline_sweep_and_doc_section(tmp_path):
+    """transformers on one CPU device through the same sweep, merged with an engine sweep into a
+    markdown section whose cells are the measured means; a rerun replaces the section."""
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--sp-strategy", "transformers",
+          "--lengths", "48,160", "--repeats", "2", "--warmup", "1", "--label", "hf", "--output-dir", str(tmp_path / "hf"))
+    hf = check_sweep_outputs(str(tmp_path / "hf"), [48, 160], 2, "hf")
+    assert all(r["strategy"] == "transformers" and len(r["warmup_ttft_ms_samples"]) == 1 for r in hf)
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--sp-strategy", "single",
+          "--lengths", "48,160", "--repeats", "1", "--label", "one", "--output-dir", str(tmp_path / "one"))
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu:2", "--lengths", "160", "--repeats", "1",
+          "--label", "two", "--output-dir", str(tmp_path / "two"))
+    doc = tmp_path / "docs" / "bench.md"
+    doc.parent.mkdir()
+    doc.write_text("# Mine\n\nkept text\n")
+    paths = [str(tmp_path / d / "results.json") for d in ("hf", "one", "two")]
+    for _ in range(2):   # the second run replaces the section
+        bench("merge", *paths, "--output-dir", str(tmp_path / "m"), "--doc", str(doc), "--section", "tiny cpu",
+              "--title", "Tiny on CPU", "--scaling-length", "160")
+    text = doc.read_text()
+    assert text.startswith("# Mine\n\nkept text\n") and text.count("## Tiny on CPU") == 1
+    assert text.count("<!-- bench:tiny-cpu:begin -->") == 1 and text.count("<!-- bench:tiny-cpu:end -->") == 1
+    rows = {(r["label"], r["prompt_tokens"]): r for p in paths for r in json.load(open(p))["rows"]}
+    table = text[text.index("| prompt tokens |"):]
+    line_160 = next(line for line in table.splitlines() if line.startswith("| 160 |"))
+    for label in ("hf", "one", "two"):
+        r = rows[(label, 160)]
+        assert f"{r['mean_ttft_ms'] / 1e3:.3f} ({r['std_ttft_ms'] / 1e3:.3f})" in line_160
+    assert "| 48 |" in table and "| 48 | " + f"{rows[('hf', 48)]['mean_ttft_ms'] / 1e3:.3f}" in table
+    # scaling: the engine's one-device figure fills burst's 1-device cell, speed-up against transformers
+    burst_line = next(line for line in text.splitlines() if line.startswith("| burst |"))
+    one, two, base = rows[("one", 160)], rows[("two", 160)], rows[("hf", 160)]
+    assert f"{one['mean_ttft_ms'] / 1e3:.3f} ({base['mean_ttft_ms'] / one['mean_ttft_ms']:.2f}x)" in burst_line
+    assert f"{two['mean_ttft_ms'] / 1e3:.3f} ({base['mean_ttft_ms'] / two['mean_ttft_ms']:.2f}x)" in burst_line
+    for image in ("tiny-cpu-ttft.png", "tiny-cpu-scaling.png"):
+        assert (doc.parent / "img" / image).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_merge_keeps_only_the_asked_lengths(tmp_path):
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--lengths", "24,72", "--repeats", "1",
+          "--warmup", "0", "--label", "a", "--output-dir", str(tmp_path / "a"))
+    data = json.load(open(tmp_path / "a" / "results.json"))
+    assert data["warmup"] == 0 and all(r["warmup_ttft_ms_samples"] == [] for r in data["rows"])
+    bench("merge", str(tmp_path / "a" / "results.json"), "--lengths", "72", "--output-dir", str(tmp_path / "m"))
+    merged = json.load(open(tmp_path / "m" / "results.json"))["rows"]
+    assert [r["prompt_tokens"] for r in merged] == [72]
+
+
+def test_failed_and_unfinished_cells():
+    from types import SimpleNamespace
+    from clients import report
+    oom = {"label": "x", "prompt_tokens": 8, "error": "EngineDeadError: worker 1 failed: OutOfMemoryError: CUDA "
+                                                       "out of memory. Tried to allocate 128.00 GiB"}
+    assert report.failure(oom) == "OOM"
+    assert report.failure(dict(oom, error="InvalidRequestError: the request needs 9 tokens of KV cache")) == "OOM"
+    assert report.failure(dict(oom, error="RuntimeError: NCCL timeout")) == "error"
+    args = SimpleNamespace(label="lbl", sp_strategy="cqs")
+    pending = report.unfinished_row(args, 4096, None)
+    assert report.failure(pending) == "timeout" and pending["label"] == "lbl" and pending["strategy"] == "cqs"
+    table = report.sweep_table([dict(oom, mean_ttft_ms=0, std_ttft_ms=0), dict(pending, label="x")], {})
+    assert "| 8 | OOM |" in table and "| 4096 | timeout |" in table

@@ -95,6 +95,7 @@ async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], para
             reason = "stop" if assembler.stopped else step.finish_reason
             if reason is not None and not assembler.stopped:
                 text += assembler.finish()
+                reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
             yield ChoiceEvent(index, text, step.token_id, step.logprobs, reason)
             if reason is not None:
                 return

@@ -138,6 +138,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     sp_strategy: str = "burst"
+    auto_ulysses_max_tokens: int = 16384    # sp_strategy "auto": prompts up to this length use ulysses, longer burst
     overlap: bool = True
     seed: int = 0
     kernel: str = "auto"

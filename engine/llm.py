@@ -35,18 +35,22 @@ class LLM:
     def __init__(self, model: str = "tiny", devices: str | None = None, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, sp_strategy: str = "burst",
                  overlap: bool = True, seed: int = 0, kernel: str = "auto", kv_cache_tokens: int | None = None,
-                 kv_cache_memory_fraction: float = 0.5):
+                 kv_cache_memory_fraction: float = 0.5, auto_ulysses_max_tokens: int = 16384):
         device_list = parse_devices(devices or default_devices())
         if sp_strategy not in SP_STRATEGIES:
             raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
                                       "sp_strategy")
+        if auto_ulysses_max_tokens < 0:
+            raise InvalidRequestError(f"auto_ulysses_max_tokens must be >= 0, not {auto_ulysses_max_tokens}",
+                                      "auto_ulysses_max_tokens")
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
         self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
                                    seed=seed, kernel=kernel, kv_cache_tokens=kv_cache_tokens,
-                                   kv_cache_memory_fraction=kv_cache_memory_fraction)
+                                   kv_cache_memory_fraction=kv_cache_memory_fraction,
+                                   auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None
         if reason:

@@ -26,7 +26,7 @@ from kernels.attention import AttentionBackend, reference_attention, select_back
 
 log = logging.getLogger(__name__)
 # Prefill strategies (how attention spans the workers); decoding afterwards is the same for all.
-SP_STRATEGIES = ("burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "single")
+SP_STRATEGIES = ("burst", "auto", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "single")
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
@@ -62,7 +62,8 @@ class ModelRunner:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
         shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
         shards = shard_fn(token_ids.shape[0], 1 if self.tp else self.world_size)
-        attention = self._prefill_attention(shards)
+        strategy = self._strategy_for(token_ids.shape[0])
+        attention = self._prefill_attention(shards, strategy)
         exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
         self._sync()
         start = time.perf_counter()
@@ -87,7 +88,7 @@ class ModelRunner:
             dist.broadcast(logits, src=owner, group=self.data_group)
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start}
+        result = {"prefill_seconds": time.perf_counter() - start, "strategy": strategy}
         if stats is not None:
             result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
@@ -111,9 +112,19 @@ class ModelRunner:
         self.decode_attention.end_step()
         return self.model.logits(hidden).cpu() if self.rank == 0 else None
 
-    def _prefill_attention(self, shards):
+    def _strategy_for(self, num_tokens: int) -> str:
+        """The prefill strategy of one prompt: the configured one, or for `auto` ulysses on short
+        prompts (it has no per-ring-step cost; measured 2x faster than burst at 4K on 4 H200s) and
+        burst on long ones. Both keep the same zigzag KV layout, so decoding does not care."""
+        strategy = self.engine.sp_strategy
+        if strategy != "auto":
+            return strategy
+        short = num_tokens <= self.engine.auto_ulysses_max_tokens
+        return "ulysses" if short and self.world_size > 1 and self.cfg.num_heads % self.world_size == 0 else "burst"
+
+    def _prefill_attention(self, shards, strategy: str):
         """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for this prefill's strategy."""
-        strategy, overlap = self.engine.sp_strategy, self.engine.overlap
+        overlap = self.engine.overlap
         if self.tp:   # the whole prompt, this worker's heads: one causal kernel call
             return lambda q, kv: self.backend(q, kv[:, 0], kv[:, 1], True, self.scale)[0]
         if strategy == "ring-rsa":

@@ -24,7 +24,10 @@ def serve_parser(sub) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=128 << 20)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity per worker, in tokens")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
-                   help="how prefill attention spans the workers (decoding is the same for all)")
+                   help="how prefill attention spans the workers (decoding is the same for all); "
+                        "auto: ulysses for short prompts, burst for long ones")
+    p.add_argument("--auto-ulysses-max-tokens", type=int, default=16384,
+                   help="--sp-strategy auto: the longest prompt that uses ulysses")
     p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -40,6 +43,7 @@ def serve(args) -> None:
     try:
         llm = LLM(model=args.model, devices=args.devices, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
+                  auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
     except BurstServeError as e:
         log.error("%s", e)

@@ -67,3 +67,20 @@ def test_cqs_plan_computes_every_block_once(workers):
     assert len(difference_cover(workers)) <= 1 + int(workers ** 0.5) + 1                   # near sqrt(W)
     sizes = [len(t) for t in plan.tasks]
     assert max(sizes) - min(sizes) <= 2, sizes
+
+
+def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint):
+    path, model = checkpoint
+    prompts = [[random.randrange(320) for _ in range(n)] for n in (3, 40, 41, 300)]
+    with LLM(path, devices="cpu:4", dtype="float32", sp_strategy="auto", auto_ulysses_max_tokens=40) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.metrics.prefill_stats["strategy"] == ("ulysses" if len(prompt) <= 40 else "burst")
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 10)
+            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
+            assert out.outputs[0].token_ids == ref_tokens, len(prompt)
+    with LLM(path, devices="cpu:3", dtype="float32", sp_strategy="auto") as llm:   # 3 workers do not divide the heads
+        out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+        assert out.metrics.prefill_stats["strategy"] == "burst"
+    with pytest.raises(InvalidRequestError, match="auto_ulysses_max_tokens"):
+        LLM(path, devices="cpu:2", sp_strategy="auto", auto_ulysses_max_tokens=-1)

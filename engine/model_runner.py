@@ -54,6 +54,7 @@ class ModelRunner:
         self.decode_attention = DecodeAttention(self.backend, self.scale, 1 if self.tp else self.world_size,
                                                 data_group)
         self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
+        self.prompt_tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> of those, the prompt's (first slots)
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
         self.kv_capacity_tokens = self._kv_capacity()
 
@@ -79,6 +80,7 @@ class ModelRunner:
         hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
         seq.length = shard.length
         self.tokens_per_rank[seq_id] = [s.length for s in shards] * (self.world_size if self.tp else 1)
+        self.prompt_tokens_per_rank[seq_id] = list(self.tokens_per_rank[seq_id])
         owner, row = owner_of_position(shards, token_ids.shape[0] - 1)  # tp: worker 0 (all hold every row)
         if self.rank == owner:
             logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
@@ -158,10 +160,24 @@ class ModelRunner:
         counts[owner] += 1
         return owner
 
+    @torch.inference_mode()
+    def fork(self, source_id: int, seq_id: int, reserve: int) -> None:
+        """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
+        fill each worker's first slots; what the source decoded since is not copied)."""
+        counts = self.prompt_tokens_per_rank[source_id]
+        n = counts[self.rank]
+        source = self.kv.seqs[source_id]
+        seq = self.kv.allocate(seq_id, n + reserve)
+        seq.kv[:, :n] = source.kv[:, :n]
+        seq.length = n
+        self.tokens_per_rank[seq_id] = list(counts)
+        self.prompt_tokens_per_rank[seq_id] = list(counts)
+
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.kv.free(s)
             self.tokens_per_rank.pop(s, None)
+            self.prompt_tokens_per_rank.pop(s, None)
 
     def info(self) -> dict:
         total = self.kv_capacity_tokens * (1 if self.tp else self.world_size)   # tp: every worker holds every token

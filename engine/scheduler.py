@@ -22,6 +22,7 @@ class RunningSequence:
     generator: torch.Generator | None
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
+    prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
 
 
 class Scheduler:
@@ -106,9 +107,22 @@ class Scheduler:
         self.kv_reserved += self._kv_needed(request)
         room = self.max_model_len - len(request.prompt_token_ids)
         reserve = min(request.params.max_tokens, max(room, 0)) // self.world_size + 2
-        result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64), reserve)
-        logits = result.pop("logits")
+        twin = self._running_twin(request)
+        if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
+            self.call("fork", twin.seq_id, seq.seq_id, reserve)
+            logits, result = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}
+        else:
+            result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64),
+                               reserve)
+            logits = result.pop("logits")
+        seq.prompt_logits = logits
         self._emit(seq, logits, prefill=result, keep_logits=request.return_logits)
+
+    def _running_twin(self, request: Request) -> RunningSequence | None:
+        """A running sequence with exactly this prompt (say the n choices of one request), if any."""
+        ids = request.prompt_token_ids
+        return next((s for s in self.running if not s.aborted and len(s.request.prompt_token_ids) == len(ids)
+                     and s.request.prompt_token_ids == ids), None)
 
     def _decode(self) -> None:
         batch = list(self.running)

@@ -174,3 +174,27 @@ def test_kv_capacity_admission():
         assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]
         first, second = (o.metrics for o in outs)
         assert second.first_token_time >= first.finished_time
+
+
+def test_identical_prompts_share_one_prefill(llm, checkpoint):
+    """Requests with the same prompt while it is still running copy its K/V instead of a prefill;
+    each still decodes exactly as it would alone (greedy: transformers' tokens; seeded: its own run)."""
+    prompt = _prompt(150)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, seed=random.randrange(1 << 20), max_tokens=10, ignore_eos=True,
+                             logprobs=3) for _ in range(2)]
+    outs = llm.generate([prompt] * 3, [greedy] + seeded)
+    assert [bool(o.metrics.prefill_stats.get("shared_prefill")) for o in outs] == [False, True, True]
+    assert outs[1].metrics.prefill_seconds == 0.0 and outs[0].metrics.prefill_seconds > 0
+    _, ref = hf_next_logits_and_greedy(checkpoint[1], prompt, 10)
+    assert outs[0].outputs[0].token_ids == ref
+    for out, params in zip(outs[1:], seeded):
+        alone = llm.generate(prompt, params)[0]
+        assert not alone.metrics.prefill_stats.get("shared_prefill")
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        for shared_step, alone_step in zip(out.outputs[0].logprobs, alone.outputs[0].logprobs):
+            assert shared_step.keys() == alone_step.keys()
+            assert all(abs(shared_step[t] - alone_step[t]) <= 1e-5 for t in shared_step)
+    twin_greedy = llm.generate([prompt, prompt], [greedy, greedy])
+    assert twin_greedy[1].metrics.prefill_stats.get("shared_prefill")
+    assert [o.outputs[0].token_ids for o in twin_greedy] == [ref, ref]

@@ -6,12 +6,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.serving import (ServerContext, check_model, check_token_ids, make_params, merge_choices,
+from server.serving import (ServerContext, check_model, check_n, check_token_ids, make_params, merge_choices,
                             refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings,
                             unless_disconnected)
 from server.text import chat_logprob_entry
 
-UNSUPPORTED = {"n": 1, "logit_bias": None, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+UNSUPPORTED = {"logit_bias": None, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 # Used when the tokenizer has no chat template (documented in the README):
 #   <|system|>\n{content}\n<|user|>\n{content}\n ... <|assistant|>\n
 SIMPLE_TEMPLATE_ROLE = "<|{role}|>\n{content}\n"
@@ -44,53 +44,59 @@ def render_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw=None):
     check_model(ctx, req.model)
     refuse_unsupported(req, UNSUPPORTED)
+    n = check_n(req.n)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     ids = check_token_ids(ctx, render_prompt_ids(ctx, req))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages")
     top = req.top_logprobs or 0
-    params = make_params(req, max_tokens, top if req.logprobs else None)
-    ctx.engine.admit(1)
-    stream = run_choice(ctx, 0, ids, params, stop_strings(req.stop))
+    ctx.engine.admit(n)
+    stops = stop_strings(req.stop)   # the n choices share one prefill
+    streams = [run_choice(ctx, j, ids, make_params(req, max_tokens, top if req.logprobs else None, j), stops)
+               for j in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, req, len(ids), stream, rid, created, include_usage),
+        return StreamingResponse(_stream(ctx, req, len(ids), streams, rid, created, include_usage),
                                  media_type="text/event-stream")
-    return JSONResponse(await unless_disconnected(_collect(ctx, req, ids, stream, rid, created, top), raw))
+    return JSONResponse(await unless_disconnected(_collect(ctx, req, ids, streams, rid, created, top), raw))
 
 
-async def _collect(ctx, req, ids, stream, rid, created, top) -> dict:
-    text, entries, tokens, reason = "", [], 0, None
-    async for event in merge_choices([stream]):
-        text += event.text
+async def _collect(ctx, req, ids, streams, rid, created, top) -> dict:
+    texts, entries, reasons = [""] * len(streams), [[] for _ in streams], [None] * len(streams)
+    tokens = 0
+    async for event in merge_choices(streams):
+        i = event.index
+        texts[i] += event.text
         tokens += 1
-        reason = event.finish_reason
+        reasons[i] = event.finish_reason
         if req.logprobs and event.logprobs is not None:
-            entries.append(chat_logprob_entry(ctx.llm.tokenizer, event.token_id, event.logprobs, top,
-                                              req.return_tokens_as_token_ids))
+            entries[i].append(chat_logprob_entry(ctx.llm.tokenizer, event.token_id, event.logprobs, top,
+                                                 req.return_tokens_as_token_ids))
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": {"content": entries} if req.logprobs else None, "finish_reason": reason}],
+        "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                     "logprobs": {"content": entries[i]} if req.logprobs else None, "finish_reason": reasons[i]}
+                    for i in range(len(streams))],
         "usage": {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}}
 
 
-async def _stream(ctx, req, prompt_tokens, stream, rid, created, include_usage):
-    def chunk(delta, logprobs=None, finish_reason=None):
+async def _stream(ctx, req, prompt_tokens, streams, rid, created, include_usage):
+    def chunk(index, delta, logprobs=None, finish_reason=None):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     tokens = 0
     try:
-        yield sse(chunk({"role": "assistant", "content": ""}))
-        async for event in merge_choices([stream]):
+        for i in range(len(streams)):
+            yield sse(chunk(i, {"role": "assistant", "content": ""}))
+        async for event in merge_choices(streams):
             tokens += 1
             logprobs = None
             if req.logprobs and event.logprobs is not None:
                 logprobs = {"content": [chat_logprob_entry(ctx.llm.tokenizer, event.token_id, event.logprobs,
                                                            req.top_logprobs or 0, req.return_tokens_as_token_ids)]}
-            yield sse(chunk({"content": event.text}, logprobs, event.finish_reason))
+            yield sse(chunk(event.index, {"content": event.text}, logprobs, event.finish_reason))
         if include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                        "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,

@@ -6,13 +6,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.errors import APIError
 from server.protocol import CompletionRequest
-from server.serving import (ServerContext, check_model, check_token_ids, encode_text, make_params, merge_choices,
-                            refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error, stop_strings,
-                            unless_disconnected)
+from server.serving import (ServerContext, check_model, check_n, check_token_ids, encode_text, make_params,
+                            merge_choices, refuse_unsupported, resolve_max_tokens, run_choice, sse, sse_error,
+                            stop_strings, unless_disconnected)
 from server.text import completion_logprob_entry
 
-UNSUPPORTED = {"n": 1, "best_of": 1, "suffix": None, "logit_bias": None, "frequency_penalty": 0.0,
-               "presence_penalty": 0.0}
+UNSUPPORTED = {"suffix": None, "logit_bias": None, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str | None, list[int]]]:
@@ -35,20 +34,24 @@ async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str | None, list[in
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None):
     check_model(ctx, req.model)
     refuse_unsupported(req, UNSUPPORTED)
+    n = check_n(req.n)
+    if req.best_of not in (None, 1, n):
+        raise APIError(400, f"best_of={req.best_of!r} is not supported (only best_of equal to n)", "best_of")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
     prompts = await _prompts(ctx, req.prompt)
     stops = stop_strings(req.stop)
-    params = [make_params(req, resolve_max_tokens(ctx, len(ids), req.max_tokens, "prompt"), req.logprobs)
-              for _, ids in prompts]
-    ctx.engine.admit(len(prompts))
-    streams = [run_choice(ctx, i, ids, p, stops) for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+    max_tokens = [resolve_max_tokens(ctx, len(ids), req.max_tokens, "prompt") for _, ids in prompts]
+    ctx.engine.admit(len(prompts) * n)
+    # choice index = prompt index * n + j (OpenAI's order); the n choices of a prompt share its prefill
+    streams = [run_choice(ctx, i * n + j, ids, make_params(req, m, req.logprobs, j), stops)
+               for i, ((_, ids), m) in enumerate(zip(prompts, max_tokens)) for j in range(n)]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, req, prompts, streams, rid, created, include_usage),
+        return StreamingResponse(_stream(ctx, req, prompts, n, streams, rid, created, include_usage),
                                  media_type="text/event-stream")
-    return JSONResponse(await unless_disconnected(_collect(ctx, req, prompts, streams, rid, created), raw))
+    return JSONResponse(await unless_disconnected(_collect(ctx, req, prompts, n, streams, rid, created), raw))
 
 
 class _Choice:
@@ -83,8 +86,8 @@ def _prefix(ctx, req, prompt) -> str:
     return (text if text is not None else ctx.llm.tokenizer.decode(ids)) if req.echo else ""
 
 
-async def _collect(ctx, req, prompts, streams, rid, created) -> dict:
-    choices = [_Choice(_prefix(ctx, req, p)) for p in prompts]
+async def _collect(ctx, req, prompts, n, streams, rid, created) -> dict:
+    choices = [_Choice(_prefix(ctx, req, p)) for p in prompts for _ in range(n)]
     async for event in merge_choices(streams):
         choices[event.index].add(ctx, req, event)
     return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
@@ -93,16 +96,16 @@ async def _collect(ctx, req, prompts, streams, rid, created) -> dict:
             "usage": _usage(prompts, choices)}
 
 
-async def _stream(ctx, req, prompts, streams, rid, created, include_usage):
-    choices = [_Choice("") for _ in prompts]
+async def _stream(ctx, req, prompts, n, streams, rid, created, include_usage):
+    choices = [_Choice("") for _ in prompts for _ in range(n)]
 
     def chunk(index, text, logprobs, finish_reason):
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     try:
         if req.echo:
-            for i, p in enumerate(prompts):
-                yield sse(chunk(i, _prefix(ctx, req, p), None, None))
+            for i in range(len(choices)):
+                yield sse(chunk(i, _prefix(ctx, req, prompts[i // n]), None, None))
         async for event in merge_choices(streams):
             entry = choices[event.index].add(ctx, req, event)
             yield sse(chunk(event.index, event.text, entry, event.finish_reason))

@@ -64,9 +64,21 @@ def resolve_max_tokens(ctx: ServerContext, prompt_tokens: int, requested: int | 
     return max_tokens
 
 
-def make_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+MAX_N = 64
+
+
+def check_n(n: int) -> int:
+    """The number of choices per prompt, 1..MAX_N."""
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", "n")
+    return n
+
+
+def make_params(req, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+    """Choice j of a prompt samples with seed + j, so a seeded request's n choices differ but repeat."""
+    seed = None if req.seed is None else req.seed + choice
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
-                          seed=req.seed, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                          seed=seed, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                           logprobs=logprobs)
 
 

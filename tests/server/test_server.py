@@ -164,6 +164,41 @@ def test_several_prompts_in_one_request(server):
     assert out.usage.prompt_tokens == 14 and out.usage.completion_tokens == 6
 
 
+def test_n_choices_share_the_prefill_and_sample_like_single_requests(server):
+    client = server.client()
+    prompts = [_prompt(30), _prompt(41)]
+    kw = dict(model="test-model", max_tokens=12, temperature=1.0, logprobs=0,
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    before = wait_until_idle(server)
+    out = client.completions.create(prompt=prompts, n=3, seed=11, **kw)
+    after = wait_until_idle(server)
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == list(range(6))
+    assert out.usage.prompt_tokens == 71 and out.usage.completion_tokens == 6 * 12
+    prefills = 'burstserve:request_prefill_time_seconds_count{}'
+    assert after[prefills] - before.get(prefills, 0) == 2   # one prefill per prompt, not per choice
+    by_index = {c.index: c.logprobs.tokens for c in out.choices}
+    for i, prompt in enumerate(prompts):
+        for j in range(3):   # choice j samples with seed + j, exactly as a request of its own
+            alone = client.completions.create(prompt=prompt, seed=11 + j, **kw).choices[0].logprobs.tokens
+            assert by_index[i * 3 + j] == alone, (i, j)
+    assert len({tuple(by_index[j]) for j in range(3)}) == 3
+
+
+def test_chat_n_streams_every_choice(server):
+    client = server.client()
+    kw = dict(model="test-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=6,
+              temperature=0, n=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    assert whole.choices[0].message.content == whole.choices[1].message.content   # greedy: the same text
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[i].message.content
+
+
 def test_32_concurrent_streams_complete(server):
     async def one(client, i):
         n = 4 + i % 7
@@ -205,7 +240,9 @@ def test_disconnect_frees_kv_and_metrics_move(server):
     ({"prompt": "hi", "temperature": -0.1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 65}, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": [1, 2, 100000]}, "prompt"),
     ({"prompt": ""}, "prompt"),

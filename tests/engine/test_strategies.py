@@ -22,8 +22,9 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
     with LLM(path, devices=f"cpu:{workers}", dtype="float32", sp_strategy=strategy) as llm:
         assert llm.engine.world_size == (1 if strategy == "single" else workers)
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        for prompt, out in zip(prompts, outs):
+        outs = llm.generate(prompts + prompts[-1:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert outs[-1].metrics.prefill_stats.get("shared_prefill")   # the repeated prompt forks the K/V
+        for prompt, out in zip(prompts + prompts[-1:], outs):
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
             assert out.outputs[0].token_ids == ref_tokens, (strategy, len(prompt))

@@ -130,13 +130,16 @@ def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp"])
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto"])
 def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, strategy):
+    """Also: the last prompt is sent twice, so its twin decodes from forked K/V."""
     from engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 4099)]
-    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy=strategy) as llm:
+    prompts.append(prompts[-1])
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy=strategy, auto_ulysses_max_tokens=1000) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert outs[-1].metrics.prefill_stats.get("shared_prefill")
         for prompt, out in zip(prompts, outs):
             ref_logits, ref_tokens, margins = _hf_greedy(model, prompt, 16)
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()

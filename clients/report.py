@@ -9,7 +9,8 @@ import subprocess
 
 SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "kernel", "prompt_tokens", "repeats",
                  "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms",
-                 "mean_exchange_ms", "mean_exposed_ms", "hidden_fraction", "peak_memory_gib", "error"]
+                 "mean_exchange_ms", "mean_exposed_ms", "hidden_fraction", "peak_memory_gib", "mean_setup_ms",
+                 "mean_wrapup_ms", "mean_call_ms", "error"]
 NOT_RUN = "-: not run (a shorter prompt of that configuration had already failed)"
 
 

@@ -113,5 +113,6 @@ def prefill_details(metrics: list) -> dict:
         return {}
     mean = lambda key: sum(s.get(key, 0.0) for s in stats) / len(stats)   # noqa: E731
     return {"mean_exchange_ms": mean("exchange_seconds") * 1e3, "mean_exposed_ms": mean("exposed_seconds") * 1e3,
-            "hidden_fraction": mean("hidden_fraction"),
+            "hidden_fraction": mean("hidden_fraction"), "mean_setup_ms": mean("setup_seconds") * 1e3,
+            "mean_wrapup_ms": mean("wrapup_seconds") * 1e3, "mean_call_ms": mean("call_seconds") * 1e3,
             "peak_memory_gib": max(s.get("peak_memory_bytes", 0) for s in stats) / 2**30}

@@ -61,12 +61,15 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
+        entered = time.perf_counter()
         shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
         shards = shard_fn(token_ids.shape[0], 1 if self.tp else self.world_size)
         strategy = self._strategy_for(token_ids.shape[0])
         attention = self._prefill_attention(shards, strategy)
         exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
         self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
         start = time.perf_counter()
         shard = shards[0 if self.tp else self.rank]
         positions = shard.positions()                                   # [n]
@@ -90,7 +93,8 @@ class ModelRunner:
             dist.broadcast(logits, src=owner, group=self.data_group)
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start, "strategy": strategy}
+        end = time.perf_counter()
+        result = {"prefill_seconds": end - start, "strategy": strategy, "setup_seconds": start - entered}
         if stats is not None:
             result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
@@ -100,6 +104,7 @@ class ModelRunner:
             result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:
             result["logits"] = logits.cpu()
+        result["wrapup_seconds"] = time.perf_counter() - end   # stats and logits after the timed prefill
         return result
 
     @torch.inference_mode()

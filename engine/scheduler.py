@@ -112,8 +112,10 @@ class Scheduler:
             self.call("fork", twin.seq_id, seq.seq_id, reserve)
             logits, result = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}
         else:
+            called = time.perf_counter()
             result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64),
                                reserve)
+            result["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
             logits = result.pop("logits")
         seq.prompt_logits = logits
         self._emit(seq, logits, prefill=result, keep_logits=request.return_logits)

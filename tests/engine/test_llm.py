@@ -92,6 +92,10 @@ def test_timings_and_ring_figures_are_reported(llm):
     assert len(m.decode_seconds) == 4 and all(d > 0 for d in m.decode_seconds)
     stats = m.prefill_stats
     assert stats["exchange_seconds"] > 0 and stats["exposed_seconds"] >= 0 and 0 <= stats["hidden_fraction"] <= 1
+    # where the time to first token goes: the scheduler's call covers set-up, the prefill and wrap-up
+    assert stats["setup_seconds"] >= 0 and stats["wrapup_seconds"] >= 0 and stats["strategy"] == "burst"
+    parts = stats["setup_seconds"] + m.prefill_seconds + stats["wrapup_seconds"]
+    assert parts <= stats["call_seconds"] <= m.time_to_first_token
 
 
 @pytest.mark.parametrize("bad,param", [

@@ -46,9 +46,10 @@ class Metrics:
     def first_token(self, item: StepOutput, arrival: float, prompt_tokens: int) -> None:
         m = self.model_name
         self.ttft.labels(m).observe(item.time - arrival)
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc()
         stats = item.prefill or {}
+        if not stats.get("shared_prefill"):   # a choice that forked a running prompt's K/V prefilled nothing
+            self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc()
         if stats.get("prefill_seconds"):
             self.prefill.labels(m).observe(stats["prefill_seconds"])
             self.prefill_tps.labels(m).observe(prompt_tokens / stats["prefill_seconds"])

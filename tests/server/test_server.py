@@ -176,6 +176,8 @@ def test_n_choices_share_the_prefill_and_sample_like_single_requests(server):
     assert out.usage.prompt_tokens == 71 and out.usage.completion_tokens == 6 * 12
     prefills = 'burstserve:request_prefill_time_seconds_count{}'
     assert after[prefills] - before.get(prefills, 0) == 2   # one prefill per prompt, not per choice
+    prefilled = 'burstserve:prompt_tokens_total{}'
+    assert after[prefilled] - before.get(prefilled, 0) == 71
     by_index = {c.index: c.logprobs.tokens for c in out.choices}
     for i, prompt in enumerate(prompts):
         for j in range(3):   # choice j samples with seed + j, exactly as a request of its own

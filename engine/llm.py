@@ -270,13 +270,13 @@ class LLM:
 
     def _collect(self, request_id: str, prompt: Prompt | None, prompt_ids: list[int]) -> RequestOutput:
         metrics = RequestMetrics(arrival_time=self._arrivals.pop(request_id, time.time()))
-        tokens, logprobs, reason, logits, last = [], [], None, None, None
+        tokens, logprobs, reason, logits, last, prompt_logprobs = [], [], None, None, None, None
         for step in self.results(request_id):
             if step.prefill is not None:
                 metrics.first_token_time = step.time
                 metrics.prefill_seconds = step.prefill.get("prefill_seconds")
                 metrics.prefill_stats = step.prefill
-                logits = step.logits
+                logits, prompt_logprobs = step.logits, step.prompt_logprobs
             else:
                 metrics.decode_seconds.append(step.time - last)
             last = step.time
@@ -289,7 +289,7 @@ class LLM:
         completion = CompletionOutput(0, self.tokenizer.decode(tokens), tokens, cumulative,
                                       logprobs if logprobs else None, reason)
         return RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [completion],
-                             True, metrics, logits)
+                             True, metrics, logits, prompt_logprobs)
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[Prompt]:

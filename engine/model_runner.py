@@ -16,6 +16,7 @@ from engine.cqs import CQSAttention, contiguous_shards
 from engine.decode_attention import DecodeAttention, all_gather
 from engine.kv_cache import KVCache, next_kv_owner
 from engine.model import LlamaModel, hf_weight_shapes
+from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.ring import RingCommunicator
 from engine.ring_rsa import RingSelfAttention
 from engine.sharding import owner_of_position, zigzag_shards
@@ -59,8 +60,9 @@ class ModelRunner:
         self.kv_capacity_tokens = self._kv_capacity()
 
     @torch.inference_mode()
-    def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int) -> dict:
-        """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32) and timings."""
+    def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int, prompt_logprobs: int | None = None) -> dict:
+        """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32), timings, and with
+        `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
         shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
         shards = shard_fn(token_ids.shape[0], 1 if self.tp else self.world_size)
@@ -104,8 +106,21 @@ class ModelRunner:
             result["peak_memory_bytes"] = self._peak_memory_all_workers()
         if self.rank == 0:
             result["logits"] = logits.cpu()
-        result["wrapup_seconds"] = time.perf_counter() - end   # stats and logits after the timed prefill
+        if prompt_logprobs is not None:
+            entries = self._prompt_logprobs(hidden, positions, token_ids, prompt_logprobs)
+            if self.rank == 0:
+                result["prompt_logprobs"] = entries
+        result["wrapup_seconds"] = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
         return result
+
+    def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
+        """Each worker scores the rows it holds (tp: worker 0 holds them all); worker 0 gets the entries."""
+        if self.tp:
+            parts = [score_rows(self.model, hidden, positions, token_ids, top)] if self.rank == 0 else []
+        else:
+            parts = gather_scores(score_rows(self.model, hidden, positions, token_ids, top), self.world_size,
+                                  self.data_group)
+        return as_entries(parts, token_ids) if self.rank == 0 else None
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ class StepOutput:
     time: float                     # time.time() when the token existed
     prefill: dict | None = None     # on the first token: prefill_seconds, exchange/hidden figures
     logits: torch.Tensor | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # on the first token, when asked for
 
 
 @dataclass
@@ -61,3 +62,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logits: torch.Tensor | None = None   # only when asked for (LLM.next_token_logits)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # SamplingParams.prompt_logprobs: per position

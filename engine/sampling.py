@@ -18,6 +18,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # top-k logprobs per generated token (0 = only the chosen token)
+    prompt_logprobs: int | None = None   # top-k logprobs per prompt position (the first has none)
 
     def __post_init__(self):
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -32,9 +33,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (disabled) or positive, got {self.top_k}", "top_k")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
-                                      "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
 
     @property
     def greedy(self) -> bool:

@@ -114,14 +114,18 @@ class Scheduler:
         else:
             called = time.perf_counter()
             result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64),
-                               reserve)
+                               reserve, request.params.prompt_logprobs)
             result["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
             logits = result.pop("logits")
         seq.prompt_logits = logits
-        self._emit(seq, logits, prefill=result, keep_logits=request.return_logits)
+        self._emit(seq, logits, prefill=result, keep_logits=request.return_logits,
+                   prompt_logprobs=result.pop("prompt_logprobs", None))
 
     def _running_twin(self, request: Request) -> RunningSequence | None:
-        """A running sequence with exactly this prompt (say the n choices of one request), if any."""
+        """A running sequence with exactly this prompt (say the n choices of one request), if any; not
+        for a request that wants prompt logprobs (they come out of a prefill)."""
+        if request.params.prompt_logprobs is not None:
+            return None
         ids = request.prompt_token_ids
         return next((s for s in self.running if not s.aborted and len(s.request.prompt_token_ids) == len(ids)
                      and s.request.prompt_token_ids == ids), None)
@@ -136,14 +140,15 @@ class Scheduler:
             self._emit(seq, logits[i])
 
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
-              keep_logits: bool = False) -> None:
+              keep_logits: bool = False, prompt_logprobs: list | None = None) -> None:
         params = seq.request.params
         token = sample_one(logits, params, seq.generator)
         seq.generated.append(token)
         logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
         reason = self._finish_reason(seq, token)
         self.outputs.put(("out", StepOutput(seq.request.request_id, token, logprobs, reason, time.time(),
-                                            prefill=prefill, logits=logits.clone() if keep_logits else None)))
+                                            prefill=prefill, logits=logits.clone() if keep_logits else None,
+                                            prompt_logprobs=prompt_logprobs)))
         if reason is None:
             self.running.append(seq)
         else:

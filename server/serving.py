@@ -25,6 +25,7 @@ class ChoiceEvent:
     token_id: int
     logprobs: dict[int, float] | None
     finish_reason: str | None      # "stop" or "length" on the last event
+    prompt_logprobs: list | None = None   # on the first event, when asked for: one entry per prompt token
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -74,12 +75,13 @@ def check_n(n: int) -> int:
     return n
 
 
-def make_params(req, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+def make_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     """Choice j of a prompt samples with seed + j, so a seeded request's n choices differ but repeat."""
     seed = None if req.seed is None else req.seed + choice
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
                           seed=seed, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                          logprobs=logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int]) -> list[int]:
@@ -108,7 +110,7 @@ async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], para
             if reason is not None and not assembler.stopped:
                 text += assembler.finish()
                 reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
-            yield ChoiceEvent(index, text, step.token_id, step.logprobs, reason)
+            yield ChoiceEvent(index, text, step.token_id, step.logprobs, reason, step.prompt_logprobs)
             if reason is not None:
                 return
 

@@ -186,6 +186,39 @@ def test_n_choices_share_the_prefill_and_sample_like_single_requests(server):
     assert len({tuple(by_index[j]) for j in range(3)}) == 3
 
 
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, checkpoint):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0 (and the same with generation)."""
+    prompt = _prompt(40)
+    with torch.no_grad():
+        ref = torch.log_softmax(checkpoint[1](torch.tensor([prompt])).logits[0].float(), dim=-1)   # [N, V]
+    body = {"model": "test-model", "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+    assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 0
+    assert [int(t.split(":")[1]) for t in lp["tokens"]] == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for p in range(1, len(prompt)):
+        assert abs(lp["token_logprobs"][p] - ref[p - 1, prompt[p]].item()) < 1e-3, p
+        best = int(ref[p - 1].argmax())
+        assert abs(lp["top_logprobs"][p][f"token_id:{best}"] - ref[p - 1, best].item()) < 1e-3
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    with httpx.stream("POST", server.url("/v1/completions"), headers=server.headers,
+                      json={**body, "stream": True}) as r:
+        streamed = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert streamed[0]["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:],
+                                                                                      abs=1e-5)
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+    generated = httpx.post(server.url("/v1/completions"), headers=server.headers,
+                           json={**body, "max_tokens": 3, "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    assert len(generated["tokens"]) == 43 and generated["token_logprobs"][0] is None
+    assert generated["token_logprobs"][1:len(prompt)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_chat_n_streams_every_choice(server):
     client = server.client()
     kw = dict(model="test-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=6,

@@ -5,6 +5,7 @@ routes each token that worker 0 sends back to its request, and raises (never han
 dies. The HTTP server uses the same object through `submit` / `results`.
 """
 import atexit
+import gc
 import itertools
 import logging
 import queue
@@ -170,6 +171,9 @@ class LLM:
             q.close()
             q.cancel_join_thread()
         self._requests = self._outputs = None
+        for p in self._procs:   # the Process objects still hold the queues in their arguments
+            p._args = ()
+        gc.collect()
         atexit.unregister(self.shutdown)
 
     def __enter__(self) -> "LLM":

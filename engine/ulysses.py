@@ -17,8 +17,17 @@ class UlyssesAttention:
         self.backend, self.shards, self.rank, self.scale, self.group = backend, shards, rank, scale, group
         self.world_size = len(shards)
         self.lengths = [s.length for s in shards]
-        rank_order = torch.cat([s.positions() for s in shards])                 # [N] positions, by rank
-        self.sort = torch.argsort(rank_order)                                    # rank order -> sorted
+        self._sort: torch.Tensor | None = None
+
+    def _sort_on(self, device: torch.device) -> torch.Tensor:
+        """[N] index that puts the rank-ordered rows in position order, built once on the device (no
+        N-sized CPU work, which ran multi-threaded per prefill from 32K tokens up)."""
+        if self._sort is None or self._sort.device != device:
+            rank_order = torch.cat([s.positions(device) for s in self.shards])  # [N] positions, by rank
+            sort = torch.empty_like(rank_order)
+            sort[rank_order] = torch.arange(rank_order.shape[0], device=device)  # the inverse permutation
+            self._sort = sort
+        return self._sort
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D]."""
@@ -28,7 +37,7 @@ class UlyssesAttention:
         k, v = kv[:, 0], kv[:, 1]
         if k.shape[1] % self.world_size:
             k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-        sort = self.sort.to(q.device)
+        sort = self._sort_on(q.device)
         q_all, k_all, v_all = (self._seq_to_heads(x)[sort] for x in (q, k, v))  # [N, heads/G, D], sorted
         out_sorted, _ = self.backend(q_all, k_all, v_all, True, self.scale)
         out_rank_order = torch.empty_like(out_sorted)

@@ -50,8 +50,8 @@ def _setup_device(rank: int, engine: EngineConfig) -> torch.device:
     device = torch.device(engine.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine.world_size))
+    # the workers share the host's cores: without a limit each would start one thread per core
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine.world_size))
     return device
 
 

@@ -171,6 +171,9 @@ class LLM:
             q.close()
             q.cancel_join_thread()
         self._requests = self._outputs = None
+        router = getattr(self, "_router", None)
+        if router is not None and router is not threading.current_thread():
+            router.join(timeout=5)   # it holds the output queue while it waits (0.5 s at most)
         for p in self._procs:   # the Process objects still hold the queues in their arguments
             p._args = ()
         gc.collect()
@@ -217,7 +220,8 @@ class LLM:
         self.worker_info = [info[r] for r in range(len(self._procs))]
         log.info("engine ready: %d worker(s) on %s, attention kernel %s", len(self._procs),
                  ",".join(self.engine.devices), self.kernel)
-        threading.Thread(target=self._route_outputs, daemon=True, name="burstserve-outputs").start()
+        self._router = threading.Thread(target=self._route_outputs, daemon=True, name="burstserve-outputs")
+        self._router.start()
 
     def _next_message(self):
         while True:

@@ -5,7 +5,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 echo "GPUs: $(nvidia-smi -L | wc -l)"
-[ -n "${SKIP_GPU_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
+[ -n "${SKIP_GPU_TESTS:-}" ] || timeout 360 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
 python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done

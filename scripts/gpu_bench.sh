@@ -68,8 +68,6 @@ strategies() {
       --lengths "$OVERLAP_LENGTHS" --label "burst, no overlap, $gpus GPU"
 }
 
-# the device tool brings back at most 8 files: everything travels as one archive
-pack() { tar czf /tmp/results.tgz --exclude='*.png' -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/results.tgz "$out/"; }
 echo "$(date +%T) $KIND x $gpus; models: $MODELS; lengths: $LENGTHS"
 case "${1:-}" in
   small-counts) small_counts ;;

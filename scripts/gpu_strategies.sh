@@ -12,3 +12,4 @@ for s in burst ring-rsa ulysses cqs tp; do
       && results+=("$out/$s/results.json") || echo "$s: failed or timed out: $(tail -c 300 "$out/$s.err")"
 done
 python3 -m server.cli bench merge "${results[@]}" --output-dir "$out/merged"
+pack

@@ -12,6 +12,7 @@ import time
 import torch
 
 from clients.sweep import make_row, timed_requests
+from engine.devices import synchronize
 
 
 def build_model(model: str, dtype: torch.dtype, device: torch.device):
@@ -39,7 +40,7 @@ def first_token_seconds(model, length: int) -> float:
     """One request: prompt of `length` random ids -> seconds to the greedy first token on the host."""
     device = model.device
     ids = torch.tensor([[random.randrange(model.config.vocab_size) for _ in range(length)]])
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     logits = model(ids.to(device), use_cache=True, logits_to_keep=1).logits
     int(logits[0, -1].argmax())
@@ -68,8 +69,3 @@ def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengt
         if error:
             break
     del lm
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from engine.devices import synchronize
 from engine.ring import RingCommunicator, RingPass
 from engine.sharding import Shard
 from kernels.attention import AttentionBackend
@@ -54,10 +55,10 @@ class BurstAttention:
         local = torch.empty((self.shards[self.rank].length,) + tuple(block_shape), dtype=dtype, device=device)
         best = float("inf")
         for round_ in range(rounds + 1):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             self.ring_pass.run(local, lambda source, block: None)
-            _synchronize(device)
+            synchronize(device)
             if round_ > 0:
                 best = min(best, time.perf_counter() - start)
         self.ring.collect_stats()   # not part of the prefill's own figures
@@ -73,8 +74,3 @@ class BurstAttention:
             return slice(None), *self.backend(q, k[:m], v[:m], False, self.scale)
         m = self.shards[self.rank].len_first
         return slice(m, None), *self.backend(q[m:], k, v, False, self.scale)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -50,3 +50,9 @@ def _parse_index(text: str, spec: str) -> int:
     if not text.isdigit():
         raise DeviceSpecError(f"devices {spec!r}: {text!r} is not a GPU index; expected {_FORMS}")
     return int(text)
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU): before and after a timed region."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ from engine.burst_attention import BurstAttention
 from engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig, ModelConfig
 from engine.cqs import CQSAttention, contiguous_shards
 from engine.decode_attention import DecodeAttention, all_gather
+from engine.devices import synchronize
 from engine.kv_cache import KVCache, next_kv_owner
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
@@ -234,5 +235,4 @@ class ModelRunner:
         return int(peak.max())
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)

@@ -66,10 +66,10 @@ def run(args) -> None:
     from tqdm import tqdm
     if args.mode == "merge":
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
-        rows = report.merge(args.paths, args.output_dir, lengths)
+        rows, runs = report.merge(args.paths, args.output_dir, lengths)
         print(report.sweep_table(rows, {}))
         if args.doc:
-            report.write_doc_section(args.doc, args.section or args.title, args.title, args.paths, rows,
+            report.write_doc_section(args.doc, args.section or args.title, args.title, runs, rows,
                                      args.output_dir, args.scaling_length)
         return
     with _server(args) as url:

@@ -155,12 +155,11 @@ def this_machine() -> str:
     return f"CPU, {os.cpu_count()} cores"
 
 
-def write_doc_section(doc: str, section: str, title: str, paths: list[str], rows: list[dict], output_dir: str,
+def write_doc_section(doc: str, section: str, title: str, runs: list[dict], rows: list[dict], output_dir: str,
                       scaling_length: int) -> None:
     """Writes (or replaces) a marked section of a markdown file: the commands, date and machine of
     every merged run, the table, the plots (copied next to the file) and the details."""
     slug = re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
-    runs = [json.load(open(p)) for p in paths]
     image_dir = os.path.join(os.path.dirname(doc) or ".", "img")
     os.makedirs(image_dir, exist_ok=True)
     machines = sorted({r.get("machine") or "?" for r in runs})
@@ -237,15 +236,17 @@ def write_load(output_dir: str, result: dict) -> None:
             f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n" for k, v in scalars.items()))
 
 
-def merge(paths: list[str], output_dir: str, lengths: list[int] | None = None) -> list[dict]:
-    """Several sweeps' results.json (their rows of `lengths` only, if given) into one table and plot."""
-    rows, notes = [], []
+def merge(paths: list[str], output_dir: str, lengths: list[int] | None = None) -> tuple[list[dict], list[dict]]:
+    """Several sweeps' results.json (their rows of `lengths` only, if given) into one table and plot.
+    -> (the merged rows, each run's whole results.json)."""
+    rows, runs = [], []
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         if data.get("mode") != "sweep":
             raise ValueError(f"{p} is not a sweep's results.json")
         rows += [r for r in data["rows"] if lengths is None or r["prompt_tokens"] in lengths]
-        notes.append(data.get("note", ""))
-    write_sweep(output_dir, rows, {"note": " ".join(n for n in notes if n), "merged_from": paths})
-    return rows
+        runs.append(data)
+    note = " ".join(run["note"] for run in runs if run.get("note"))
+    write_sweep(output_dir, rows, {"note": note, "merged_from": paths})
+    return rows, runs

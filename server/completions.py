@@ -65,15 +65,15 @@ class _Choice:
     def add_prompt(self, ctx, req, prompt_logprobs: list) -> dict:
         """The echoed prompt's logprobs (its first token has none), offsets counted from the text's start."""
         tok, entry, offset = ctx.llm.tokenizer, {k: [] for k in self.logprobs}, 0
+        as_ids = req.return_tokens_as_token_ids
         for token_id, scored in zip(self.prompt_ids, prompt_logprobs):
             if scored is None:
-                name, lp, top = token_text(tok, token_id, req.return_tokens_as_token_ids), None, None
+                name, lp, top = token_text(tok, token_id, as_ids), None, None
             else:
-                name, lp, top = completion_logprob_entry(tok, token_id, scored, req.logprobs,
-                                                         req.return_tokens_as_token_ids)
+                name, lp, top = completion_logprob_entry(tok, token_id, scored, req.logprobs, as_ids)
             for key, value in zip(("tokens", "token_logprobs", "top_logprobs", "text_offset"), (name, lp, top, offset)):
                 entry[key].append(value)
-            offset += len(tok.decode([token_id]))
+            offset += len(tok.decode([token_id]) if as_ids else name)   # name is the token's text unless as_ids
         for k, v in entry.items():
             self.logprobs[k] += v
         return entry

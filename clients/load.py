@@ -95,5 +95,7 @@ def summarize_load(results: list[RequestResult], duration: float, input_len: int
     summary.update(summarize("tpot", tpots))
     summary.update(summarize("itl", [gap for r in done for gap in r.itl]))
     summary.update(summarize("e2el", [r.latency for r in done]))
+    summary["ttfts"] = [r.ttft for r in done]          # per request, seconds (vllm bench serve's detailed keys)
+    summary["e2els"] = [r.latency for r in done]
     summary["errors"] = [r.error for r in results if not r.ok][:10]
     return summary

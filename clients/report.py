@@ -234,6 +234,23 @@ def write_load(output_dir: str, result: dict) -> None:
     with open(os.path.join(output_dir, "results.md"), "w") as f:
         f.write("| metric | value |\n|---|---|\n" + "".join(
             f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n" for k, v in scalars.items()))
+    plot_load(result, os.path.join(output_dir, "latency.png"))
+
+
+def plot_load(result: dict, path: str) -> None:
+    """Histograms of the requests' TTFT and end-to-end latency (ms)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, name in ((axes[0], "ttfts", "time to first token"), (axes[1], "e2els", "end-to-end latency")):
+        ax.hist([t * 1e3 for t in result.get(key, [])], bins=30)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("requests")
+    fig.suptitle(f"{result.get('label') or 'load'}: {result.get('completed', 0)} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def merge(paths: list[str], output_dir: str, lengths: list[int] | None = None) -> tuple[list[dict], list[dict]]:

@@ -79,6 +79,9 @@ def test_load_mode_reports_vllm_metrics(tmp_path):
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["mean_itl_ms"] > 0
     assert result["request_throughput"] == pytest.approx(12 / result["duration"])
     assert os.path.exists(tmp_path / "load" / "results.csv") and os.path.exists(tmp_path / "load" / "results.md")
+    assert len(result["ttfts"]) == 12 and statistics.fmean(result["ttfts"]) * 1e3 == pytest.approx(result["mean_ttft_ms"])
+    assert statistics.fmean(result["e2els"]) * 1e3 == pytest.approx(result["mean_e2el_ms"])
+    assert open(tmp_path / "load" / "latency.png", "rb").read(8) == PNG_MAGIC
 
 
 def test_transformers_baseline_sweep_and_doc_section(tmp_path):

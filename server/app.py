@@ -66,7 +66,7 @@ class ApiKeyCheck:
 
 
 def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting: int = 256,
-              max_body_bytes: int = 128 << 20) -> FastAPI:
+              max_body_bytes: int = 128 << 20, log_requests: bool = True, log_stats_interval: float = 10.0) -> FastAPI:
     metrics = Metrics(model_name)
     engine = AsyncEngine(llm, metrics, max_waiting)
     ctx = ServerContext(llm, engine, model_name)

@@ -32,6 +32,9 @@ def serve_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the log lines on throughput, requests and KV usage while busy (0: never)")
 
 
 def serve(args) -> None:
@@ -54,7 +57,8 @@ def serve(args) -> None:
              llm.engine.dtype, llm.kernel, llm.max_model_len, llm.kv_capacity_tokens)
     log.info("listening on http://%s:%d", args.host, args.port)
     app = build_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes, log_requests=not args.disable_log_requests,
+                    log_stats_interval=args.log_stats_interval)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -2,7 +2,7 @@
 
     burstserve bench sweep --url http://127.0.0.1:8000 --lengths 4096,8192 --repeats 3 --output-dir out
     burstserve bench sweep --serve "--model llama3-8b --devices cuda --sp-strategy ring-rsa" --label ring-rsa
-    burstserve bench sweep --offline --model llama3-8b --devices cuda:4 --sp-strategy burst
+    burstserve bench sweep --offline --model llama3-8b --devices cuda -cp 4 --sp-strategy burst
     burstserve bench load --url ... --num-prompts 200 --input-len 4096 --output-len 128 --request-rate 4
     burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers
     burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
@@ -35,7 +35,11 @@ def add_parser(sub) -> None:
     sweep.add_argument("--max-tokens", type=int, default=1)
     sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
     sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
-    sweep.add_argument("--devices", default=None, help="offline: devices")
+    sweep.add_argument("--devices", default=None,
+                       help="offline: devices as torch names them: cpu, cuda, cuda:1, cuda:0,2 (default: every "
+                            "visible GPU, else cpu); with --serve, put --devices in its arguments")
+    sweep.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
+                       help="offline: worker processes (default: every named GPU; on CPU, 1)")
     sweep.add_argument("--dtype", default=None, help="offline: dtype")
     sweep.add_argument("--sp-strategy", default="burst",
                        help="offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
@@ -63,6 +67,16 @@ def _default_lengths() -> list[int]:
 
 
 def run(args) -> None:
+    """Runs the chosen mode; a BurstServeError (bad devices, model, request) is one line on stderr, exit 2."""
+    from engine.errors import BurstServeError
+    try:
+        _run(args)
+    except BurstServeError as e:
+        print(f"burstserve bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run(args) -> None:
     from tqdm import tqdm
     if args.mode == "merge":
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
@@ -72,6 +86,8 @@ def run(args) -> None:
             report.write_doc_section(args.doc, args.section or args.title, args.title, runs, rows,
                                      args.output_dir, args.scaling_length)
         return
+    if getattr(args, "offline", False):
+        _check_offline_devices(args)      # before any file is written
     with _server(args) as url:
         if args.mode == "sweep":
             lengths = [int(x) for x in args.lengths.split(",")]
@@ -109,16 +125,27 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
     if args.offline and args.sp_strategy == "transformers":
         from clients.hf_baseline import sweep_transformers
         return sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
-                                  args.label, bar)
+                                  args.label, bar, args.context_parallel_size)
     from clients.sweep import sweep_http, sweep_offline
     if args.offline:
         # one request at a time: admit the longest one whatever the strategy's KV layout
         # (the KV cache is allocated per sequence, so this reserves no memory up front)
-        llm_args = dict(model=args.model, devices=args.devices, dtype=args.dtype, sp_strategy=args.sp_strategy,
+        llm_args = dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
+                        dtype=args.dtype, sp_strategy=args.sp_strategy,
                         overlap=not args.no_overlap, max_model_len=max(lengths) + args.max_tokens,
                         kv_cache_tokens=max(lengths) + args.max_tokens)
         return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens, args.label, bar)
     return sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label, args.api_key, bar)
+
+
+def _check_offline_devices(args) -> None:
+    """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
+    from engine.devices import resolve_devices
+    if args.sp_strategy == "transformers":
+        from clients.hf_baseline import baseline_device
+        baseline_device(args.devices, args.context_parallel_size)
+    else:
+        resolve_devices(args.devices, args.context_parallel_size)
 
 
 @contextlib.contextmanager

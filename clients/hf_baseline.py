@@ -13,6 +13,7 @@ import torch
 
 from clients.sweep import make_row, timed_requests
 from engine.devices import synchronize
+from engine.errors import DeviceSpecError
 
 
 def build_model(model: str, dtype: torch.dtype, device: torch.device):
@@ -47,16 +48,25 @@ def first_token_seconds(model, length: int) -> float:
     return time.perf_counter() - start
 
 
+def baseline_device(devices: str | None, context_parallel_size: int | None = None) -> torch.device:
+    """The first device `devices` names (default: GPU 0, else cpu); transformers runs on one device only."""
+    from engine.devices import check_context_parallel_size, resolve_devices
+    if (check_context_parallel_size(context_parallel_size) or 1) > 1:
+        raise DeviceSpecError(f"--sp-strategy transformers runs on one device, not {context_parallel_size}: "
+                              "drop --context-parallel-size (or use 1)")
+    return torch.device(resolve_devices(devices, 1)[0])
+
+
 def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengths: list[int], repeats: int,
-                       warmup: int, label: str | None, progress):
+                       warmup: int, label: str | None, progress, context_parallel_size: int | None = None):
     """Yields the sweep's rows for transformers on the first device of `devices` (default cuda, else cpu).
     An error (OOM) ends it: longer prompts are not tried."""
-    from engine.devices import default_devices, parse_devices
-    device = torch.device(parse_devices(devices or default_devices())[0])
+    device = baseline_device(devices, context_parallel_size)
     torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     lm = build_model(model, torch_dtype, device)
     first_token_seconds(lm, 16)   # warm-up
-    fields = {"strategy": "transformers", "devices": str(device), "num_devices": 1, "kernel": "sdpa"}
+    fields = {"strategy": "transformers", "devices": str(device), "num_devices": 1, "context_parallel_size": 1,
+              "kernel": "sdpa"}
     label = label or f"transformers, 1 device ({device.type})"
     for n in lengths:
         if device.type == "cuda":

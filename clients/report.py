@@ -7,8 +7,8 @@ import re
 import shutil
 import subprocess
 
-SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "kernel", "prompt_tokens", "repeats",
-                 "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms",
+SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "context_parallel_size", "kernel", "prompt_tokens",
+                 "repeats", "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms",
                  "mean_exchange_ms", "mean_exposed_ms", "hidden_fraction", "peak_memory_gib", "mean_setup_ms",
                  "mean_wrapup_ms", "mean_call_ms", "error"]
 NOT_RUN = "-: not run (a shorter prompt of that configuration had already failed)"
@@ -53,8 +53,9 @@ UNFINISHED = "unfinished: the run stopped while measuring this length (killed at
 
 def unfinished_row(args, n: int, previous: dict | None) -> dict:
     """The row written for the length being measured, replaced once it is measured."""
-    fields = {k: previous[k] for k in ("label", "strategy", "devices", "num_devices", "kernel") if k in previous} \
-        if previous else {"label": args.label or "?", "strategy": args.sp_strategy, "num_devices": 0}
+    kept = ("label", "strategy", "devices", "num_devices", "context_parallel_size", "kernel")
+    fields = {k: previous[k] for k in kept if k in previous} if previous else \
+        {"label": args.label or "?", "strategy": args.sp_strategy, "num_devices": 0, "context_parallel_size": 0}
     return {**fields, "prompt_tokens": n, "repeats": 0, "error": UNFINISHED, "ttft_ms_samples": [],
             "warmup_ttft_ms_samples": [], "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0, "mean_server_prefill_ms": 0.0}
 
@@ -85,11 +86,21 @@ def details_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def workers(row: dict) -> int:
+    """How many workers (GPUs) a row ran on: its context_parallel_size; in results written before
+    2026-11-23, num_devices, else the length of its device list ('cuda:0,cuda:1' -> 2); 0 if unknown."""
+    for key in ("context_parallel_size", "num_devices"):
+        if row.get(key):
+            return int(row[key])
+    devices = row.get("devices") or ""
+    return len(devices.split(",")) if devices else 0
+
+
 def scaling_table(rows: list[dict], length: int) -> str:
     """Configurations (by strategy) x device counts at one prompt length: mean TTFT s and the
     speed-up over transformers on one device when that was measured in the same results."""
     at = [r for r in rows if r["prompt_tokens"] == length]
-    counts = sorted({r["num_devices"] for r in at})
+    counts = sorted({workers(r) for r in at})
     strategies = list(dict.fromkeys(r["strategy"] for r in at))
     base = next((r for r in at if r["strategy"] == "transformers" and not r.get("error")), None)
     strategies = [s for s in strategies if s != "single" or len(strategies) == 1]
@@ -99,7 +110,7 @@ def scaling_table(rows: list[dict], length: int) -> str:
     for strategy in strategies:
         cells = []
         for g in counts:
-            row = next((r for r in at if r["strategy"] == strategy and r["num_devices"] == g), None)
+            row = next((r for r in at if r["strategy"] == strategy and workers(r) == g), None)
             if row is None and g == 1 and strategy not in ("transformers", "single"):
                 row = single      # every engine strategy is the same computation on one device
             cell = _cell(row)
@@ -119,18 +130,18 @@ def plot_scaling(rows: list[dict], length: int, path: str) -> None:
     import matplotlib.pyplot as plt
     at = [r for r in rows if r["prompt_tokens"] == length and not r.get("error")]
     fig, ax = plt.subplots(figsize=(6, 4))
-    single = {r["num_devices"]: r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == "single"}
+    single = {workers(r): r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == "single"}
     for strategy in dict.fromkeys(r["strategy"] for r in at):
         if strategy == "single":
             continue
-        points = {r["num_devices"]: r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == strategy}
+        points = {workers(r): r["mean_ttft_ms"] / 1e3 for r in at if r["strategy"] == strategy}
         if strategy != "transformers":
             points = {**single, **points}
         points = sorted(points.items())
         ax.plot(*zip(*points), marker="o", linestyle="-" if len(points) > 1 else "none", label=strategy)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    counts = sorted({r["num_devices"] for r in at})
+    counts = sorted({workers(r) for r in at})
     ax.set_xticks(counts, [str(g) for g in counts])
     ax.minorticks_off()
     ax.set_xlabel("GPUs")
@@ -176,7 +187,7 @@ def write_doc_section(doc: str, section: str, title: str, runs: list[dict], rows
         shutil.copy(os.path.join(output_dir, "ttft.png"), os.path.join(image_dir, f"{slug}-ttft.png"))
         lines += [sweep_table(rows, {}).split("\n", 2)[2].rstrip("\n"), "",
                   f"![time to first token vs prompt length](img/{slug}-ttft.png)", ""]
-    if scaling_length and len({r["num_devices"] for r in rows if r["prompt_tokens"] == scaling_length}) > 1:
+    if scaling_length and len({workers(r) for r in rows if r["prompt_tokens"] == scaling_length}) > 1:
         plot_scaling(rows, scaling_length, os.path.join(image_dir, f"{slug}-scaling.png"))
         lines += [f"Scaling at {scaling_length} tokens: seconds (speed-up over transformers on one GPU). The "
                   "1-GPU cell of an engine strategy is the engine on one GPU (`single`): every strategy is the "

@@ -30,9 +30,16 @@ def prefill_seconds_total(url: str) -> float:
 
 
 def config_fields(info: dict) -> dict:
+    """A server's configuration (its /v1/models card) as a row's fields: one device per worker."""
     devices = info.get("devices") or []
     strategy = info.get("sp_strategy", "?") + ("" if info.get("overlap", True) else ", no overlap")
-    return {"strategy": strategy, "devices": ",".join(devices), "num_devices": len(devices)}
+    return {"strategy": strategy, **device_fields(devices)}
+
+
+def device_fields(devices: list[str]) -> dict:
+    """The device of each worker ('cuda:0,cuda:2', 'cpu,cpu') and how many workers: the context parallel
+    size (num_devices too, the name results before 2026-11-23 have)."""
+    return {"devices": ",".join(devices), "num_devices": len(devices), "context_parallel_size": len(devices)}
 
 
 def make_row(label: str, fields: dict, n: int, ttfts: list[float], prefills: list[float], error: str | None,
@@ -65,7 +72,7 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, max_toke
     """Yields one row per prompt length."""
     info = server_info(url, api_key)
     fields = config_fields(info)
-    label = label or f"{fields['strategy']}, {fields['num_devices']} device(s)"
+    label = label or f"{fields['strategy']}, {fields['context_parallel_size']} device(s)"
     vocab = info.get("vocab_size", 1000)
 
     def send():
@@ -87,7 +94,7 @@ def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int,
     with LLM(**llm_args) as llm:
         devices = llm.engine.devices
         fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
-                  "devices": ",".join(devices), "num_devices": len(devices), "kernel": llm.kernel}
+                  **device_fields(devices), "kernel": llm.kernel}
         label = label or f"{fields['strategy']}, {len(devices)} device(s), offline"
         vocab = llm.model_config.vocab_size
         llm.generate([random.randrange(vocab) for _ in range(16)], SamplingParams(max_tokens=1))   # warm-up

@@ -1,55 +1,115 @@
-"""Parse a `devices` string (cpu, cpu:N, cuda, cuda:N, cuda:0,2,...) into one device per worker."""
+"""Which device each worker runs on, from `devices` (named as torch names them) and the context parallel size.
+
+`devices` names devices: `cpu` (or `cpu:0`), `cuda` (every visible GPU), `cuda:1` (GPU 1), `cuda:0,2`
+(GPUs 0 and 2). The context parallel size is how many worker processes split a prompt: by default
+every named GPU, or 1 on CPU. On CUDA a smaller size takes the first N named GPUs; on CPU every worker
+is a process on "cpu" (gloo). Whatever the machine cannot satisfy is a DeviceSpecError naming what is
+there and what to type instead.
+"""
 import torch
 
 from engine.errors import DeviceSpecError
 
-_FORMS = "cpu, cpu:N, cuda, cuda:N, or cuda:I,J,... (e.g. cuda:0,1)"
+FORMS = "cpu, cuda, cuda:1 or cuda:0,2"
+CP_FLAG = "--context-parallel-size"
+
+
+def resolve_devices(devices: str | None = None, context_parallel_size: int | None = None) -> list[str]:
+    """One torch device string per worker process, e.g. ['cuda:0', 'cuda:2'] or ['cpu', 'cpu']."""
+    spec = _normalize(devices) if devices is not None and devices.strip() else default_devices()
+    named = parse_devices(spec)
+    size = check_context_parallel_size(context_parallel_size)
+    if named == ["cpu"]:
+        return ["cpu"] * (size or 1)
+    if size is None:
+        return named
+    if size > len(named):
+        raise DeviceSpecError(_too_few_message(spec, named, size))
+    return named[:size]
+
+
+def _too_few_message(spec: str, named: list[str], size: int) -> str:
+    visible = visible_gpus()
+    more = f", or name more of the visible GPUs ({', '.join(visible)})" if len(visible) > len(named) else ""
+    return (f"context parallel size {size} needs {size} devices, but --devices {spec} names {len(named)} "
+            f"({', '.join(named)}); use {CP_FLAG} {len(named)} or less{more}")
 
 
 def parse_devices(spec: str) -> list[str]:
-    """Returns one torch device string per worker process, e.g. ['cuda:0', 'cuda:1']."""
-    spec = (spec or "").strip().lower()
-    kind, _, rest = spec.partition(":")
+    """The devices `spec` names, each once: 'cpu' -> ['cpu'], 'cuda:0,2' -> ['cuda:0', 'cuda:2']."""
+    spec = _normalize(spec)
+    kind, colon, rest = spec.partition(":")
     if kind == "cpu":
-        count = _parse_count(rest, spec) if rest else 1
-        return ["cpu"] * count
-    if kind != "cuda":
-        raise DeviceSpecError(f"devices {spec!r} is not one of {_FORMS}")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible == 0:
-        raise DeviceSpecError(f"devices {spec!r} asks for CUDA, but no CUDA GPU is visible; use devices='cpu' or 'cpu:N'")
-    if not rest:
-        return [f"cuda:{i}" for i in range(visible)]
-    if "," in rest:
-        indices = [_parse_index(part, spec) for part in rest.split(",")]
-        if len(set(indices)) != len(indices):
-            raise DeviceSpecError(f"devices {spec!r} names a GPU twice")
-        missing = [i for i in indices if i >= visible]
-        if missing:
-            raise DeviceSpecError(f"devices {spec!r} names GPU {missing[0]}, but only {visible} GPU(s) are visible")
-        return [f"cuda:{i}" for i in indices]
-    count = _parse_count(rest, spec)
-    if count > visible:
-        raise DeviceSpecError(f"devices {spec!r} asks for {count} GPUs, but only {visible} are visible")
-    return [f"cuda:{i}" for i in range(count)]
+        return _parse_cpu(spec, rest) if colon else ["cpu"]
+    if kind != "cuda" or (colon and not rest):
+        raise DeviceSpecError(f"--devices {spec or repr(spec)} is not a device: use {FORMS} "
+                              f"(and {CP_FLAG} N for the number of workers)")
+    visible = visible_gpus()
+    if not visible:
+        raise DeviceSpecError(f"--devices {spec}: no CUDA GPU is visible; use --devices cpu")
+    if not colon:
+        return visible
+    indices = _parse_indices(spec, rest)
+    return [_check_visible(spec, index, visible, len(indices) == 1) for index in indices]
+
+
+def check_context_parallel_size(size: int | None) -> int | None:
+    """`size` itself (None: the default), or a DeviceSpecError when it is not a whole number >= 1."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise DeviceSpecError(f"context parallel size {size!r} is not a whole number; use {CP_FLAG} N with N >= 1")
+    if size < 1:
+        raise DeviceSpecError(f"context parallel size {size} is less than 1; use {CP_FLAG} N with N >= 1 "
+                              "(the number of worker processes)")
+    return size
 
 
 def default_devices() -> str:
-    """Every visible GPU, else one CPU worker."""
-    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+    """Every visible GPU, else the CPU."""
+    return "cuda" if visible_gpus() else "cpu"
 
 
-def _parse_count(text: str, spec: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise DeviceSpecError(f"devices {spec!r}: {text!r} is not a positive worker count; expected {_FORMS}")
-    return int(text)
+def visible_gpus() -> list[str]:
+    """['cuda:0', 'cuda:1', ...]: the GPUs this process sees (CUDA_VISIBLE_DEVICES applied)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{i}" for i in range(count)]
 
 
-def _parse_index(text: str, spec: str) -> int:
-    text = text.strip()
-    if not text.isdigit():
-        raise DeviceSpecError(f"devices {spec!r}: {text!r} is not a GPU index; expected {_FORMS}")
-    return int(text)
+def _normalize(spec: str | None) -> str:
+    return "".join((spec or "").split()).lower()
+
+
+def _parse_cpu(spec: str, rest: str) -> list[str]:
+    """'cpu:0' is torch's name for the CPU; 'cpu:N' was the old worker count."""
+    if rest == "0":
+        return ["cpu"]
+    if rest.isdigit():
+        raise DeviceSpecError(f"--devices {spec} is not a worker count any more: "
+                              f"use --devices cpu {CP_FLAG} {int(rest)}")
+    raise DeviceSpecError(f"--devices {spec} is not a device: use --devices cpu (torch's cpu:0 is the same device)")
+
+
+def _parse_indices(spec: str, rest: str) -> list[int]:
+    indices = []
+    for part in rest.split(","):
+        if not part.isdigit():
+            raise DeviceSpecError(f"--devices {spec}: {part!r} is not a GPU index; use {FORMS}")
+        if int(part) in indices:
+            raise DeviceSpecError(f"--devices {spec} names GPU {int(part)} twice; name each GPU once")
+        indices.append(int(part))
+    return indices
+
+
+def _check_visible(spec: str, index: int, visible: list[str], alone: bool) -> str:
+    """'cuda:INDEX' if that GPU is visible; a lone index may be the old GPU count (cuda:4 was 4 GPUs)."""
+    if index < len(visible):
+        return f"cuda:{index}"
+    are = "GPU is" if len(visible) == 1 else "GPUs are"
+    old_count = alone and index == len(visible)
+    hint = f"; for {index} workers on the first GPUs use --devices cuda {CP_FLAG} {index}" if old_count else ""
+    raise DeviceSpecError(f"--devices {spec} names GPU {index}, but {len(visible)} {are} visible "
+                          f"({', '.join(visible)}){hint}")
 
 
 def synchronize(device: torch.device) -> None:

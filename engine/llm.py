@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=..., devices=...)` and `llm.generate(prompts, SamplingParams(...))`.
+"""The offline API: `LLM(model=..., devices=..., context_parallel_size=...)` and
+`llm.generate(prompts, SamplingParams(...))`.
 
 `LLM` validates everything it can before starting workers, spawns one worker process per device,
 routes each token that worker 0 sends back to its request, and raises (never hangs) if a worker
@@ -18,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig, ModelConfig, resolve_model
-from engine.devices import default_devices, parse_devices
+from engine.devices import resolve_devices
 from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.model_runner import SP_STRATEGIES
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
@@ -33,11 +34,21 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", devices: str | None = None, dtype: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, sp_strategy: str = "burst",
-                 overlap: bool = True, seed: int = 0, kernel: str = "auto", kv_cache_tokens: int | None = None,
-                 kv_cache_memory_fraction: float = 0.5, auto_ulysses_max_tokens: int = 16384):
-        device_list = parse_devices(devices or default_devices())
+    """A model served by `context_parallel_size` worker processes on the devices `devices` names.
+
+    devices: as torch names them: "cpu" (or "cpu:0"), "cuda" (every visible GPU), "cuda:1" (GPU 1),
+        "cuda:0,2" (GPUs 0 and 2); default: every visible GPU, else "cpu".
+    context_parallel_size: how many workers split each prompt; default: every named GPU, or 1 on CPU.
+        On CUDA a smaller size takes the first N named GPUs; on CPU the N workers all run on "cpu" (gloo).
+    Raises DeviceSpecError (before any worker starts) when the machine cannot satisfy them.
+    """
+
+    def __init__(self, model: str = "tiny", devices: str | None = None, context_parallel_size: int | None = None,
+                 dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, kernel: str = "auto",
+                 kv_cache_tokens: int | None = None, kv_cache_memory_fraction: float = 0.5,
+                 auto_ulysses_max_tokens: int = 16384):
+        device_list = resolve_devices(devices, context_parallel_size)
         if sp_strategy not in SP_STRATEGIES:
             raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
                                       "sp_strategy")

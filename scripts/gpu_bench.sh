@@ -21,28 +21,27 @@ LIMIT_ONE=${LIMIT_ONE:-330}  # seconds per configuration on one GPU (256K there 
 STRATEGIES="burst auto tp ulysses cqs burst-nolao ring-rsa"
 if [ "$KIND" = cuda ]; then gpus=$(nvidia-smi -L | wc -l); else gpus=4; fi
 
-# sweep NAME MODEL DEVICES VISIBLE ARGS...: one configuration in its own process, VISIBLE (if set)
-# restricting the GPUs it sees; prints one status line.
+# sweep NAME MODEL WORKERS VISIBLE ARGS...: one configuration in its own process, WORKERS workers on the
+# first WORKERS visible devices (--devices $KIND -cp WORKERS), VISIBLE (if set) restricting the GPUs it
+# sees; prints one status line.
 sweep() {
-  local name=$1 model=$2 devices=$3 visible=$4; shift 4
+  local name=$1 model=$2 workers=$3 visible=$4; shift 4
   local dir="$out/$model/$name"
   mkdir -p "$dir"
   local start=$SECONDS
   env ${visible:+CUDA_VISIBLE_DEVICES=$visible} timeout "$LIMIT" python3 -m server.cli bench sweep --offline \
-      --model "$model" --devices "$devices" --repeats "$REPEATS" --warmup 1 --output-dir "$dir" "$@" \
+      --model "$model" --devices "$KIND" -cp "$workers" --repeats "$REPEATS" --warmup 1 --output-dir "$dir" "$@" \
       > "$dir/stdout.log" 2> "$dir/stderr.log"
   local rc=$?
   echo "$(date +%T) $model $name: rc=$rc in $((SECONDS - start)) s$([ $rc = 0 ] || echo "; $(grep -v -i warn "$dir/stderr.log" | tail -c 300)")"
 }
 
-devices() { echo "$KIND:$1"; }            # N workers on the first N visible devices
-
 small_counts() {
   local i=0 pids=()
   for model in $MODELS; do   # 1 GPU: two runs per model at once, one GPU each
-    LIMIT=$LIMIT_ONE sweep "transformers-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $i)" --sp-strategy transformers \
+    LIMIT=$LIMIT_ONE sweep "transformers-1" "$model" 1 "$([ "$KIND" = cuda ] && echo $i)" --sp-strategy transformers \
         --lengths "$LENGTHS" --label "transformers, 1 GPU" & pids+=($!)
-    LIMIT=$LIMIT_ONE sweep "single-1" "$model" "$(devices 1)" "$([ "$KIND" = cuda ] && echo $((i + 1)))" --sp-strategy single \
+    LIMIT=$LIMIT_ONE sweep "single-1" "$model" 1 "$([ "$KIND" = cuda ] && echo $((i + 1)))" --sp-strategy single \
         --lengths "$LENGTHS" --label "engine (single), 1 GPU" & pids+=($!)
     i=$((i + 2))
   done
@@ -51,7 +50,7 @@ small_counts() {
   for model in $MODELS; do   # 2 GPUs: one pair of GPUs per model
     visible=$([ "$KIND" = cuda ] && echo "$i,$((i + 1))")
     (for s in $STRATEGIES; do
-       sweep "$s-2" "$model" "$(devices 2)" "$visible" --sp-strategy "$s" --lengths "$SCALING_LENGTH" \
+       sweep "$s-2" "$model" 2 "$visible" --sp-strategy "$s" --lengths "$SCALING_LENGTH" \
            --label "$s, 2 GPU"
      done) & pids+=($!)
     i=$((i + 2))
@@ -62,9 +61,9 @@ small_counts() {
 strategies() {
   local model=$1
   for s in $STRATEGIES; do
-    sweep "$s-$gpus" "$model" "$(devices "$gpus")" "" --sp-strategy "$s" --lengths "$LENGTHS" --label "$s, $gpus GPU"
+    sweep "$s-$gpus" "$model" "$gpus" "" --sp-strategy "$s" --lengths "$LENGTHS" --label "$s, $gpus GPU"
   done
-  sweep "burst-nolap-$gpus" "$model" "$(devices "$gpus")" "" --sp-strategy burst --no-overlap \
+  sweep "burst-nolap-$gpus" "$model" "$gpus" "" --sp-strategy burst --no-overlap \
       --lengths "$OVERLAP_LENGTHS" --label "burst, no overlap, $gpus GPU"
 }
 

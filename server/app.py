@@ -1,19 +1,24 @@
-"""The FastAPI application: routes, API-key check, request-size limit, error handlers."""
+"""The FastAPI application: routes, API-key check, request-size limit, error handlers, and an
+OpenAPI schema true to what the server sends (400s in OpenAI's error JSON, never FastAPI's 422)."""
+import asyncio
+import contextlib
 import hmac
 import logging
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine import LLM
 from server.async_engine import AsyncEngine
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import error_response, install_handlers
+from server.context import ServerContext
+from server.errors import ErrorResponse, error_response, install_handlers
 from server.metrics import Metrics
+from server.prompts import warn_if_default_chat_template
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving import ServerContext
+from server.stats_log import log_stats_while_busy
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +70,28 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+def _errors(*statuses: int) -> dict:
+    """The `responses` entry documenting OpenAI's error JSON for these statuses."""
+    return {s: {"model": ErrorResponse, "description": "an error in OpenAI's JSON"} for s in statuses}
+
+
+POST_ERRORS = _errors(400, 401, 404, 413, 429, 503)
+EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
+
+
 def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting: int = 256,
               max_body_bytes: int = 128 << 20, log_requests: bool = True, log_stats_interval: float = 10.0) -> FastAPI:
     metrics = Metrics(model_name)
-    engine = AsyncEngine(llm, metrics, max_waiting)
+    engine = AsyncEngine(llm, metrics, max_waiting, log_requests)
     ctx = ServerContext(llm, engine, model_name)
+    warn_if_default_chat_template(llm.tokenizer, model_name)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app):
+        stats = asyncio.create_task(log_stats_while_busy(engine, log_stats_interval)) if log_stats_interval > 0 else None
         yield
+        if stats is not None:
+            stats.cancel()
         log.info("shutting down the engine")
         llm.shutdown()
 
@@ -81,34 +99,58 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     app.state.ctx = ctx
     install_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses={
+        200: {"description": "serving (an empty body)", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(503)})
     async def health():
         if engine.healthy:
-            return Response(status_code=200)
+            return PlainTextResponse("")
         return error_response(503, f"the engine is not running: {llm.dead_reason.splitlines()[0]}")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus exposition text", "content": {EXPOSITION: {"schema": {"type": "string"}}}}})
     async def prometheus():
         stats = dict(llm.stats, waiting=engine.waiting)
-        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(stats), media_type=EXPOSITION)
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "burstserve",
+                "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
+                "sp_strategy": llm.engine.sp_strategy, "overlap": llm.engine.overlap,
+                "devices": llm.engine.devices, "kernel": llm.kernel}
+
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "burstserve",
-             "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
-             "sp_strategy": llm.engine.sp_strategy, "overlap": llm.engine.overlap,
-             "devices": llm.engine.devices, "kernel": llm.kernel}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    async def model(model_id: str):
+        ctx.check_model(model_id)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions", responses=POST_ERRORS)
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(ctx, req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=POST_ERRORS)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, req, raw)
 
+    app.openapi = lambda: _openapi(app)
     if api_key:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(BodySizeLimit, limit=max_body_bytes)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 responses (validation errors are OpenAI's 400s here)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

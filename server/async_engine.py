@@ -1,24 +1,31 @@
 """The bridge between the asyncio front end and the engine's worker processes.
 
 The front end never runs model code: `LLM` here only holds queues to the workers and a router
-thread. Each request gets an asyncio queue that the router thread fills (thread-safely); a
-request whose consumer goes away (client disconnected) is aborted, freeing its KV at once.
+thread. Each request is an `EngineRequest`: an async iterator over its tokens that the router
+thread fills (thread-safely). However a request ends (its last token, a stop string, the client
+gone, the engine dead) it ends through `close`, once: that aborts it in the engine if it still
+runs (freeing its KV at once), counts it in the metrics and writes its log line.
 """
 import asyncio
 import itertools
+import logging
 import time
-from typing import AsyncIterator
 
 from engine import LLM, SamplingParams
 from engine.outputs import StepOutput
 from server.errors import APIError
 from server.metrics import Metrics
 
+log = logging.getLogger("burstserve.requests")
+
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, metrics: Metrics, max_waiting: int):
+    def __init__(self, llm: LLM, metrics: Metrics, max_waiting: int, log_requests: bool = True):
         self.llm, self.metrics, self.max_waiting = llm, metrics, max_waiting
-        self.waiting = 0          # submitted, no token yet
+        self.log_requests = log_requests
+        self.waiting = 0                 # submitted, no token yet
+        self.prompt_tokens = 0           # totals since start, for the periodic stats line
+        self.generation_tokens = 0
         self._ids = itertools.count()
 
     @property
@@ -28,42 +35,73 @@ class AsyncEngine:
     def admit(self, num_prompts: int) -> None:
         """Checked before a response starts: 503 if the engine is down, 429 if the queue is full."""
         if not self.healthy:
-            raise APIError(503, "the engine is not running")
+            raise APIError(503, f"the engine is not running: {self.llm.dead_reason.splitlines()[0]}")
         if self.waiting + num_prompts > self.max_waiting:
             raise APIError(429, f"the server is busy: {self.waiting} requests are already waiting for their "
                                 f"first token (--max-waiting {self.max_waiting})", headers={"Retry-After": "1"})
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        """Yields the request's tokens as they exist; raises EngineDeadError if the engine dies."""
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> "EngineRequest":
+        return EngineRequest(self, f"srv-{next(self._ids)}", prompt_ids, params)
+
+
+class EngineRequest:
+    """One prompt's tokens as they exist: `async for step in request`; raises EngineDeadError if
+    the engine dies. `close(reason)` ends it early; it is a no-op once the request ended."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        self.engine, self.request_id, self.prompt_tokens = engine, request_id, len(prompt_ids)
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        request_id = f"srv-{next(self._ids)}"
-        arrival = time.time()
-        self.llm.submit(prompt_ids, params, request_id, sink=lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item))
-        self.waiting += 1
-        started = finished = False
-        last, generated = arrival, 0
-        try:
-            while True:
-                item = await inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                generated += 1
-                if not started:
-                    started = True
-                    self.waiting -= 1
-                    self.metrics.first_token(item, arrival, len(prompt_ids))
-                else:
-                    self.metrics.next_token(item.time - last)
-                last = item.time
-                if item.finish_reason is not None:
-                    finished = True
-                    self.metrics.finished(item.finish_reason, item.time - arrival)
-                yield item
-                if finished:
-                    return
-        finally:
-            if not started:
-                self.waiting -= 1
-            if not finished:
-                self.llm.abort(request_id)
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self.arrival = self._last = time.time()
+        self.first_token_time: float | None = None
+        self.generated = 0
+        self.finish_reason: str | None = None
+        engine.llm.submit(prompt_ids, params, request_id,
+                          sink=lambda item: loop.call_soon_threadsafe(self._inbox.put_nowait, item))
+        engine.waiting += 1
+
+    def __aiter__(self) -> "EngineRequest":
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        item = await self._inbox.get()
+        if isinstance(item, BaseException):
+            self._end("error", time.time(), abort=False)
+            raise item
+        self._count(item)
+        if item.finish_reason is not None:
+            self._end(item.finish_reason, item.time, abort=False)
+        return item
+
+    def close(self, reason: str = "abort") -> None:
+        """Ends the request (aborting it in the engine) unless it already ended."""
+        if self.finish_reason is None:
+            self._end(reason, time.time(), abort=True)
+
+    def _count(self, item: StepOutput) -> None:
+        engine, m = self.engine, self.engine.metrics
+        self.generated += 1
+        engine.generation_tokens += 1
+        if self.first_token_time is None:
+            self.first_token_time = item.time
+            engine.waiting -= 1
+            if not (item.prefill or {}).get("shared_prefill"):
+                engine.prompt_tokens += self.prompt_tokens
+            m.first_token(item, self.arrival, self.prompt_tokens)
+        else:
+            m.next_token(item.time - self._last)
+        self._last = item.time
+
+    def _end(self, reason: str, when: float, abort: bool) -> None:
+        self.finish_reason = reason
+        if self.first_token_time is None:
+            self.engine.waiting -= 1
+        if abort:
+            self.engine.llm.abort(self.request_id)
+        self.engine.metrics.finished(reason, when - self.arrival)
+        if self.engine.log_requests:
+            ttft = "-" if self.first_token_time is None else f"{self.first_token_time - self.arrival:.3f} s"
+            log.info("request %s finished (%s): %d prompt tokens, TTFT %s, %d output tokens, %.3f s",
+                     self.request_id, reason, self.prompt_tokens, ttft, self.generated, when - self.arrival)

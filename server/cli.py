@@ -13,7 +13,12 @@ def serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--model", default="tiny", help=f"a local model directory or a preset ({', '.join(preset_names())})")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--devices", default=None, help="cpu, cpu:N, cuda, cuda:N or cuda:0,1,... (default: every GPU, else cpu)")
+    p.add_argument("--devices", default=None,
+                   help="devices as torch names them: cpu, cuda (every visible GPU), cuda:1 (GPU 1), cuda:0,2 "
+                        "(default: every visible GPU, else cpu)")
+    p.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
+                   help="worker processes that split each prompt (default: every named GPU; on CPU, 1); "
+                        "on CUDA the first N named GPUs, on CPU N processes on cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on GPUs, float32 on CPU")
     p.add_argument("--host", default="127.0.0.1")
@@ -44,7 +49,8 @@ def serve(args) -> None:
     from server.app import build_app
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        llm = LLM(model=args.model, devices=args.devices, dtype=args.dtype, max_model_len=args.max_model_len,
+        llm = LLM(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
+                  dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
                   auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)

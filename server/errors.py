@@ -1,61 +1,106 @@
 """HTTP errors in OpenAI's JSON shape; every error a user can cause is raised as an APIError (or an
-engine error) where it is found and turned into a response in one place (`install_handlers`)."""
+engine error) where it is found and turned into a response in one place (`install_handlers`).
+
+The body is always `{"error": {"message", "type", "param", "code"}}` with OpenAI's string codes
+(`model_not_found`, `invalid_api_key`, `context_length_exceeded`, ...) or a null code: clients
+such as litellm map an error to its exception class by these strings."""
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import BurstServeError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "invalid_request_error", 500: "server_error", 503: "server_error"}
+UNION_TAGS = {"system", "developer", "user", "assistant", "tool"}   # the chat message roles
+DEFAULT_CODES = {401: "invalid_api_key", 405: "method_not_allowed", 413: "request_too_large",
+                 429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (documented in /openapi.json for every error status)."""
+    error: ErrorDetail
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.code = code if code is not None else DEFAULT_CODES.get(status)
 
 
 class ClientGone(Exception):
     """The client closed the connection before a non-streaming response was ready."""
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else DEFAULT_CODES.get(status)}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def api_error_response(err: APIError) -> JSONResponse:
+    return error_response(err.status, err.message, err.param, err.headers, err.code)
 
 
 def as_api_error(exc: Exception) -> APIError:
     """The HTTP status and message a user sees for an error raised while serving a request."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, (InvalidRequestError,)):
+    if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, PromptTooLongError):
-        return APIError(400, str(exc), "prompt")
+        return APIError(400, str(exc), "prompt", code="context_length_exceeded")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {str(exc).splitlines()[0]}")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's first complaint as a 400 naming the field (OpenAI answers 400, not FastAPI's 422)."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    raw = [p for p in first.get("loc", ()) if p != "body"]
+    # a tagged union adds its tag after the index ("messages.0.user.content"): name the field as sent
+    loc = [str(p) for i, p in enumerate(raw) if not (i and isinstance(raw[i - 1], int) and p in UNION_TAGS)]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return APIError(400, f"{param or 'body'}: {message}", param)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", None)
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+        return api_error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):   # unknown routes, wrong methods
+        if exc.status_code == 404:
+            return error_response(404, f"Invalid URL ({request.method} {request.url.path})", code="not_found")
+        if exc.status_code == 405:
+            return error_response(405, f"Method {request.method} is not allowed on {request.url.path}",
+                                  headers=dict(exc.headers or {}))
+        return error_response(exc.status_code, str(exc.detail))
 
     async def _known(request: Request, exc: Exception):
-        err = as_api_error(exc)
-        return error_response(err.status, err.message, err.param, err.headers)
+        return api_error_response(as_api_error(exc))
 
     async def _gone(request: Request, exc: Exception):   # nobody is listening; 499 as nginx logs it
         return JSONResponse({"error": None}, status_code=499)

@@ -1,66 +1,202 @@
-"""OpenAI request shapes (field for field, in OpenAI's order), plus vLLM's extensions. Responses are
-built in server/completions.py and server/chat.py in OpenAI's shapes; the openai client parses
-them in the tests."""
-from pydantic import BaseModel, ConfigDict, Field
+"""OpenAI request shapes (field for field, in OpenAI's order), plus vLLM's extensions.
+
+Everything that can be checked on the request alone is checked here, so the OpenAPI schema says
+what the server accepts: roles, required content, value ranges, and the OpenAI fields this server
+does not do (tools, a non-empty logit_bias, penalties, suffix), each refused with a 400 naming the
+field. What needs the model (vocabulary, context length) is checked in server/prompts.py.
+Responses are built in server/completions.py and server/chat.py in OpenAI's shapes."""
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling import MAX_LOGPROBS
+
+MAX_N = 64           # choices per prompt
+MAX_STOPS = 16
+SEED_RANGE = dict(ge=-(1 << 63), le=(1 << 63) - 1 - MAX_N)   # choice j samples with seed + j (a torch seed)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _unsupported(name: str, only: str):
+    """A validator refusing every value but the allowed ones, with a message naming the field."""
+    def check(value):
+        raise ValueError(f"{name}={value!r} is not supported by this server (only {only})")
+    return check
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class VLLMExtensions(BaseModel):
-    """vLLM's sampling extensions, accepted by both endpoints."""
-    top_k: int = -1
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema (xgrammar)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type json_schema needs a json_schema object with a schema")
+        return self
+
+    def for_engine(self) -> dict | None:
+        """What SamplingParams.response_format takes (None: unconstrained)."""
+        return None if self.type == "text" else self.model_dump(by_alias=True, exclude_none=True)
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields both endpoints share, with vLLM's extensions (top_k, ignore_eos, ...)."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0},
+                                                description="only an empty bias is supported")
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
+    response_format: ResponseFormat | None = None
+    seed: int | None = Field(None, **SEED_RANGE)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: every token")
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     return_tokens_as_token_ids: bool = False
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value):
+        if value:
+            _unsupported("logit_bias", "an empty one")(value)
+        return value
 
-class CompletionRequest(VLLMExtensions):
-    model_config = ConfigDict(extra="allow")
+    @field_validator("frequency_penalty", "presence_penalty", mode="before")
+    @classmethod
+    def _no_penalty(cls, value, info):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+            _unsupported(info.field_name, "0")(value)
+        return value
+
+
+class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+             | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1)])
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n")
     echo: bool = False
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = 16
-    n: int = 1
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    suffix: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    user: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo scores the prompt only")
+    suffix: str | None = Field(None, max_length=0, description="not supported")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            _unsupported("suffix", "none")(value)
+        return value
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+def _text_parts_only(content):
+    """Content is a string or a list of text parts; other parts (images, audio) get a clear 400."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+    return content
+
+
+Content = str | list[TextPart]
+
+
+class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict] | None = None
+    content: Content
     name: str | None = None
+    _content_parts = field_validator("content", mode="before")(_text_parts_only)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(VLLMExtensions):
-    model_config = ConfigDict(extra="allow")
-    messages: list[ChatMessage] = Field(min_length=1)
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    tool_calls: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        if value:
+            raise ValueError("tool calls are not supported by this server (no tool calling)")
+        return value
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str
+
+
+ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
+                        Field(discriminator="role")]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str | None = None
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    user: str | None = None
+    logprobs: bool | None = False
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
+    tools: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="no tool calling: none or auto")
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    functions: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
+    function_call: Literal["none", "auto"] | None = Field(None, description="no function calling: none or auto")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} are not supported by this server (no tool calling)")
+        return value
+
+    @field_validator("tool_choice", "function_call", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        if value not in (None, "none", "auto"):
+            _unsupported(info.field_name, "'none' or 'auto': no tool calling")(value)
+        return value
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the limit, the name the client gave it): max_completion_tokens is the newer name."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"

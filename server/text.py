@@ -1,4 +1,4 @@
-"""Generated tokens to text: incremental detokenization, stop strings, and logprob entries."""
+"""Generated tokens to text: incremental detokenization and stop strings."""
 REPLACEMENT = "\ufffd"
 
 
@@ -57,22 +57,3 @@ class TextAssembler:
         self.sent = end
         return piece
 
-
-def token_text(tokenizer, token_id: int, as_ids: bool) -> str:
-    """How a token is named in logprobs: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
-    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
-
-
-def completion_logprob_entry(tokenizer, token_id: int, logprobs: dict[int, float], top: int, as_ids: bool):
-    """(token, its logprob, {token: logprob} of the top `top`) for the legacy completions format."""
-    ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:top]
-    top_map = {token_text(tokenizer, t, as_ids): lp for t, lp in ranked}
-    return token_text(tokenizer, token_id, as_ids), logprobs[token_id], top_map
-
-
-def chat_logprob_entry(tokenizer, token_id: int, logprobs: dict[int, float], top: int, as_ids: bool) -> dict:
-    def one(t, lp):
-        name = token_text(tokenizer, t, as_ids)
-        return {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8"))}
-    ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:top]
-    return {**one(token_id, logprobs[token_id]), "top_logprobs": [one(t, lp) for t, lp in ranked]}

@@ -44,18 +44,18 @@ def check_sweep_outputs(out_dir, lengths, repeats, label):
 
 def test_sweep_against_a_server_it_starts(tmp_path):
     out = tmp_path / "sweep"
-    bench("sweep", "--serve", "--model tiny --devices cpu:2", "--lengths", "64,300", "--repeats", "2",
+    bench("sweep", "--serve", "--model tiny --devices cpu -cp 2", "--lengths", "64,300", "--repeats", "2",
           "--label", "burst-cpu2", "--output-dir", str(out))
     rows = check_sweep_outputs(str(out), [64, 300], 2, "burst-cpu2")
     assert rows[0]["strategy"] == "burst" and rows[0]["num_devices"] == 2
 
 
 def test_offline_sweep_and_merge(tmp_path):
-    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu:2", "--sp-strategy", "ring-rsa",
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "-cp", "2", "--sp-strategy", "ring-rsa",
           "--lengths", "32,128", "--repeats", "2", "--label", "rsa", "--output-dir", str(tmp_path / "a"))
     check_sweep_outputs(str(tmp_path / "a"), [32, 128], 2, "rsa")
-    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu:2", "--lengths", "32,128", "--repeats", "1",
-          "--label", "burst", "--output-dir", str(tmp_path / "b"))
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "-cp", "2", "--lengths", "32,128",
+          "--repeats", "1", "--label", "burst", "--output-dir", str(tmp_path / "b"))
     printed = bench("merge", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
                     "--output-dir", str(tmp_path / "m"))
     assert "| prompt tokens | rsa | burst |" in printed
@@ -65,7 +65,7 @@ def test_offline_sweep_and_merge(tmp_path):
 
 
 def test_load_mode_reports_vllm_metrics(tmp_path):
-    server = RemoteServer(["--model", "tiny", "--devices", "cpu:2"])
+    server = RemoteServer(["--model", "tiny", "--devices", "cpu", "-cp", "2"])
     try:
         bench("load", "--url", server.url(""), "--num-prompts", "12", "--input-len", "40", "--output-len", "5",
               "--max-concurrency", "4", "--request-rate", "50", "--output-dir", str(tmp_path / "load"))
@@ -93,7 +93,7 @@ def test_transformers_baseline_sweep_and_doc_section(tmp_path):
     assert all(r["strategy"] == "transformers" and len(r["warmup_ttft_ms_samples"]) == 1 for r in hf)
     bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--sp-strategy", "single",
           "--lengths", "48,160", "--repeats", "1", "--label", "one", "--output-dir", str(tmp_path / "one"))
-    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu:2", "--lengths", "160", "--repeats", "1",
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "-cp", "2", "--lengths", "160", "--repeats", "1",
           "--label", "two", "--output-dir", str(tmp_path / "two"))
     doc = tmp_path / "docs" / "bench.md"
     doc.parent.mkdir()

@@ -33,7 +33,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, workers):
     vocab = model.config.vocab_size
     lengths = sorted({1, 2 * workers - 1, 37, 1000})
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
-    with LLM(path, devices=f"cpu:{workers}", dtype="float32") as llm:
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32") as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
         for prompt, out in zip(prompts, outputs):
             ref_logits, ref_tokens = _reference(checkpoint, prompt)

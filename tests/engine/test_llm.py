@@ -9,7 +9,6 @@ import torch
 
 from engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
                     SamplingParams)
-from engine.devices import parse_devices
 from engine.kv_cache import next_kv_owner
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
@@ -23,7 +22,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    with LLM(checkpoint[0], devices="cpu:3", dtype="float32", max_model_len=300) as engine:
+    with LLM(checkpoint[0], devices="cpu", context_parallel_size=3, dtype="float32", max_model_len=300) as engine:
         yield engine
 
 
@@ -138,14 +137,16 @@ def test_model_directory_errors(tmp_path, checkpoint):
         LLM(str(tmp_path), devices="cpu")
 
 
-@pytest.mark.parametrize("spec", ["cpu:0", "cpu:x", "tpu", "cuda:0,0", "cuda:1"])
-def test_bad_device_strings(spec):
+@pytest.mark.parametrize("spec,size", [("cpu:2", None), ("cpu:x", None), ("tpu", None), ("cpu", 0)])
+def test_bad_device_strings(spec, size):
+    """Every form and message is in test_devices.py; here: LLM refuses them (before any worker starts)."""
     with pytest.raises(DeviceSpecError):
-        parse_devices(spec)
+        LLM("tiny", devices=spec, context_parallel_size=size)
 
 
-def test_device_strings():
-    assert parse_devices("cpu") == ["cpu"] and parse_devices("cpu:3") == ["cpu"] * 3
+def test_device_strings(llm):
+    """devices="cpu" with context_parallel_size=3: three worker processes on the CPU."""
+    assert llm.engine.devices == ["cpu"] * 3 and llm.engine.world_size == 3
 
 
 def test_next_kv_owner_balances():
@@ -156,7 +157,7 @@ def test_next_kv_owner_balances():
 
 
 def test_a_dead_worker_makes_the_engine_raise():
-    llm = LLM("tiny", devices="cpu:2")
+    llm = LLM("tiny", devices="cpu", context_parallel_size=2)
     try:
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2))
         llm._procs[1].kill()
@@ -170,7 +171,7 @@ def test_a_dead_worker_makes_the_engine_raise():
 
 
 def test_kv_capacity_admission():
-    with LLM("tiny", devices="cpu:2", kv_cache_tokens=100) as small:     # 200 tokens over both workers
+    with LLM("tiny", devices="cpu", context_parallel_size=2, kv_cache_tokens=100) as small:  # 200 tokens, both workers
         assert small.kv_capacity_tokens == 200
         with pytest.raises(InvalidRequestError, match="capacity of 200 tokens"):
             small.generate([1] * 150, SamplingParams(max_tokens=60))

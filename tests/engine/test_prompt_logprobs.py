@@ -20,7 +20,7 @@ def test_prompt_logprobs_match_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2, 37, 1100)]   # 1100 > one scoring chunk
     top = 3
-    with LLM(path, devices=f"cpu:{workers}", dtype="float32", sp_strategy=strategy) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=top))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
@@ -41,7 +41,7 @@ def test_prompt_logprobs_match_transformers(checkpoint, strategy, workers):
 def test_prompt_logprobs_are_checked_and_optional(checkpoint):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
-    with LLM(checkpoint[0], devices="cpu:2", dtype="float32") as llm:
+    with LLM(checkpoint[0], devices="cpu", context_parallel_size=2, dtype="float32") as llm:
         prompt = [random.randrange(320) for _ in range(20)]
         plain, scored, again = llm.generate([prompt] * 3, [SamplingParams(max_tokens=4, temperature=0),
                                                            SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0),

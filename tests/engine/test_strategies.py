@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory):
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
-    with LLM(path, devices=f"cpu:{workers}", dtype="float32", sp_strategy=strategy) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy) as llm:
         assert llm.engine.world_size == (1 if strategy == "single" else workers)
         outs = llm.generate(prompts + prompts[-1:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert outs[-1].metrics.prefill_stats.get("shared_prefill")   # the repeated prompt forks the K/V
@@ -33,7 +33,7 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
 def test_no_overlap_gives_the_same_tokens(checkpoint):
     prompt = [random.randrange(320) for _ in range(200)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(checkpoint[0], devices="cpu:3", dtype="float32", overlap=False) as llm:
+    with LLM(checkpoint[0], devices="cpu", context_parallel_size=3, dtype="float32", overlap=False) as llm:
         slow = llm.generate(prompt, params)[0]
     _, ref = hf_next_logits_and_greedy(checkpoint[1], prompt, 8)
     assert slow.outputs[0].token_ids == ref
@@ -42,17 +42,17 @@ def test_no_overlap_gives_the_same_tokens(checkpoint):
 
 def test_unknown_strategy_and_indivisible_heads(checkpoint):
     with pytest.raises(InvalidRequestError, match="not one of"):
-        LLM(checkpoint[0], devices="cpu:2", sp_strategy="magic")
+        LLM(checkpoint[0], devices="cpu", context_parallel_size=2, sp_strategy="magic")
     for strategy in ("ulysses", "tp"):
         with pytest.raises(InvalidRequestError, match="do not divide"):
-            LLM(checkpoint[0], devices="cpu:3", sp_strategy=strategy)
+            LLM(checkpoint[0], devices="cpu", context_parallel_size=3, sp_strategy=strategy)
 
 
 def test_tp_slices_qkv_biases(tmp_path):
     model = save_checkpoint("qwen2", str(tmp_path), seed=random.randrange(1 << 30))
     prompt = [random.randrange(320) for _ in range(50)]
     ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
-    with LLM(str(tmp_path), devices="cpu:2", dtype="float32", sp_strategy="tp") as llm:
+    with LLM(str(tmp_path), devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy="tp") as llm:
         assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref_tokens
@@ -73,15 +73,17 @@ def test_cqs_plan_computes_every_block_once(workers):
 def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (3, 40, 41, 300)]
-    with LLM(path, devices="cpu:4", dtype="float32", sp_strategy="auto", auto_ulysses_max_tokens=40) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=4, dtype="float32", sp_strategy="auto",
+             auto_ulysses_max_tokens=40) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
             assert out.metrics.prefill_stats["strategy"] == ("ulysses" if len(prompt) <= 40 else "burst")
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 10)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
             assert out.outputs[0].token_ids == ref_tokens, len(prompt)
-    with LLM(path, devices="cpu:3", dtype="float32", sp_strategy="auto") as llm:   # 3 workers do not divide the heads
+    # 3 workers do not divide the heads
+    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", sp_strategy="auto") as llm:
         out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
         assert out.metrics.prefill_stats["strategy"] == "burst"
     with pytest.raises(InvalidRequestError, match="auto_ulysses_max_tokens"):
-        LLM(path, devices="cpu:2", sp_strategy="auto", auto_ulysses_max_tokens=-1)
+        LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="auto", auto_ulysses_max_tokens=-1)

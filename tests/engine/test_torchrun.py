@@ -21,7 +21,7 @@ def test_torchrun_workers_match_llm(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = [json.loads(line)["token_ids"] for line in proc.stdout.splitlines() if line.startswith("{")]
-    with LLM("tiny", devices="cpu:3") as llm:
+    with LLM("tiny", devices="cpu", context_parallel_size=3) as llm:
         want = [o.outputs[0].token_ids for o in
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
     assert got == want

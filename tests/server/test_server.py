@@ -1,4 +1,4 @@
-"""The real server (subprocess, cpu:2 workers) through the official openai client and raw HTTP."""
+"""The real server (subprocess, 2 CPU workers) through the official openai client and raw HTTP."""
 import asyncio
 import json
 import random
@@ -27,7 +27,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = RemoteServer(["--model", checkpoint[0], "--served-model-name", "test-model", "--devices", "cpu:2",
+    srv = RemoteServer(["--model", checkpoint[0], "--served-model-name", "test-model", "--devices", "cpu", "-cp", "2",
                         "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--kv-cache-tokens", "4096"],
                        api_key=KEY)
     yield srv
@@ -331,7 +331,7 @@ def test_server_stays_healthy_after_bad_input(server):
 
 @pytest.fixture(scope="module")
 def small_server(checkpoint):
-    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:2", "--dtype", "float32",
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu", "-cp", "2", "--dtype", "float32",
                         "--max-waiting", "1", "--max-request-body-bytes", "20000"])
     yield srv
     srv.stop()
@@ -360,7 +360,7 @@ def test_full_queue_is_429_with_retry_after(small_server):
 
 def test_dead_engine_is_503(checkpoint):
     import subprocess
-    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:2", "--dtype", "float32"])
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu", "-cp", "2", "--dtype", "float32"])
     try:
         workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
         assert workers
@@ -378,7 +378,7 @@ def test_dead_engine_is_503(checkpoint):
 
 def test_sigterm_stops_every_worker(checkpoint):
     import subprocess
-    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu:3", "--dtype", "float32"])
+    srv = RemoteServer(["--model", checkpoint[0], "--devices", "cpu", "-cp", "3", "--dtype", "float32"])
     workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "spawn_main"], capture_output=True,
                              text=True).stdout.split()
     assert len(workers) >= 3

@@ -1,0 +1,95 @@
+"""The engine side of a request: each choice is one engine request whose tokens become text deltas
+(stop strings cut here); several choices are interleaved as their tokens come."""
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine import SamplingParams
+from server.context import ServerContext
+from server.text import TextAssembler
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str                      # new text, safe to send
+    text_offset: int               # where this token's text starts in the choice's generated text
+    token_id: int
+    logprobs: dict[int, float] | None
+    finish_reason: str | None      # "stop" or "length" on the last event
+    prompt_logprobs: list | None = None   # on the first event, when asked for: one entry per prompt token
+
+
+def sampling_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """Choice j of a prompt samples with seed + j, so a seeded request's n choices differ but repeat."""
+    seed = None if req.seed is None else req.seed + choice
+    response_format = req.response_format.for_engine() if req.response_format is not None else None
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+                          seed=seed, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, response_format=response_format)
+
+
+def start_choices(ctx: ServerContext, runs: list[tuple[list[int], SamplingParams]],
+                  stops: list[str]) -> AsyncIterator[ChoiceEvent]:
+    """Admits the choices (429/503 before anything starts), then runs them; choice i is runs[i]."""
+    ctx.engine.admit(len(runs))
+    return merge_choices([run_choice(ctx, i, ids, params, stops) for i, (ids, params) in enumerate(runs)])
+
+
+async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], params: SamplingParams,
+                     stops: list[str]) -> AsyncIterator[ChoiceEvent]:
+    """One prompt's tokens as text deltas; a stop string ends the request early."""
+    assembler = TextAssembler(ctx.llm.tokenizer, stops)
+    request = ctx.engine.start(prompt_ids, params)
+    try:
+        async for step in request:
+            offset = len(assembler.text)
+            text = assembler.add(step.token_id)
+            reason = "stop" if assembler.stopped else step.finish_reason
+            if reason is not None and not assembler.stopped:
+                text += assembler.finish()
+                reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
+            if assembler.stopped:
+                request.close("stop")
+            yield ChoiceEvent(index, text, offset, step.token_id, step.logprobs, reason, step.prompt_logprobs)
+            if reason is not None:
+                return
+    finally:
+        request.close("abort")   # the client went away, or an error: a no-op once the request ended
+
+
+async def merge_choices(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:
+    """Interleaves several choices' events as they come; cancelling this cancels them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for event in only:
+                yield event
+        return
+    inbox: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    await inbox.put(event)
+            await inbox.put(done)
+        except BaseException as e:   # handed to the consumer, which re-raises it
+            await inbox.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await inbox.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,18 @@
+"""What every route handler is given: the engine, its async bridge and the served model's name."""
+from dataclasses import dataclass
+
+from engine import LLM
+from server.async_engine import AsyncEngine
+from server.errors import APIError
+
+
+@dataclass
+class ServerContext:
+    llm: LLM
+    engine: AsyncEngine
+    model_name: str
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 (OpenAI's `model_not_found`) unless the request names the served model or none."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")

@@ -36,10 +36,11 @@ def add_parser(sub) -> None:
     sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
     sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
     sweep.add_argument("--devices", default=None,
-                       help="offline: devices as torch names them: cpu, cuda, cuda:1, cuda:0,2 (default: every "
-                            "visible GPU, else cpu); with --serve, put --devices in its arguments")
+                       help="offline, or added to --serve's arguments: devices as torch names them: cpu, cuda, "
+                            "cuda:1, cuda:0,2 (default: every visible GPU, else cpu)")
     sweep.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
-                       help="offline: worker processes (default: every named GPU; on CPU, 1)")
+                       help="offline, or added to --serve's arguments: worker processes (default: every named GPU; "
+                            "on CPU, 1)")
     sweep.add_argument("--dtype", default=None, help="offline: dtype")
     sweep.add_argument("--sp-strategy", default="burst",
                        help="offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
@@ -138,6 +139,13 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
     return sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label, args.api_key, bar)
 
 
+def _device_args(args) -> list[str]:
+    """The sweep's --devices / --context-parallel-size, as arguments of the server --serve starts."""
+    devices, size = getattr(args, "devices", None), getattr(args, "context_parallel_size", None)
+    return (["--devices", devices] if devices else []) + \
+        (["--context-parallel-size", str(size)] if size is not None else [])
+
+
 def _check_offline_devices(args) -> None:
     """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
     from engine.devices import resolve_devices
@@ -156,7 +164,11 @@ def _server(args):
         return
     if args.serve:
         from clients.server_process import RemoteServer
-        server = RemoteServer(shlex.split(args.serve), api_key=args.api_key)
+        from engine.errors import BurstServeError
+        try:
+            server = RemoteServer(shlex.split(args.serve) + _device_args(args), api_key=args.api_key)
+        except RuntimeError as e:    # the server logged why (bad devices: one line)
+            raise BurstServeError(f"--serve {args.serve!r}: {e}; its log above says why") from None
         try:
             yield server.url("").rstrip("/")
         finally:

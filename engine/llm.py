@@ -24,6 +24,7 @@ from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongErr
 from engine.model_runner import SP_STRATEGIES
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.sampling import SamplingParams
+from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
 from engine.tensor_parallel import tp_check
 from engine.tokenizer import load_tokenizer
 from engine.weights import weight_files
@@ -96,6 +97,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]                       # validate all before any work
         for e, p in zip(encoded, params):
             self.check_fits(len(e), p.max_tokens)
+            self.structured_request(p)
         ids = [self.submit(e, p) for e, p in zip(encoded, params)]
         return [self._collect(rid, prompt, e) for rid, prompt, e in zip(ids, prompts, encoded)]
 
@@ -130,6 +132,7 @@ class LLM:
         """Queues one encoded prompt. Its StepOutputs (or an EngineDeadError) are passed to `sink`
         from the engine's router thread; without a sink they are read with `results(request_id)`."""
         self._check_alive()
+        structured = self.structured_request(params)          # raises before any work on a bad response_format
         request_id = request_id or f"req-{next(self._ids)}"
         if sink is None:
             q = queue.Queue()
@@ -137,8 +140,20 @@ class LLM:
             sink = q.put
         self._results[request_id] = sink
         self._arrivals[request_id] = time.time()
-        self._requests.put(("add", Request(request_id, prompt_token_ids, params, time.time(), return_logits)))
+        self._requests.put(("add", Request(request_id, prompt_token_ids, params, time.time(), return_logits,
+                                           structured)))
         return request_id
+
+    def structured_request(self, params: SamplingParams) -> StructuredRequest | None:
+        """What worker 0 needs to constrain a request to its response_format (None: unconstrained);
+        raises InvalidRequestError (param "response_format") for a bad one or a model without a tokenizer."""
+        spec = parse_response_format(params.response_format)   # again: params may have changed since built
+        if spec is None:
+            return None
+        source = tokenizer_source(self.engine.model, self.engine.is_preset, self.model_config.vocab_size,
+                                  self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        check_tokenizer(source, self.tokenizer)
+        return StructuredRequest(spec, source)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV cache on every worker."""

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling import SamplingParams
+from engine.structured_output import StructuredRequest
 
 
 @dataclass
@@ -14,6 +15,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     return_logits: bool = False     # attach the next-token logits of the prompt to the first output
+    structured: StructuredRequest | None = None   # set by LLM.submit when params.response_format constrains
 
 
 @dataclass

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import parse_response_format
 
 MAX_LOGPROBS = 20
 
@@ -19,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # top-k logprobs per generated token (0 = only the chosen token)
     prompt_logprobs: int | None = None   # top-k logprobs per prompt position (the first has none)
+    # OpenAI's response_format as-is: None or {"type": "text"} (free text), {"type": "json_object"}, or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}} (engine/structured_output.py)
+    response_format: dict | None = None
 
     def __post_init__(self):
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -37,6 +41,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+        parse_response_format(self.response_format)
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +56,8 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] fp32 -> one token id."""
+    """logits [V] fp32 -> one token id. With a response_format these are the grammar-masked logits
+    (-inf where the grammar forbids), so temperature, top-k and top-p act on the allowed tokens only."""
     if params.greedy:
         return int(torch.argmax(logits))
     scaled = logits / params.temperature

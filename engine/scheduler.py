@@ -11,6 +11,7 @@ import torch
 
 from engine.outputs import Request, StepOutput
 from engine.sampling import make_generator, sample_one, token_logprobs
+from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class RunningSequence:
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
     prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
+    grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
 
 
 class Scheduler:
@@ -42,6 +44,7 @@ class Scheduler:
         self.running: list[RunningSequence] = []
         self.aborted: set[str] = set()
         self.next_seq_id = 0
+        self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
 
     def run(self) -> None:
         while True:
@@ -102,7 +105,8 @@ class Scheduler:
         self.aborted.clear()
 
     def _prefill(self, request: Request) -> None:
-        seq = RunningSequence(request, self.next_seq_id, make_generator(request.params, torch.device("cpu")))
+        seq = RunningSequence(request, self.next_seq_id, make_generator(request.params, torch.device("cpu")),
+                              grammar=self._grammar(request))
         self.next_seq_id += 1
         self.kv_reserved += self._kv_needed(request)
         room = self.max_model_len - len(request.prompt_token_ids)
@@ -121,6 +125,17 @@ class Scheduler:
         self._emit(seq, logits, prefill=result, keep_logits=request.return_logits,
                    prompt_logprobs=result.pop("prompt_logprobs", None))
 
+    def _grammar(self, request: Request) -> SequenceGrammar | None:
+        """A fresh matcher for a constrained request (each of n choices has its own); the grammar is
+        compiled at the first request with this response_format, then taken from the cache."""
+        if request.structured is None:
+            return None
+        source = request.structured.source
+        backend = self.grammars.get(source)
+        if backend is None:
+            backend = self.grammars[source] = GrammarBackend(source)
+        return backend.matcher(request.structured.spec)
+
     def _running_twin(self, request: Request) -> RunningSequence | None:
         """A running sequence with exactly this prompt (say the n choices of one request), if any; not
         for a request that wants prompt logprobs (they come out of a prefill)."""
@@ -135,14 +150,24 @@ class Scheduler:
         tokens = [s.generated[-1] for s in batch]
         positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in batch]
         logits = self.call("decode", [s.seq_id for s in batch], tokens, positions)    # [B, V]
+        constrained = [i for i, s in enumerate(batch) if s.grammar is not None]
+        masked = {}
+        if constrained:   # a masked copy of those rows, in one call; logprobs still read the model's logits
+            rows = mask_logits(logits[constrained], [batch[i].grammar for i in constrained])
+            masked = {i: rows[j] for j, i in enumerate(constrained)}
         self.running = []
         for i, seq in enumerate(batch):
-            self._emit(seq, logits[i])
+            self._emit(seq, logits[i], sample_logits=masked.get(i))
 
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
-              keep_logits: bool = False, prompt_logprobs: list | None = None) -> None:
+              keep_logits: bool = False, prompt_logprobs: list | None = None,
+              sample_logits: torch.Tensor | None = None) -> None:
+        """Samples from `sample_logits` (the grammar-masked logits) when given or when the sequence has
+        a grammar, else from `logits`; the logprobs are always the model's own (unmasked) `logits`."""
         params = seq.request.params
-        token = sample_one(logits, params, seq.generator)
+        if sample_logits is None and seq.grammar is not None:
+            sample_logits = mask_logits(logits.unsqueeze(0).clone(), [seq.grammar])[0]
+        token = sample_one(logits if sample_logits is None else sample_logits, params, seq.generator)
         seq.generated.append(token)
         logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
         reason = self._finish_reason(seq, token)
@@ -160,7 +185,14 @@ class Scheduler:
 
     def _finish_reason(self, seq: RunningSequence, token: int) -> str | None:
         params = seq.request.params
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        grammar_ended = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):   # cannot happen with a masked sample; never run on off-grammar
+                log.error("request %s: token %d does not match its response_format; ending it",
+                          seq.request.request_id, token)
+                return "abort"
+            grammar_ended = seq.grammar.terminated   # its stop token accepted: ends even with ignore_eos
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos) or grammar_ended:
             return "stop"
         if len(seq.generated) >= params.max_tokens:
             return "length"

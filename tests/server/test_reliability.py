@@ -17,8 +17,8 @@ import pytest
 import schemathesis
 
 from live import (DEVICE_ARGS, KEY, TIMEOUT, LiveServer, alive, busy, cmdline, delta, descendants,
-                  error_shape_problem,
-                  group_members, metrics, openai_error, sse_payloads, wait_until_idle, worker_pids)
+                  error_shape_problem, group_members, metrics, openai_error, sse_payloads, wait_until_idle,
+                  worker_pids)
 
 MAX_LEN = 256            # tiny's context here: short prompts, short generations, a cheap "too long"
 MODEL = "tiny"

@@ -26,10 +26,9 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
     """Choice j of a prompt samples with seed + j, so a seeded request's n choices differ but repeat."""
     seed = None if req.seed is None else req.seed + choice
     response_format = req.response_format.for_engine() if req.response_format is not None else None
-    extra = {"response_format": response_format} if response_format is not None else {}   # TEMP until engine has it
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
                           seed=seed, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, **extra)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, response_format=response_format)
 
 
 def start_choices(ctx: ServerContext, runs: list[tuple[list[int], SamplingParams]],

@@ -143,3 +143,7 @@ def test_serve_and_bench_refuse_the_old_worker_count(tmp_path):
                               "--context-parallel-size", "2", "--output-dir", str(out)),
                           "transformers runs on one device")
     assert not out.exists()      # refused before any file is written
+    # --devices / -cp of a sweep reach the server --serve starts: its one line, then the bench's
+    proc = cli("bench", "sweep", "--serve", "--model tiny", "--devices", "cpu:2", "--output-dir", str(out))
+    assert_one_line_error(proc, "use --devices cpu --context-parallel-size 2")
+    assert "burstserve bench: error: --serve '--model tiny': server exited with 2" in proc.stderr

@@ -22,6 +22,7 @@ model's EOS ids and the tokenizer's EOS), which the mask allows only where the J
 """
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -118,15 +119,16 @@ def _grammar_error(spec: GrammarSpec) -> str | None:
     try:
         grammar(spec)
     except Exception as e:   # xgrammar raises RuntimeError/ValueError/its own types for bad schemas
-        return f"{type(e).__name__}: {e}".strip()
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        return re.sub(r"^\[[\d:.]+\] \S+:\d+: ", "", lines[0])[:500]   # without "[time] file.cc:line: "
     return None
 
 
 def _check_grammar(spec: GrammarSpec) -> None:
     error = _grammar_error(spec)
     if error is not None:
-        raise InvalidRequestError(f"response_format.json_schema.schema cannot be compiled to a grammar: "
-                                  f"{error.splitlines()[0][:500]}", PARAM)
+        raise InvalidRequestError(f"response_format.json_schema.schema cannot be compiled to a grammar: {error}",
+                                  PARAM)
 
 
 def grammar(spec: GrammarSpec):
@@ -195,8 +197,19 @@ def tokenizer_info(tokenizer, source: TokenizerSource):
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=source.vocab_size,
                                  stop_token_ids=stops or [tokenizer.eos_token_id])
     if isinstance(tokenizer, HFTokenizer):
-        return xgr.TokenizerInfo.from_huggingface(tokenizer.tok, vocab_size=source.vocab_size,
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer.tok, vocab_size=source.vocab_size,
                                                   stop_token_ids=stops or None)
+        # xgrammar takes only empty tokens as special; the tokenizer's special tokens (<s>, chat markers)
+        # would otherwise be text the grammar could put in a JSON string, and decoding drops them
+        special = {i for i in tokenizer.tok.all_special_ids if 0 <= i < source.vocab_size}
+        if not special:
+            return info
+        vocab = [""] * source.vocab_size
+        for token, i in tokenizer.tok.get_vocab().items():
+            if 0 <= i < source.vocab_size and i not in special:
+                vocab[i] = token
+        return xgr.TokenizerInfo(vocab, info.vocab_type, vocab_size=source.vocab_size,
+                                 stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
     raise InvalidRequestError("response_format needs the model's tokenizer, and this model directory has no "
                               "tokenizer files", PARAM)
 

@@ -31,9 +31,13 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, response_format=response_format)
 
 
-def start_choices(ctx: ServerContext, runs: list[tuple[list[int], SamplingParams]],
-                  stops: list[str]) -> AsyncIterator[ChoiceEvent]:
-    """Admits the choices (429/503 before anything starts), then runs them; choice i is runs[i]."""
+async def start_choices(ctx: ServerContext, runs: list[tuple[list[int], SamplingParams]],
+                        stops: list[str]) -> AsyncIterator[ChoiceEvent]:
+    """Checks what only the engine can (a response_format's schema compiles: off the event loop, the
+    first one imports xgrammar) and admits the choices (429/503), all before a response starts;
+    then runs them: choice i is runs[i]."""
+    if runs and runs[0][1].response_format is not None:   # every choice of a request has the same format
+        await asyncio.get_running_loop().run_in_executor(None, ctx.llm.structured_request, runs[0][1])
     ctx.engine.admit(len(runs))
     return merge_choices([run_choice(ctx, i, ids, params, stops) for i, (ids, params) in enumerate(runs)])
 

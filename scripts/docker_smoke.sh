@@ -36,7 +36,7 @@ T_PHASE=$EPOCHREALTIME
 
 log() { echo "[docker-smoke] $*"; }
 die() { echo "[docker-smoke] FAILED: $*" >&2; exit 1; }
-since() { python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.1f}')" "$EPOCHREALTIME" "$1"; }
+since() { python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.2f}')" "$EPOCHREALTIME" "$1"; }
 phase() { T_PHASE=$EPOCHREALTIME; log "$1 ..."; }
 done_phase() { local s; s=$(since "$T_PHASE"); PHASES+=("$(printf '%-26s %8s s' "$1" "$s")"); log "$1: $s s"; }
 

@@ -1,8 +1,9 @@
 """Prometheus metrics, named like vLLM's under a `burstserve:` prefix, label `model_name`."""
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.outputs import StepOutput
 
+disable_created_metrics()   # no `_created` series beside each counter and histogram (as vLLM)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
                    320.0, 640.0, 1280.0)          # prompts of a million tokens take minutes
 TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

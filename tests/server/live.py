@@ -3,6 +3,7 @@ checkpoints, OpenAI error checks, SSE parsing, metrics, and the server's process
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,14 +130,26 @@ def error_shape_problem(r: httpx.Response) -> str | None:
     return None
 
 
+PYDANTIC_TAG = re.compile(r"\.(str|int|float|bool|list\[|dict\[|function-|tagged-union|union\[|literal\[)")
+
+
+def param_names(param: str | None, field: str) -> bool:
+    """`param` names `field`: the field itself or a part of it (`messages.0.role`, `response_format.type`),
+    without pydantic's names of union branches (`prompt.str`, `stop.list[str]`)."""
+    if param is None or PYDANTIC_TAG.search(param):
+        return False
+    return param == field or param.startswith((field + ".", field + "["))
+
+
 def openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    """Asserts `r` is an OpenAI error with that status (and param, code when given); returns its "error"."""
+    """Asserts `r` is an OpenAI error with that status (and a param naming `param`, and `code`, when given);
+    returns its "error"."""
     assert r.status_code == status, f"{r.status_code}, not {status}: {r.text[:500]}"
     problem = error_shape_problem(r)
     assert problem is None, problem
     err = r.json()["error"]
     if param is not None:
-        assert err["param"] == param, err
+        assert param_names(err["param"], param), f"param {err['param']!r} does not name {param!r}: {err}"
     if code is not None:
         assert err["code"] == code, err
     return err

@@ -6,7 +6,6 @@ import copy
 import json
 import os
 import random
-import re
 import signal
 import threading
 import time
@@ -18,8 +17,8 @@ import pytest
 import schemathesis
 
 from live import (DEVICE_ARGS, KEY, TIMEOUT, LiveServer, alive, busy, cmdline, delta, descendants,
-                  error_shape_problem, group_members, kill_group, metrics, openai_error, sse_payloads, wait_until_idle,
-                  worker_pids)
+                  error_shape_problem, group_members, kill_group, metrics, openai_error, param_names, sse_payloads,
+                  wait_until_idle, worker_pids)
 
 MAX_LEN = 256            # tiny's context here: short prompts, short generations, a cheap "too long"
 MODEL = "tiny"
@@ -40,15 +39,6 @@ def _ids(seed: int, n: int = 8) -> list[int]:
 
 # ---- A1. bad requests --------------------------------------------------------------------------------------
 ANY = object()   # no expectation on param
-PYDANTIC_TAG = re.compile(r"\.(str|int|float|bool|list\[|dict\[|function-|tagged-union|union\[|literal\[)")
-
-
-def param_names(param: str | None, field: str) -> bool:
-    """`param` names `field`: the field itself or a part of it (`messages.0.role`, `response_format.type`),
-    without pydantic's names of union branches (`prompt.str`, `stop.list[str]`)."""
-    if param is None or PYDANTIC_TAG.search(param):
-        return False
-    return param == field or param.startswith((field + ".", field + "["))
 
 
 @dataclass
@@ -87,12 +77,13 @@ BAD_REQUESTS = [
     Bad("token id over the vocabulary", C, {"prompt": [1, 2, 100000]}, param="prompt"),
     Bad("negative token id", C, {"prompt": [1, -1]}, param="prompt"),
     Bad("mixed token list", C, {"prompt": [1, "a"]}, param="prompt"),
-    Bad("prompt over the context", C, {"prompt": "x" * 300, "max_tokens": 1}, param="prompt"),
-    Bad("prompt + max_tokens over the context", C, {"prompt": [1, 2, 3], "max_tokens": 1000}),
+    Bad("prompt over the context", C, {"prompt": "x" * 300, "max_tokens": 1}, param="prompt",
+        code="context_length_exceeded"),
+    Bad("prompt + max_tokens over the context", C, {"prompt": [1, 2, 3], "max_tokens": 1000},
+        code="context_length_exceeded"),
     Bad("max_tokens -1", C, {"prompt": "hi", "max_tokens": -1}, param="max_tokens"),
     Bad("max_tokens a string", C, {"prompt": "hi", "max_tokens": "ten"}, param="max_tokens"),
     Bad("max_tokens a fraction", C, {"prompt": "hi", "max_tokens": 2.5}, param="max_tokens"),
-    Bad("max_tokens 0 without echo", C, {"prompt": "hi", "max_tokens": 0}, param="max_tokens"),
     Bad("temperature -0.1", C, {"prompt": "hi", "temperature": -0.1}, param="temperature"),
     Bad("temperature a string", C, {"prompt": "hi", "temperature": "hot"}, param="temperature"),
     Bad("top_p 0", C, {"prompt": "hi", "top_p": 0}, param="top_p"),
@@ -116,7 +107,7 @@ BAD_REQUESTS = [
     Bad("wrong API key", C, {"prompt": "hi"}, status=401, code="invalid_api_key", auth=False,
         headers={"Authorization": "Bearer wrong"}),
     Bad("missing API key", C, {"prompt": "hi"}, status=401, auth=False),
-    Bad("GET /v1/completions", C, method="GET", status=405),
+    Bad("GET /v1/completions", C, method="GET", status=405, code="method_not_allowed"),
     # /v1/chat/completions
     Bad("chat: malformed JSON", H, raw=b'{"messages": [', headers=JSON_CT),
     Bad("chat: missing messages", H, {"max_tokens": 2}, param=MESSAGES),
@@ -131,6 +122,14 @@ BAD_REQUESTS = [
     Bad("chat: tools", H, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
         param="tools"),
     Bad("chat: tool_choice required", H, {"messages": MSG, "tool_choice": "required"}, param="tool_choice"),
+    Bad("chat: tool_choice a function", H, {"messages": MSG, "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, param="tool_choice"),
+    Bad("chat: functions", H, {"messages": MSG, "functions": [{"name": "f", "parameters": {}}]},
+        param="functions"),
+    Bad("chat: tool calls in a message", H, {"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, param=MESSAGES),
+    Bad("chat: audio content part", H, {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, param=MESSAGES),
     Bad("chat: logit_bias", H, {"messages": MSG, "logit_bias": {"5": 10}}, param="logit_bias"),
     Bad("chat: max_completion_tokens 0", H, {"messages": MSG, "max_completion_tokens": 0},
         param="max_completion_tokens"),
@@ -146,17 +145,18 @@ BAD_REQUESTS = [
     Bad("chat: top_logprobs 21", H, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, param="top_logprobs"),
     Bad("chat: frequency_penalty", H, {"messages": MSG, "frequency_penalty": 1}, param="frequency_penalty"),
     Bad("chat: stop list of 17", H, {"messages": MSG, "stop": [f"s{i}" for i in range(17)]}, param="stop"),
-    Bad("chat: prompt over the context", H, {"messages": [{"role": "user", "content": "x" * 400}]}),
+    Bad("chat: prompt over the context", H, {"messages": [{"role": "user", "content": "x" * 400}]},
+        code="context_length_exceeded"),
     Bad("chat: unknown model", H, {"model": "nope", "messages": MSG}, status=404, code="model_not_found"),
     Bad("chat: wrong API key", H, {"messages": MSG}, status=401, code="invalid_api_key", auth=False,
         headers={"Authorization": "Bearer wrong"}),
-    Bad("GET /v1/chat/completions", H, method="GET", status=405),
+    Bad("GET /v1/chat/completions", H, method="GET", status=405, code="method_not_allowed"),
     # other routes
-    Bad("GET /v1/nope", "/v1/nope", method="GET", status=404),
-    Bad("POST /v1/nope", "/v1/nope", {"prompt": "hi"}, status=404),
-    Bad("GET /nope", "/nope", method="GET", status=404),
-    Bad("DELETE /v1/models", "/v1/models", method="DELETE", status=405),
-    Bad("POST /health", "/health", {}, status=405),
+    Bad("GET /v1/nope", "/v1/nope", method="GET", status=404, code="not_found"),
+    Bad("POST /v1/nope", "/v1/nope", {"prompt": "hi"}, status=404, code="not_found"),
+    Bad("GET /nope", "/nope", method="GET", status=404, code="not_found"),
+    Bad("DELETE /v1/models", "/v1/models", method="DELETE", status=405, code="method_not_allowed"),
+    Bad("POST /health", "/health", {}, status=405, code="method_not_allowed"),
     Bad("GET /v1/models/other", "/v1/models/other", method="GET", status=404, code="model_not_found"),
 ]
 
@@ -319,7 +319,7 @@ def test_half_of_64_streams_disconnect_and_their_kv_is_freed(server, figures):
     figures(f"reliability: {n} streams of {k} tokens, {len(gone)} disconnected after their first token: "
             f"{len(kept) - len(bad)}/{len(kept)} kept streams complete in {finished - started:.1f} s; running "
             f"{running:g} and KV {[round(x, 4) for x in kv]} {idle_after:.2f} s after the last one; "
-            f"{generated:.0f} tokens generated in all ({len(kept) * k} kept, {len(gone) * k} if none had been "
+            f"{generated:.0f} tokens generated in all ({len(kept) * k} for the kept streams, {n * k} had none been "
             f"cancelled)")
     assert not not_gone, f"{len(not_gone)} streams ended before their first token"
     assert not bad, f"{len(bad)} kept streams wrong: {list(bad.items())[:5]}"
@@ -333,6 +333,7 @@ FUZZ_EXAMPLES = 15        # per operation and generation mode (fuzzing phase; th
 _FUZZ_CASES = {"positive": 0, "negative": 0}
 _FUZZ_STATUSES: dict[int, int] = {}
 _FUZZ_SECONDS = {"positive": 0.0, "negative": 0.0}
+_FUZZ_FAILED: dict[str, set] = {"positive": set(), "negative": set()}   # operations with a failing case
 
 
 def _narrow(node, *, strings: int = 8, items: int = 4):
@@ -345,9 +346,9 @@ def _narrow(node, *, strings: int = 8, items: int = 4):
     if not isinstance(node, dict):
         return
     if node.get("type") == "string" and not {"enum", "const", "format", "pattern"} & set(node):
-        node["maxLength"] = min(node.get("maxLength", strings), strings)
+        node["maxLength"] = max(min(node.get("maxLength", strings), strings), node.get("minLength", 0))
     if node.get("type") == "array":
-        node["maxItems"] = min(node.get("maxItems", items), items)
+        node["maxItems"] = max(min(node.get("maxItems", items), items), node.get("minItems", 0))
     for value in node.values():
         _narrow(value, strings=strings, items=items)
 
@@ -359,7 +360,7 @@ def _bound_ints(node, lo: int, hi: int):
     elif isinstance(node, dict):
         if node.get("type") == "integer":
             node["minimum"] = max(node.get("minimum", lo), lo)
-            node["maximum"] = min(node.get("maximum", hi), hi)
+            node["maximum"] = max(min(node.get("maximum", hi), hi), node["minimum"])
         for value in node.values():
             _bound_ints(value, lo, hi)
 
@@ -434,6 +435,9 @@ def _call_and_validate(case, mode: str):
     try:
         response = case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"})
         _FUZZ_STATUSES[response.status_code] = _FUZZ_STATUSES.get(response.status_code, 0) + 1
+    except (Exception, BaseExceptionGroup):   # schemathesis' FailureGroup is a BaseExceptionGroup
+        _FUZZ_FAILED[mode].add(f"{case.operation.method.upper()} {case.operation.path}")
+        raise
     finally:
         _FUZZ_CASES[mode] += 1
         _FUZZ_SECONDS[mode] += time.time() - started
@@ -470,8 +474,11 @@ def test_schema_fuzz_figures_and_health(server, figures):
     figures(f"reliability: schema fuzz of /openapi.json (schemathesis {schemathesis.__version__}, all checks, "
             f"{FUZZ_EXAMPLES} examples per operation and mode + coverage cases): {_FUZZ_CASES['positive']} valid "
             f"cases in {_FUZZ_SECONDS['positive']:.1f} s, {_FUZZ_CASES['negative']} invalid cases in "
-            f"{_FUZZ_SECONDS['negative']:.1f} s; statuses {statuses}")
+            f"{_FUZZ_SECONDS['negative']:.1f} s; statuses {statuses}; operations with a failing check: valid "
+            f"{sorted(_FUZZ_FAILED['positive']) or 'none'}, invalid {sorted(_FUZZ_FAILED['negative']) or 'none'}")
     assert _FUZZ_CASES["positive"] and _FUZZ_CASES["negative"], "the fuzz tests did not run"
+    assert not _FUZZ_FAILED["positive"] and not _FUZZ_FAILED["negative"], \
+        f"schemathesis checks failed (see the fuzz tests above): {_FUZZ_FAILED}"
     assert not any(s >= 500 for s in _FUZZ_STATUSES), _FUZZ_STATUSES
 
 
@@ -487,7 +494,8 @@ def test_killed_worker_is_503_within_2_s_and_ends_every_request(doomed_server, f
     srv = doomed_server
     workers = worker_pids(srv.proc.pid)
     assert len(workers) == 2, f"expected 2 worker processes, found {workers}"
-    long = {"model": MODEL, "max_tokens": 6000, "ignore_eos": True, "temperature": 0}
+    # 6 x (8 + 3000) tokens fit the KV capacity (2 x 16384) that requests reserve when admitted: all run at once
+    long = {"model": MODEL, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
     streams, plain = 4, 2
     results: dict[int, dict] = {}
     running = [threading.Event() for _ in range(streams)]
@@ -521,8 +529,12 @@ def test_killed_worker_is_503_within_2_s_and_ends_every_request(doomed_server, f
     threads += [threading.Thread(target=whole, args=(streams + i,), daemon=True) for i in range(plain)]
     for t in threads:
         t.start()
-    _wait_running(running, results)   # every stream has its first event: all of them are running
-    time.sleep(0.3)
+    _wait_running(srv, running, results)   # every stream has its first event
+    deadline = time.time() + 10
+    while busy(metrics(srv))[0] < streams + plain and time.time() < deadline:   # the plain ones run too
+        time.sleep(0.05)
+    in_flight = busy(metrics(srv))[0]
+    assert in_flight == streams + plain, f"{in_flight} requests running before the kill, not {streams + plain}"
     victim = workers[-1]
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
@@ -573,11 +585,12 @@ def test_killed_worker_is_503_within_2_s_and_ends_every_request(doomed_server, f
     assert not problems, "\n".join(problems)
 
 
-def _wait_running(running: list[threading.Event], results: dict, seconds: float = 30) -> None:
+def _wait_running(srv, running: list[threading.Event], results: dict, seconds: float = 30) -> None:
     deadline = time.time() + seconds
     for i, event in enumerate(running):
         if not event.wait(max(0.0, deadline - time.time())):
-            pytest.fail(f"stream {i} had no event {seconds} s after it started: {results.get(i)}")
+            pytest.fail(f"stream {i} had no event {seconds} s after it started: {results.get(i)}; metrics "
+                        f"{busy(metrics(srv))}; server log:\n{srv.log()[-3000:]}")
 
 
 def _error_event_problem(event: dict) -> str | None:
@@ -604,7 +617,7 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
             out = {"events": 0, "done": False, "error": False}
             try:
                 with httpx.stream("POST", srv.url(C), headers=srv.headers, timeout=TIMEOUT,
-                                  json={"model": MODEL, "prompt": _ids(i), "max_tokens": 6000, "ignore_eos": True,
+                                  json={"model": MODEL, "prompt": _ids(i), "max_tokens": 3000, "ignore_eos": True,
                                         "stream": True}) as r:
                     for line in r.iter_lines():
                         if line.startswith("data:"):
@@ -620,7 +633,7 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
         threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
         for t in threads:
             t.start()
-        _wait_running(running, results)
+        _wait_running(srv, running, results)
         time.sleep(0.3)
         srv.proc.send_signal(signal.SIGTERM)
         sent = time.time()

@@ -23,7 +23,8 @@ TIMEOUT = httpx.Timeout(60, connect=10)   # every HTTP call of these tests is bo
 
 
 class LiveServer(RemoteServer):
-    """RemoteServer whose stdout and stderr go to a file (`log()` reads it), with the log level chosen."""
+    """RemoteServer whose stdout and stderr go to a temporary file (`log()` reads it until `stop()` removes
+    it), with the log level chosen."""
 
     def __init__(self, args: list[str], api_key: str | None = None, log_level: str = "warning",
                  timeout: float = 180):
@@ -57,6 +58,10 @@ class LiveServer(RemoteServer):
     def stop(self) -> None:
         super().stop()
         kill_group(self.proc.pid)   # nothing of it may outlive the test, whatever the test found
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
 
     def post(self, path: str, body=None, **kw) -> httpx.Response:
         kw.setdefault("headers", self.headers)

@@ -75,7 +75,13 @@ def _errors(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": "an error in OpenAI's JSON"} for s in statuses}
 
 
-POST_ERRORS = _errors(400, 401, 404, 413, 429, 503)
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",   # per event (3.1)
+             "properties": {"data": {"type": "string", "description": "a chunk or an error as JSON, or [DONE]"}}}
+POST_RESPONSES = {
+    200: {"description": "the completion as JSON, or with `stream: true` server-sent events of chunks "
+                         "ending in `data: [DONE]`",
+          "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}}},
+    **_errors(400, 401, 404, 413, 429, 503)}
 EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -88,6 +94,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        engine.loop = asyncio.get_running_loop()   # for the SIGTERM handler (server/cli.py)
         stats = asyncio.create_task(log_stats_while_busy(engine, log_stats_interval)) if log_stats_interval > 0 else None
         yield
         if stats is not None:
@@ -99,12 +106,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     app.state.ctx = ctx
     install_handlers(app)
 
-    @app.get("/health", response_class=PlainTextResponse, responses={
-        200: {"description": "serving (an empty body)", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        **_errors(503)})
+    @app.get("/health", response_class=Response, responses={200: {"description": "serving (an empty body)"},
+                                                            **_errors(503)})
     async def health():
         if engine.healthy:
-            return PlainTextResponse("")
+            return Response(status_code=200)
         return error_response(503, f"the engine is not running: {llm.dead_reason.splitlines()[0]}")
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
@@ -128,11 +134,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
         ctx.check_model(model_id)
         return JSONResponse(model_card())
 
-    @app.post("/v1/completions", responses=POST_ERRORS)
+    @app.post("/v1/completions", responses=POST_RESPONSES)
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(ctx, req, raw)
 
-    @app.post("/v1/chat/completions", responses=POST_ERRORS)
+    @app.post("/v1/chat/completions", responses=POST_RESPONSES)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, req, raw)
 

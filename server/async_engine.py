@@ -12,6 +12,7 @@ import logging
 import time
 
 from engine import LLM, SamplingParams
+from engine.errors import EngineDeadError
 from engine.outputs import StepOutput
 from server.errors import APIError
 from server.metrics import Metrics
@@ -26,6 +27,9 @@ class AsyncEngine:
         self.waiting = 0                 # submitted, no token yet
         self.prompt_tokens = 0           # totals since start, for the periodic stats line
         self.generation_tokens = 0
+        self.live: set[EngineRequest] = set()
+        self.closing = False             # shutting down: no new requests, the live ones end with a 503
+        self.loop: asyncio.AbstractEventLoop | None = None   # the server's, set at start-up
         self._ids = itertools.count()
 
     @property
@@ -34,14 +38,24 @@ class AsyncEngine:
 
     def admit(self, num_prompts: int) -> None:
         """Checked before a response starts: 503 if the engine is down, 429 if the queue is full."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down")
         if not self.healthy:
             raise APIError(503, f"the engine is not running: {self.llm.dead_reason.splitlines()[0]}")
         if self.waiting + num_prompts > self.max_waiting:
             raise APIError(429, f"the server is busy: {self.waiting} requests are already waiting for their "
                                 f"first token (--max-waiting {self.max_waiting})", headers={"Retry-After": "1"})
 
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> "EngineRequest":
-        return EngineRequest(self, f"srv-{next(self._ids)}", prompt_ids, params)
+    def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> "EngineRequest":
+        """`request_id`: the id the client sees (with the choice's index), so the log names it."""
+        return EngineRequest(self, request_id or f"srv-{next(self._ids)}", prompt_ids, params)
+
+    def shut_down(self) -> None:
+        """At SIGTERM (called on the event loop): refuse new requests and end every live one with a
+        503 (a stream gets an error event and [DONE]), so the server can close its connections now."""
+        self.closing = True
+        for request in list(self.live):
+            request.fail(APIError(503, "the server is shutting down"))
 
 
 class EngineRequest:
@@ -59,6 +73,7 @@ class EngineRequest:
         engine.llm.submit(prompt_ids, params, request_id,
                           sink=lambda item: loop.call_soon_threadsafe(self._inbox.put_nowait, item))
         engine.waiting += 1
+        engine.live.add(self)
 
     def __aiter__(self) -> "EngineRequest":
         return self
@@ -67,13 +82,17 @@ class EngineRequest:
         if self.finish_reason is not None:
             raise StopAsyncIteration
         item = await self._inbox.get()
-        if isinstance(item, BaseException):
-            self._end("error", time.time(), abort=False)
+        if isinstance(item, BaseException):   # the engine died (nothing to abort), or the server shuts down
+            self._end("error", time.time(), abort=not isinstance(item, EngineDeadError))
             raise item
         self._count(item)
         if item.finish_reason is not None:
             self._end(item.finish_reason, item.time, abort=False)
         return item
+
+    def fail(self, error: Exception) -> None:
+        """Ends the request with `error` (raised to its reader) unless it already ended."""
+        self._inbox.put_nowait(error)
 
     def close(self, reason: str = "abort") -> None:
         """Ends the request (aborting it in the engine) unless it already ended."""
@@ -96,6 +115,7 @@ class EngineRequest:
 
     def _end(self, reason: str, when: float, abort: bool) -> None:
         self.finish_reason = reason
+        self.engine.live.discard(self)
         if self.first_token_time is None:
             self.engine.waiting -= 1
         if abort:

@@ -19,10 +19,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", field)
     # 3. the engine: the n choices share one prefill
     top = (req.top_logprobs or 0) if req.logprobs else None
-    events = await start_choices(ctx, [(ids, sampling_params(req, max_tokens, top, j)) for j in range(req.n)],
-                           stop_strings(req.stop))
-    # 4. the response
     writer = ChatWriter(ctx, req, len(ids))
+    events = await start_choices(ctx, [(ids, sampling_params(req, max_tokens, top, j)) for j in range(req.n)],
+                                 stop_strings(req.stop), writer.id)
+    # 4. the response
     if req.stream:
         return stream_response(writer.chunks(events))
     return await json_response(writer.body(events), raw)

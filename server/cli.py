@@ -3,6 +3,8 @@ import argparse
 import logging
 import sys
 
+import uvicorn
+
 from engine.config import preset_names
 from engine.model_runner import SP_STRATEGIES
 
@@ -43,8 +45,6 @@ def serve_parser(sub) -> None:
 
 
 def serve(args) -> None:
-    import uvicorn
-
     from engine import LLM, BurstServeError
     from server.app import build_app
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,10 +65,31 @@ def serve(args) -> None:
     app = build_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes, log_requests=not args.disable_log_requests,
                     log_stats_interval=args.log_stats_interval)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        DrainingServer(config, app.state.ctx.engine).run()
     finally:
         llm.shutdown()
+
+
+SHUTDOWN_GRACE_SECONDS = 5   # after SIGTERM, connections still open after this are closed
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM/SIGINT first ends every in-flight request with a 503 (a stream
+    gets an error event and [DONE]); uvicorn then closes idle connections and exits. Without it,
+    uvicorn would wait for every open stream to finish."""
+
+    def __init__(self, config: uvicorn.Config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = self.engine.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.engine.shut_down)   # safe from a signal handler
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> None:

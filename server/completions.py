@@ -25,9 +25,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None
     prompt_logprobs = req.logprobs if req.echo else None
     runs = [(ids, sampling_params(req, limit, req.logprobs, j, prompt_logprobs))
             for (_, ids), limit in zip(prompts, limits) for j in range(req.n)]
-    events = await start_choices(ctx, runs, stop_strings(req.stop))
-    # 4. the response
     writer = CompletionWriter(ctx, req, prompts, score_only)
+    events = await start_choices(ctx, runs, stop_strings(req.stop), writer.id)
+    # 4. the response
     if req.stream:
         return stream_response(writer.chunks(events))
     return await json_response(writer.body(events), raw)

@@ -4,6 +4,8 @@ engine error) where it is found and turned into a response in one place (`instal
 The body is always `{"error": {"message", "type", "param", "code"}}` with OpenAI's string codes
 (`model_not_found`, `invalid_api_key`, `context_length_exceeded`, ...) or a null code: clients
 such as litellm map an error to its exception class by these strings."""
+import functools
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -15,7 +17,8 @@ from engine.errors import BurstServeError, EngineDeadError, InvalidRequestError,
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                499: "invalid_request_error", 500: "server_error", 503: "server_error"}
-UNION_TAGS = {"system", "developer", "user", "assistant", "tool"}   # the chat message roles
+UNION_TAGS = {"system", "developer", "user", "assistant", "tool",   # the chat message roles
+              "text", "json_object", "json_schema"}                  # the response_format types
 DEFAULT_CODES = {401: "invalid_api_key", 405: "method_not_allowed", 413: "request_too_large",
                  429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable"}
 
@@ -72,17 +75,31 @@ def as_api_error(exc: Exception) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """pydantic's first complaint as a 400 naming the field (OpenAI answers 400, not FastAPI's 422)."""
+    """pydantic's complaint about the first bad field as a 400 naming it (OpenAI answers 400, not
+    FastAPI's 422). A field of several types (`prompt`, `stop`, `content`) gets one complaint per
+    type, each under the type's name: the field is their common location, and the complaint shown
+    is the one that is not just a type mismatch, when there is one."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
+    if not errors:
+        return APIError(400, "invalid request")
+    if errors[0].get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
-    raw = [p for p in first.get("loc", ()) if p != "body"]
+    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    same_field = [(e, loc) for e, loc in zip(errors, locs) if loc[:1] == locs[0][:1]]
+    common = functools.reduce(_common_prefix, [loc for _, loc in same_field])
+    chosen = next((e for e, _ in same_field if not str(e.get("type", "")).endswith("_type")), same_field[0][0])
     # a tagged union adds its tag after the index ("messages.0.user.content"): name the field as sent
-    loc = [str(p) for i, p in enumerate(raw) if not (i and isinstance(raw[i - 1], int) and p in UNION_TAGS)]
+    loc = [str(p) for i, p in enumerate(common) if not (i and isinstance(common[i - 1], int) and p in UNION_TAGS)]
     param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    message = str(chosen.get("msg", "invalid request")).removeprefix("Value error, ")
     return APIError(400, f"{param or 'body'}: {message}", param)
+
+
+def _common_prefix(a: list, b: list) -> list:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 def install_handlers(app: FastAPI) -> None:

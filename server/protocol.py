@@ -7,13 +7,31 @@ field. What needs the model (vocabulary, context length) is checked in server/pr
 Responses are built in server/completions.py and server/chat.py in OpenAI's shapes."""
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from engine.sampling import MAX_LOGPROBS
 
 MAX_N = 64           # choices per prompt
 MAX_STOPS = 16
-SEED_RANGE = dict(ge=-(1 << 63), le=(1 << 63) - 1 - MAX_N)   # choice j samples with seed + j (a torch seed)
+SEED_RANGE = dict(ge=-(1 << 53), le=1 << 53)   # a torch seed even as seed + j; exact as a JSON number (a double) too
+STRICT = ConfigDict(strict=True)
+
+
+def _number_only(value):
+    """JSON Schema's numbers: 6.0 is an integer, but neither `false` nor "6" is a number (pydantic's lax
+    mode would take both), so `max_tokens: false` is a 400 as the schema says."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("Input should be a number")
+    return value
+
+
+def Number(kind: type, **bounds):
+    """`int` or `float` as JSON Schema means them, with bounds (given before the check on the type, so
+    the schema shows them as minimum/maximum)."""
+    return Annotated[kind, Field(**bounds), BeforeValidator(_number_only)]
+
+
+Int, Float = Number(int), Number(float)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -25,53 +43,64 @@ def _unsupported(name: str, only: str):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = STRICT
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(BaseModel):
+    model_config = STRICT
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema (xgrammar)."""
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("a response_format of type json_schema needs a json_schema object with a schema")
-        return self
+class _Format(BaseModel):
+    model_config = STRICT
 
     def for_engine(self) -> dict | None:
         """What SamplingParams.response_format takes (None: unconstrained)."""
         return None if self.type == "text" else self.model_dump(by_alias=True, exclude_none=True)
 
 
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+# OpenAI's response_format: plain text, any JSON object, or JSON matching a schema (xgrammar)
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat], Field(discriminator="type")]
+
+
 class SamplingFields(BaseModel):
     """Sampling fields both endpoints share, with vLLM's extensions (top_k, ignore_eos, ...)."""
     model_config = ConfigDict(extra="allow", populate_by_name=True)
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0},
+    frequency_penalty: Float = Field(0.0, ge=0, le=0, description="only 0 is supported")
+    logit_bias: dict[str, Float] | None = Field(None, json_schema_extra={"maxProperties": 0},
                                                 description="only an empty bias is supported")
-    n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
+    n: Int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: Float = Field(0.0, ge=0, le=0, description="only 0 is supported")
     response_format: ResponseFormat | None = None
-    seed: int | None = Field(None, **SEED_RANGE)
+    seed: Number(int, **SEED_RANGE) | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: Float = Field(1.0, ge=0, le=2)
+    top_p: Float = Field(1.0, gt=0, le=1)
     user: str | None = None
     # vLLM's extensions
-    top_k: int = Field(-1, ge=-1, description="-1 or 0: every token")
-    ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    return_tokens_as_token_ids: bool = False
+    top_k: Int = Field(-1, ge=-1, description="-1 or 0: every token")
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[Number(int, ge=0)] | None = None
+    return_tokens_as_token_ids: StrictBool = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -90,12 +119,12 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-             | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1)])
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n")
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(16, ge=0, description="0 with echo scores the prompt only")
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[Number(int, ge=0)], Field(min_length=1)]
+             | Annotated[list[Annotated[list[Number(int, ge=0)], Field(min_length=1)]], Field(min_length=1)])
+    best_of: Number(int, ge=1, le=MAX_N) | None = Field(None, description="only equal to n")
+    echo: StrictBool = False
+    logprobs: Number(int, ge=0, le=MAX_LOGPROBS) | None = None
+    max_tokens: Number(int, ge=0) | None = Field(16, description="0 with echo scores the prompt only")
     suffix: str | None = Field(None, max_length=0, description="not supported")
 
     @field_validator("suffix")
@@ -107,6 +136,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
@@ -168,17 +198,26 @@ ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, Assi
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra={
+        "dependentSchemas": {"top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str | None = None
-    logprobs: bool | None = False
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
+    logprobs: StrictBool | None = False
+    max_completion_tokens: Number(int, ge=1) | None = None
+    max_tokens: Number(int, ge=1) | None = Field(None, description="the older name of max_completion_tokens")
     tools: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
     tool_choice: Literal["none", "auto"] | None = Field(None, description="no tool calling: none or auto")
-    parallel_tool_calls: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    parallel_tool_calls: StrictBool | None = None
+    top_logprobs: Number(int, ge=0, le=MAX_LOGPROBS) | None = None
     functions: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
     function_call: Literal["none", "auto"] | None = Field(None, description="no function calling: none or auto")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true (as OpenAI)")
+        return value
 
     @field_validator("tools", "functions")
     @classmethod

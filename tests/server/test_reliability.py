@@ -390,10 +390,15 @@ def positive_document(doc: dict) -> dict:
         for count in ("max_tokens", "max_completion_tokens"):
             if count in props:
                 _bound_ints(props[count], -(1 << 31), 8)
+        # a limit always given: none means "the rest of the context", 200+ tokens a request here
+        count = "max_completion_tokens" if "max_completion_tokens" in props else "max_tokens"
+        if count in props:
+            props[count] = next((s for s in props[count].get("anyOf", []) if s.get("type") == "integer"), props[count])
+            schema["required"] = sorted(set(schema.get("required", [])) | {count})
         if "n" in props:
             _bound_ints(props["n"], -(1 << 31), 2)
-        if "best_of" in props:   # best_of must equal n (or be 1): a rule between two fields, not in JSON Schema
-            _bound_ints(props["best_of"], 1, 1)
+        if "best_of" in props:   # best_of must equal n: a rule between two fields, not in JSON Schema
+            props["best_of"] = {"type": "null"}
         if "model" in props:
             props["model"] = {"type": "string", "enum": [MODEL]}
     return doc

@@ -24,8 +24,14 @@ def test_gpu_kernel_matches_reference(name, causal):
     assert (lse - ref_lse).abs().max() < 1e-3
 
 
-def test_auto_backend_prefers_cudnn():
-    assert available_backends(torch.device("cuda:0"))[0] == "cudnn"
+def test_auto_backend_prefers_flash_attn_4_then_cudnn():
+    """flash-attn-4 first on SM90+ when it imports; cuDNN first otherwise."""
+    import importlib.util
+    order = available_backends(torch.device("cuda:0"))
+    has_fa4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute")
+    sm90 = torch.cuda.get_device_capability(0) >= (9, 0)
+    assert order[0] == ("flash_attn_4" if has_fa4 and sm90 else "cudnn")
+    assert "cudnn" in order
 
 
 def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):

@@ -1,0 +1,120 @@
+"""GPU checks of kernels/ (one GPU): the flash-attn-4 backend against cuDNN and the fp32 reference;
+paged_attention on CUDA (flash-attn-4 path with and without the split, the dense fallback) against the
+CPU reference on the CPU tests' cases, and captured + replayed in a CUDA graph on the flash-attn-4 path.
+Run: `python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py` (scripts/gpu_kernels.sh)."""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
+from kernels.paged_attention import fa4_available, paged_attention
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+import test_paged_attention as cpu_cases  # noqa: E402  (make_case, dense_reference)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = torch.device("cuda:0")
+needs_fa4 = pytest.mark.skipif(not torch.cuda.is_available() or not fa4_available(DEV),
+                               reason="needs flash-attn-4 on SM90+")
+
+
+@needs_fa4
+def test_auto_prefers_flash_attn_4_then_cudnn():
+    names = available_backends(DEV)
+    assert names[:2] == ["flash_attn_4", "cudnn"], names
+    from kernels.attention import select_backend
+    assert select_backend(DEV, torch.bfloat16, 32, 8, 128).name == "flash_attn_4"
+
+
+@needs_fa4
+@pytest.mark.parametrize("sq,sk,h,hkv,causal", [
+    (1000, 1000, 32, 8, True), (4099, 4099, 32, 8, True), (2048, 2048, 16, 16, True),
+    (777, 3001, 32, 8, False), (1, 5000, 32, 8, False), (4096, 4096, 8, 1, False)])
+def test_flash_attn_4_matches_cudnn_and_reference(sq, sk, h, hkv, causal):
+    q = torch.randn(sq, h, 128, device=DEV, dtype=torch.bfloat16)
+    kv = torch.randn(sk, 2, hkv, 128, device=DEV, dtype=torch.bfloat16)     # K/V as views, as the ring passes them
+    args = (q, kv[:, 0], kv[:, 1], causal, 128 ** -0.5)
+    out, lse = AttentionBackend("flash_attn_4", _GPU_BACKENDS["flash_attn_4"])(*args)
+    c_out, c_lse = AttentionBackend("cudnn", _GPU_BACKENDS["cudnn"])(*args)
+    r_out, r_lse = reference_attention(*args)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (sq, h) and lse.dtype == torch.float32
+    assert (out.float() - r_out.float()).abs().max() < 2e-2
+    assert (lse - r_lse).abs().max() < 1e-3
+    assert (out.float() - c_out.float()).abs().max() < 2e-2
+    assert (lse - c_lse).abs().max() < 1e-3
+
+
+def _gpu_case(q_lens, k_lens, bs, h=8, hkv=2, d=128):
+    return cpu_cases.make_case(q_lens, k_lens, h, hkv, d, bs, dtype=torch.bfloat16, device=DEV)
+
+
+def _check(case, causal, **kw):
+    out, lse = paged_attention(*case, 128 ** -0.5, causal=causal, **kw)
+    ref_out, ref_lse = cpu_cases.dense_reference(*[t.cpu() for t in case], 128 ** -0.5, causal)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (out.float().cpu() - ref_out).abs().max() < 2e-2
+    assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 2e-3
+
+
+CASES = {   # name: (q_lens, k_lens)
+    "decode-mixed": ([1] * 8, [1, 127, 128, 129, 300, 1000, 2500, 17]),
+    "chunks": ([1, 7, 33, 130, 2], [5, 7, 200, 333, 40]),
+    "no-keys": ([3, 0, 1, 2, 4], [0, 9, 40, 0, 70]),
+    "one-long": ([1], [20000]),
+}
+
+
+@needs_fa4
+@pytest.mark.parametrize("bs", [1, 16, 128])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_chunks", [None, 1, 5])
+def test_paged_fa4_matches_cpu_reference(bs, case, num_chunks):
+    if bs == 1 and case == "one-long":
+        pytest.skip("20000 one-slot pages: covered at 16 and 128")
+    q_lens, k_lens = CASES[case]
+    for causal in (True, False):
+        _check(_gpu_case(q_lens, k_lens, bs), causal, backend="fa4", num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("bs", [1, 16, 128])
+@pytest.mark.parametrize("case", ["decode-mixed", "chunks", "no-keys"])
+def test_paged_dense_fallback_matches_cpu_reference(bs, case):
+    q_lens, k_lens = CASES[case]
+    for causal in (True, False):
+        _check(_gpu_case(q_lens, k_lens, bs), causal, backend="dense")
+
+
+@needs_fa4
+@pytest.mark.parametrize("q_lens,k_lens,num_chunks", [
+    ([1] * 4, [9000, 1, 300, 4096], None),      # decode, split chosen from the shapes
+    ([1, 3, 5], [2000, 40, 700], 1),             # chunks, no split (bottom-right causal in the kernel)
+    ([1, 3, 5], [2000, 40, 700], 4)])            # chunks through the split
+def test_paged_fa4_in_cuda_graph(q_lens, k_lens, num_chunks):
+    """Capture once; then write new q values and new lengths into the same tensors and replay."""
+    q, kc, vc, table, cu, lens = _gpu_case(q_lens, k_lens, 128)
+    run = lambda: paged_attention(q, kc, vc, table, cu, lens, 128 ** -0.5, True, backend="fa4",  # noqa: E731
+                                  num_chunks=num_chunks)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            run()                                   # compiles, allocates outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = run()
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        new_lens = [max(ql, n - random.randint(0, 64)) for ql, n in zip(q_lens, k_lens)]   # fits the table
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = cpu_cases.dense_reference(*[t.cpu() for t in (q, kc, vc, table, cu, lens)],
+                                                     128 ** -0.5, True)
+        assert (out.float().cpu() - ref_out).abs().max() < 2e-2, step
+        assert (lse.cpu() - ref_lse).abs().max() < 2e-3, step

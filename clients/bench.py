@@ -15,6 +15,7 @@ import shlex
 import sys
 
 from clients import report
+from kernels.attention import ATTENTION_BACKENDS
 
 
 def add_parser(sub) -> None:
@@ -34,6 +35,8 @@ def add_parser(sub) -> None:
                        help="unmeasured requests per length first (a new length builds kernel plans); recorded apart")
     sweep.add_argument("--max-tokens", type=int, default=1)
     sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
+    sweep.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                       help="offline: the local attention kernel (the rows record the one chosen)")
     sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
     sweep.add_argument("--devices", default=None,
                        help="offline, or added to --serve's arguments: devices as torch names them: cpu, cuda, "
@@ -132,7 +135,7 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
         # one request at a time: admit the longest one whatever the strategy's KV layout
         # (the KV cache is allocated per sequence, so this reserves no memory up front)
         llm_args = dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
-                        dtype=args.dtype, sp_strategy=args.sp_strategy,
+                        dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
                         overlap=not args.no_overlap, max_model_len=max(lengths) + args.max_tokens,
                         kv_cache_tokens=max(lengths) + args.max_tokens)
         return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens, args.label, bar)

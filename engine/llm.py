@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig, ModelConfig, resolve_model
 from engine.devices import resolve_devices
-from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.model_runner import SP_STRATEGIES
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.sampling import SamplingParams
@@ -29,6 +29,7 @@ from engine.tensor_parallel import tp_check
 from engine.tokenizer import load_tokenizer
 from engine.weights import weight_files
 from engine.worker import worker_main
+from kernels.attention import ATTENTION_BACKENDS, backend_refusal
 
 log = logging.getLogger(__name__)
 Prompt = str | list[int]
@@ -41,15 +42,20 @@ class LLM:
         "cuda:0,2" (GPUs 0 and 2); default: every visible GPU, else "cpu".
     context_parallel_size: how many workers split each prompt; default: every named GPU, or 1 on CPU.
         On CUDA a smaller size takes the first N named GPUs; on CPU the N workers all run on "cpu" (gloo).
+    attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
+        flash-attn, cudnn, flash, reference.
     Raises DeviceSpecError (before any worker starts) when the machine cannot satisfy them.
     """
 
     def __init__(self, model: str = "tiny", devices: str | None = None, context_parallel_size: int | None = None,
                  dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, kernel: str = "auto",
+                 sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
                  kv_cache_tokens: int | None = None, kv_cache_memory_fraction: float = 0.5,
                  auto_ulysses_max_tokens: int = 16384):
         device_list = resolve_devices(devices, context_parallel_size)
+        refusal = backend_refusal(attention_backend, device_list)
+        if refusal:
+            raise DeviceSpecError(refusal)
         if sp_strategy not in SP_STRATEGIES:
             raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
                                       "sp_strategy")
@@ -61,7 +67,8 @@ class LLM:
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
         self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
-                                   seed=seed, kernel=kernel, kv_cache_tokens=kv_cache_tokens,
+                                   seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
+                                   kv_cache_tokens=kv_cache_tokens,
                                    kv_cache_memory_fraction=kv_cache_memory_fraction,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)

@@ -109,6 +109,33 @@ def available_backends(device: torch.device) -> list[str]:
     return names + ["flash", "reference"]
 
 
+# --attention-backend (serve, bench, LLM(attention_backend=...)) -> the backend's name here
+ATTENTION_BACKENDS = {"auto": "auto", "flash-attn": "flash_attn_4", "cudnn": "cudnn", "flash": "flash",
+                      "reference": "reference"}
+
+
+def backend_refusal(option: str, devices: list[str]) -> str | None:
+    """Why `--attention-backend option` cannot run on `devices` (None: it may; the workers still probe
+    it against the reference at start). Checked before any worker starts."""
+    if option not in ATTENTION_BACKENDS:
+        return f"--attention-backend {option!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+    if option in ("auto", "reference"):
+        return None
+    device = torch.device(devices[0])
+    if device.type != "cuda":
+        return f"--attention-backend {option} needs CUDA GPUs, but the devices are {devices[0]}; use auto or reference"
+    if option == "flash-attn":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return f"--attention-backend flash-attn (flash-attn-4) needs SM90 or newer; {device} is sm_{major}{minor}"
+        try:
+            import flash_attn.cute  # noqa: F401
+        except Exception as e:
+            return (f"--attention-backend flash-attn needs flash-attn-4 (pip install 'burstserve[flash-attn]'), "
+                    f"which does not import here: {e}")
+    return None
+
+
 def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                    head_dim: int, requested: str = "auto") -> AttentionBackend:
     """The first backend that runs and agrees with the reference on a small probe of these shapes."""

@@ -7,6 +7,7 @@ import uvicorn
 
 from engine.config import preset_names
 from engine.model_runner import SP_STRATEGIES
+from kernels.attention import ATTENTION_BACKENDS
 
 log = logging.getLogger("burstserve")
 
@@ -35,6 +36,9 @@ def serve_parser(sub) -> None:
                         "auto: ulysses for short prompts, burst for long ones")
     p.add_argument("--auto-ulysses-max-tokens", type=int, default=16384,
                    help="--sp-strategy auto: the longest prompt that uses ulysses")
+    p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then cuDNN, "
+                        "PyTorch's FA2; the reference on CPU) or one by name")
     p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
     p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -53,7 +57,8 @@ def serve(args) -> None:
                   dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
                   auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
-                  seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
+                  seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
+                  attention_backend=args.attention_backend)
     except BurstServeError as e:
         log.error("%s", e)
         sys.exit(2)

@@ -147,3 +147,26 @@ def test_serve_and_bench_refuse_the_old_worker_count(tmp_path):
     proc = cli("bench", "sweep", "--serve", "--model tiny", "--devices", "cpu:2", "--output-dir", str(out))
     assert_one_line_error(proc, "use --devices cpu --context-parallel-size 2")
     assert "burstserve bench: error: --serve '--model tiny': server exited with 2" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["flash-attn", "cudnn", "flash"])
+def test_a_gpu_attention_backend_is_refused_on_cpu_before_any_worker(backend):
+    from engine import LLM
+    with pytest.raises(DeviceSpecError, match=f"--attention-backend {backend} needs CUDA GPUs, but the devices are cpu"):
+        LLM(model="tiny", devices="cpu", attention_backend=backend)
+
+
+def test_attention_backend_on_the_command_line_is_one_line_and_exit_2():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--devices", "cpu", "--attention-backend",
+                        "flash-attn"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--attention-backend flash-attn needs CUDA GPUs" in r.stderr
+
+
+def test_reference_backend_serves_on_cpu():
+    from engine import LLM, SamplingParams
+    with LLM(model="tiny", devices="cpu", attention_backend="reference") as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert llm.kernel == "reference" and len(out[0].outputs[0].token_ids) == 2

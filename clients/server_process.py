@@ -19,18 +19,22 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 600):
+    """`burstserve serve ARGS` on a free port; `output`: a file for its stdout and stderr (default: ours)."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 600,
+                 log_level: str = "warning", output=None):
         self.port = free_port()
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--log-level", log_level, *args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=output,
+                                     stderr=subprocess.STDOUT if output is not None else None)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}{self._log_tail()}")
             try:
                 if httpx.get(self.url("/health"), timeout=1).status_code == 200:
                     return
@@ -38,7 +42,11 @@ class RemoteServer:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError("server did not become healthy")
+        raise RuntimeError(f"server did not become healthy in {timeout} s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        """The end of the server's output, where a subclass keeps it (LiveServer in the tests)."""
+        return ""
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

@@ -7,7 +7,7 @@ field. What needs the model (vocabulary, context length) is checked in server/pr
 Responses are built in server/completions.py and server/chat.py in OpenAI's shapes."""
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 from engine.sampling import MAX_LOGPROBS
 

@@ -5,8 +5,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -14,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.server_process import ROOT, RemoteServer, free_port
+from clients.server_process import RemoteServer
 
 # A CPU server with 2 worker processes (gloo). The one place to change when the device flags change.
 DEVICE_ARGS = ["--devices", "cpu", "--context-parallel-size", "2"]
@@ -28,28 +26,12 @@ class LiveServer(RemoteServer):
 
     def __init__(self, args: list[str], api_key: str | None = None, log_level: str = "warning",
                  timeout: float = 180):
-        self.port = free_port()
-        self.api_key = api_key
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--log-level", log_level, *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         fd, self.log_path = tempfile.mkstemp(prefix="burstserve-", suffix=".log")
         with os.fdopen(fd, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=out,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()[-4000:]}")
+            super().__init__(args, api_key, timeout, log_level, output=out)
+
+    def _log_tail(self) -> str:
+        return ":\n" + self.log()[-4000:]
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

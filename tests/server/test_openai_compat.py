@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from live import (DEVICE_ARGS, KEY, LiveServer, ascii_checkpoint, delta, metrics, openai_error, param_names,
+from live import (DEVICE_ARGS, KEY, LiveServer, ascii_checkpoint, delta, openai_error, param_names,
                   sse_payloads, wait_until_idle)
 
 NAME = "test-model"

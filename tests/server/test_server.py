@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
 from clients.server_process import RemoteServer
+from live import metrics, wait_until_idle
 
 KEY = "test-key"
 MAX_LEN = 512
@@ -36,29 +36,6 @@ def server(checkpoint):
 
 def _prompt(n):
     return [random.randrange(2, 320) for _ in range(n)]
-
-
-def metrics(srv) -> dict:
-    text = httpx.get(srv.url("/metrics")).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + json.dumps({k: v for k, v in sorted(sample.labels.items()) if k != "model_name"})
-            values[key] = sample.value
-    return values
-
-
-def wait_until_idle(srv, seconds: float = 10) -> dict:
-    """The server's metrics once nothing runs and every worker's KV cache is empty; fails after `seconds`."""
-    deadline = time.time() + seconds
-    while True:
-        values = metrics(srv)
-        kv_in_use = any(v for k, v in values.items() if k.startswith("burstserve:kv_cache_usage_perc"))
-        if values['burstserve:num_requests_running{}'] == 0 and not kv_in_use:
-            return values
-        if time.time() > deadline:
-            pytest.fail(f"requests still running or KV still held after {seconds}s: {values}")
-        time.sleep(0.2)
 
 
 def test_token_prompt_greedy_matches_transformers_with_logprobs(server, checkpoint):

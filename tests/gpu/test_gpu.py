@@ -111,6 +111,38 @@ def _hf_greedy(model, prompt, n):
     return first, tokens, margins
 
 
+def _gpu_backends() -> list[str]:
+    """--attention-backend values that can run here: flash-attn (when flash-attn-4 imports) and cudnn."""
+    from kernels.attention import backend_refusal
+    return [b for b in ("flash-attn", "cudnn") if backend_refusal(b, ["cuda:0"]) is None]
+
+
+@pytest.mark.parametrize("backend", ["flash-attn", "cudnn"])
+def test_engine_bf16_on_one_gpu_matches_transformers_with_each_backend(hf_bf16_checkpoint, backend):
+    """The engine with --attention-backend flash-attn and cudnn on one GPU: logits and greedy tokens
+    agree with transformers (bf16 noise); a backend that cannot run here is refused at start."""
+    from engine import LLM, DeviceSpecError, SamplingParams
+    path, model = hf_bf16_checkpoint
+    if backend not in _gpu_backends():
+        with pytest.raises(DeviceSpecError, match=f"--attention-backend {backend}"):
+            LLM(path, devices="cuda:0", dtype="bfloat16", attention_backend=backend)
+        pytest.skip(f"{backend} cannot run here (refused cleanly)")
+    noise = 0.1
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 8191)]
+    with LLM(path, devices="cuda:0", dtype="bfloat16", attention_backend=backend) as llm:
+        assert llm.kernel == {"flash-attn": "flash_attn_4"}.get(backend, backend)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens, margins = _hf_greedy(model, prompt, 16)
+            diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+            print(f"{backend} bf16 prompt {len(prompt)}: max |logit diff| {diff:.4f}")
+            assert diff <= noise * max(ref_logits.abs().max().item(), 1.0), len(prompt)
+            for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+                if a != b:
+                    assert margins[i] < noise, (len(prompt), i, margins[i])
+                    break
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
     from engine import LLM, SamplingParams

@@ -38,7 +38,7 @@ def time_us(fn, iters=20, warm=3):
 print(f"device: {torch.cuda.get_device_name(dev)}; llama3-8b shapes ({H} q heads, {HKV} kv heads, d {D}, bf16)")
 print("\nring blocks (kernels.attention backends), TFLOP/s")
 print(f"| block | flash_attn_4 | cudnn |\n| --- | --- | --- |")
-for sq, sk, causal in ((4096, 4096, True), (8192, 8192, True), (32768, 32768, True), (32768, 32768, False)):
+for sq, sk, causal in ((4096, 4096, True), (8192, 8192, True), (32768, 32768, True), (65536, 65536, True), (32768, 32768, False), (65536, 65536, False)):
     q = torch.randn(sq, H, D, device=dev, dtype=bf)
     kv = torch.randn(sk, 2, HKV, D, device=dev, dtype=bf)
     flops = 4 * sq * sk * H * D * (0.5 if causal else 1.0)

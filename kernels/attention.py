@@ -6,6 +6,8 @@ sees keys 0..i (top-left aligned); callers use it only on square blocks of the s
 An empty key block gives out = 0 and lse = -inf.
 """
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,6 +90,17 @@ _GPU_BACKENDS = {"flash_attn_4": _flash_attn_4, "cudnn": _cudnn, "flash_attn": _
                  "flash": _flash_aten}
 
 
+# flash-attn-4 compiles each kernel configuration on its first call (seconds). Its persistent cache,
+# off by default, keeps them where a restarted server finds them; it reads these at import.
+FA4_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "burstserve", "flash-attn-cute")
+
+
+def enable_fa4_compile_cache() -> None:
+    """Turns flash-attn-4's persistent compile cache on (at FA4_CACHE_DIR) unless the user set it."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", FA4_CACHE_DIR)
+
+
 def available_backends(device: torch.device) -> list[str]:
     """Backends that may run on this device, fastest first: flash-attn-4 on SM90+ (measured
     1.1-1.5x cuDNN on H200), then cuDNN, flash_attn 2.x if installed, PyTorch's FA2."""
@@ -95,6 +108,7 @@ def available_backends(device: torch.device) -> list[str]:
         return ["reference"]
     names = []
     if torch.cuda.get_device_capability(device)[0] >= 9:
+        enable_fa4_compile_cache()
         try:
             import flash_attn.cute  # noqa: F401
             names.append("flash_attn_4")
@@ -139,12 +153,17 @@ def backend_refusal(option: str, devices: list[str]) -> str | None:
 def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                    head_dim: int, requested: str = "auto") -> AttentionBackend:
     """The first backend that runs and agrees with the reference on a small probe of these shapes."""
+    enable_fa4_compile_cache()
     names = available_backends(device) if requested == "auto" else [requested]
     for name in names:
         if name == "reference":
             return AttentionBackend("reference", reference_attention)
         backend = AttentionBackend(name, _GPU_BACKENDS[name])
-        if _probe(backend, device, dtype, num_heads, num_kv_heads, head_dim):
+        started = time.perf_counter()
+        if _probe(backend, device, dtype, num_heads, num_kv_heads, head_dim):   # also compiles its kernels
+            log.info("attention backend %s on %s: probed (causal, full and decode blocks, %d/%d heads, d %d) "
+                     "and warmed up in %.2f s", name, device, num_heads, num_kv_heads, head_dim,
+                     time.perf_counter() - started)
             return backend
         if requested != "auto":
             raise ValueError(f"attention kernel {name!r} does not run on {device} with {dtype}, d={head_dim}")

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kernels.attention import AttentionBackend, reference_attention, select_backend
+from kernels.attention import AttentionBackend, enable_fa4_compile_cache, reference_attention, select_backend
 from kernels.merge import merge_stacked
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ def fa4_available(device: torch.device) -> bool:
     """flash_attn.cute imports and the device is SM90 or newer."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
+    enable_fa4_compile_cache()
     try:
         import flash_attn.cute  # noqa: F401
         return True

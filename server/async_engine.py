@@ -91,7 +91,7 @@ class EngineRequest:
         return item
 
     def fail(self, error: Exception) -> None:
-        """Ends the request with `error` (raised to its reader) unless it already ended."""
+        """Ends the request with `error`, raised to its reader at its next read (none once it ended)."""
         self._inbox.put_nowait(error)
 
     def close(self, reason: str = "abort") -> None:

@@ -105,8 +105,6 @@ def _arch_from_model_type(model_type: str | None) -> str:
     return str(model_type)
 
 
-CPU_KV_TOKENS = 1 << 20   # default KV capacity of a CPU worker, in tokens (allocated only as used)
-
 # Presets: random weights, real shapes, a byte-level tokenizer (ids 0-255 bytes, 256 BOS, 257 EOS).
 PRESET_MAX_MODEL_LEN = 1 << 20
 _PRESETS = {
@@ -142,8 +140,14 @@ class EngineConfig:
     overlap: bool = True
     seed: int = 0
     kernel: str = "auto"
-    kv_cache_tokens: int | None = None      # per worker; None: a share of free GPU memory, or CPU_KV_TOKENS
-    kv_cache_memory_fraction: float = 0.5   # share of the GPU memory free after loading weights
+    kv_cache_tokens: int | None = None      # per worker; None: sized from gpu_memory_utilization (engine/cache/sizing.py)
+    gpu_memory_utilization: float = 0.9     # share of each GPU's memory for weights, activations and the KV pool
+    block_size: int | None = None           # tokens per KV page; None: 128 on GPUs, 16 on CPU
+    cuda_graphs: bool = True                # decode steps replayed as CUDA graphs where they can be (GPU, flash-attn-4)
+
+    @property
+    def page_size(self) -> int:
+        return self.block_size or (128 if self.devices[0].startswith("cuda") else 16)
 
     @property
     def is_preset(self) -> bool:

@@ -1,56 +1,51 @@
-"""Decode attention over the distributed KV cache.
+"""Decode attention over the distributed, paged KV cache: one kernel call per layer for the batch.
 
-Every worker runs the same new tokens through the model. For attention, each worker attends
-them to the K/V it holds (its prompt shard plus the decoded tokens it was given), producing a
-partial (out, lse); one all-gather per layer brings every worker's partials, and each worker
-merges them identically, so all end the layer with the same hidden state.
+Every worker runs the same new tokens (one per sequence) through the model. For attention, each
+worker writes the new K/V of the sequences whose token it stores (the others' go to the scratch
+page), attends every new token to the K/V it holds with one `paged_attention` call, and gets a
+partial (out, lse); one all-gather per layer brings every worker's partials, and each worker merges
+them identically, so all end the layer with the same hidden state.
+
+The step's tensors (slots, block table, lengths) are set by `begin_step` and read by every layer;
+under a CUDA graph they are static buffers refilled before each replay.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from engine.kv_cache import SequenceKV
-from kernels.attention import AttentionBackend
+from engine.cache.page_pool import PagePool
 from kernels.merge import merge_stacked
+from kernels.paged_attention import paged_attention
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's tensors on the device, B sequences."""
+    slots: torch.Tensor         # [B] int64: where each new token's K/V goes on this worker (scratch if not here)
+    block_table: torch.Tensor   # [B, max_pages] int32
+    seq_lens: torch.Tensor      # [B] int32: keys on this worker, the new token's included when stored here
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: 0, 1, .., B
 
 
 class DecodeAttention:
-    def __init__(self, backend: AttentionBackend, scale: float, world_size: int, group=None):
-        self.backend, self.scale, self.world_size, self.group = backend, scale, world_size, group
-        self.seqs: list[SequenceKV] = []
-        self.owned: list[bool] = []      # does this worker store the new token of each sequence?
-
-    def begin_step(self, seqs: list[SequenceKV], owned: list[bool]) -> None:
-        """Sets the batch for the next forward pass; grows caches that receive a token."""
-        self.seqs, self.owned = seqs, owned
-        for seq, own in zip(seqs, owned):
-            if own:
-                seq.ensure_capacity(seq.length + 1)
+    def __init__(self, pool: PagePool, scale: float, world_size: int, group=None, backend: str = "auto"):
+        self.pool, self.scale, self.world_size, self.group = pool, scale, world_size, group
+        self.backend = backend          # kernels.paged_attention backend
+        self.step: DecodeStep | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, D], k and v [B, Hkv, D] (one new token per sequence) -> out [B, H, D]."""
-        outs, lses = [], []
-        for b, (seq, own) in enumerate(zip(self.seqs, self.owned)):
-            n = seq.length
-            if own:
-                seq.write(layer, n, k[b:b + 1], v[b:b + 1])
-                n += 1
-            block = seq.block(layer, n)                                   # [n, 2, Hkv, D]
-            out, lse = self.backend(q[b:b + 1], block[:, 0], block[:, 1], False, self.scale)
-            outs.append(out)
-            lses.append(lse)
-        local_out = torch.cat(outs).float()                               # [B, H, D]
-        local_lse = torch.cat(lses)                                       # [B, H]
+        step = self.step
+        self.pool.write(layer, step.slots, k, v)
+        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], step.block_table, step.cu_seqlens_q,
+                                   step.seq_lens, self.scale, causal=False, backend=self.backend)   # one query: sees every key
         if self.world_size == 1:
-            return local_out.to(q.dtype)
-        packed = torch.cat([local_out, local_lse.unsqueeze(-1)], dim=-1)  # [B, H, D + 1]
+            return out
+        packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)      # [B, H, D + 1]
         gathered = all_gather(packed, self.world_size, self.group)        # [G, B, H, D + 1]
-        out, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
-        return out.to(q.dtype)
-
-    def end_step(self) -> None:
-        for seq, own in zip(self.seqs, self.owned):
-            if own:
-                seq.length += 1
+        merged, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
+        return merged.to(q.dtype)
 
 
 def all_gather(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:

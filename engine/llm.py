@@ -50,8 +50,8 @@ class LLM:
     def __init__(self, model: str = "tiny", devices: str | None = None, context_parallel_size: int | None = None,
                  dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
                  sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 kv_cache_tokens: int | None = None, kv_cache_memory_fraction: float = 0.5,
-                 auto_ulysses_max_tokens: int = 16384):
+                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
+                 block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -62,6 +62,7 @@ class LLM:
         if auto_ulysses_max_tokens < 0:
             raise InvalidRequestError(f"auto_ulysses_max_tokens must be >= 0, not {auto_ulysses_max_tokens}",
                                       "auto_ulysses_max_tokens")
+        _check_kv_options(kv_cache_tokens, gpu_memory_utilization, block_size)
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
@@ -69,7 +70,8 @@ class LLM:
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
                                    seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
                                    kv_cache_tokens=kv_cache_tokens,
-                                   kv_cache_memory_fraction=kv_cache_memory_fraction,
+                                   gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                                   cuda_graphs=cuda_graphs,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None
@@ -128,17 +130,24 @@ class LLM:
         return ids
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raises InvalidRequestError when a request could never fit in the KV cache, even alone."""
+        """Raises InvalidRequestError when a request could never fit in the KV cache, even alone: its
+        largest share on one worker (a zigzag shard is at most one token over an even split, and decoded
+        tokens go to the worker holding fewest) must fit in that worker's pages."""
         needed = min(prompt_tokens + max_tokens, self.max_model_len)
-        if needed > self.kv_capacity_tokens:
-            raise InvalidRequestError(f"the request needs {needed} tokens of KV cache, more than the engine's "
-                                      f"capacity of {self.kv_capacity_tokens} tokens", "max_tokens")
+        info = self.worker_info[0]
+        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]    # 1 under tp (every worker holds all)
+        share = needed if workers == 1 else -(-needed // workers) + 1
+        if -(-share // info["block_size"]) > info["kv_pages_per_worker"]:
+            raise InvalidRequestError(f"the request needs {needed} tokens of KV cache (a prompt of {prompt_tokens} "
+                                      f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
+                                      f"{self.kv_capacity_tokens} tokens", "max_tokens")
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                return_logits: bool = False, sink: Callable[[object], None] | None = None) -> str:
         """Queues one encoded prompt. Its StepOutputs (or an EngineDeadError) are passed to `sink`
         from the engine's router thread; without a sink they are read with `results(request_id)`."""
         self._check_alive()
+        self.check_fits(len(prompt_token_ids), params.max_tokens)
         structured = self.structured_request(params)          # raises before any work on a bad response_format
         request_id = request_id or f"req-{next(self._ids)}"
         if sink is None:
@@ -348,3 +357,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _check_kv_options(kv_cache_tokens: int | None, gpu_memory_utilization: float, block_size: int | None) -> None:
+    if kv_cache_tokens is not None and kv_cache_tokens < 1:
+        raise InvalidRequestError(f"kv_cache_tokens must be positive, not {kv_cache_tokens}", "kv_cache_tokens")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization}",
+                                  "gpu_memory_utilization")
+    if block_size is not None and block_size < 1:
+        raise InvalidRequestError(f"block_size must be positive, not {block_size}", "block_size")

@@ -11,11 +11,15 @@ import torch
 import torch.distributed as dist
 
 from engine.burst_attention import BurstAttention
-from engine.config import CPU_KV_TOKENS, DTYPES, EngineConfig, ModelConfig
+from engine.cache.ledger import KVLedger, pages_for
+from engine.cache.page_pool import PagePool
+from engine.cache.sizing import activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu
+from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.cqs import CQSAttention, contiguous_shards
-from engine.decode_attention import DecodeAttention, all_gather
+from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
+from engine.decode_graphs import DecodeGraphs
 from engine.devices import synchronize
-from engine.kv_cache import KVCache, next_kv_owner
+from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.ring import RingCommunicator
@@ -33,7 +37,8 @@ MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, que
 
 
 class ModelRunner:
-    def __init__(self, engine: EngineConfig, cfg: ModelConfig, rank: int, device: torch.device, data_group=None):
+    def __init__(self, engine: EngineConfig, cfg: ModelConfig, rank: int, device: torch.device, data_group=None,
+                 max_model_len: int = 1 << 20):
         self.engine, self.cfg, self.rank, self.device = engine, cfg, rank, device
         self.world_size = engine.world_size
         self.data_group = data_group
@@ -52,21 +57,29 @@ class ModelRunner:
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.world_size > 1 and not self.tp
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
-        self.kv = KVCache(cfg.num_layers, local.num_kv_heads, cfg.head_dim, dtype, device)
-        self.decode_attention = DecodeAttention(self.backend, self.scale, 1 if self.tp else self.world_size,
+        self.dtype, self.local_cfg = dtype, local
+        self.block_size = engine.page_size
+        self.max_model_len = max_model_len
+        num_pages = self._num_pages()
+        # a worker's share of the longest sequence, in pages (zigzag shards differ by at most one token a chunk)
+        share = max_model_len if self.tp else -(-max_model_len // self.world_size) + 1
+        self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, local.num_kv_heads, cfg.head_dim, dtype,
+                             device, max_seqs=engine.max_num_seqs + 1,
+                             max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)))
+        self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.tp)
+        self.decode_attention = DecodeAttention(self.pool, self.scale, 1 if self.tp else self.world_size,
                                                 data_group)
-        self.tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> tokens each worker holds (same everywhere)
-        self.prompt_tokens_per_rank: dict[int, list[int]] = {}   # seq_id -> of those, the prompt's (first slots)
+        self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
-        self.kv_capacity_tokens = self._kv_capacity()
+        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB), decode %s", rank, num_pages,
+                 self.block_size, self.pool.bytes() / 2**30, "in CUDA graphs" if self.graphs else "eager")
 
     @torch.inference_mode()
-    def prefill(self, seq_id: int, token_ids: torch.Tensor, reserve: int, prompt_logprobs: int | None = None) -> dict:
+    def prefill(self, seq_id: int, token_ids: torch.Tensor, prompt_logprobs: int | None = None) -> dict:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32), timings, and with
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
-        shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
-        shards = shard_fn(token_ids.shape[0], 1 if self.tp else self.world_size)
+        shards = self._shards(token_ids.shape[0])
         strategy = self._strategy_for(token_ids.shape[0])
         attention = self._prefill_attention(shards, strategy)
         exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
@@ -77,16 +90,15 @@ class ModelRunner:
         shard = shards[0 if self.tp else self.rank]
         positions = shard.positions()                                   # [n]
         local_ids = token_ids[positions].to(self.device)
-        seq = self.kv.allocate(seq_id, shard.length + reserve)
+        self.ledger.add(seq_id, self._tokens_per_rank(shards))
+        self.pool.add(seq_id, shard.length)
+        slots = self.pool.slots(seq_id, 0, shard.length)               # [n]
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
-            seq.write(layer, 0, k, v)
-            return attention(q, seq.block(layer, shard.length))
+            self.pool.write(layer, slots, k, v)
+            return attention(q, torch.stack([k, v], dim=1))             # the ring's message: [n, 2, Hkv, D]
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
-        seq.length = shard.length
-        self.tokens_per_rank[seq_id] = [s.length for s in shards] * (self.world_size if self.tp else 1)
-        self.prompt_tokens_per_rank[seq_id] = list(self.tokens_per_rank[seq_id])
         owner, row = owner_of_position(shards, token_ids.shape[0] - 1)  # tp: worker 0 (all hold every row)
         if self.rank == owner:
             logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
@@ -124,16 +136,49 @@ class ModelRunner:
         return as_entries(parts, token_ids) if self.rank == 0 else None
 
     @torch.inference_mode()
-    def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
-        """One new token per sequence -> logits [B, V] (CPU fp32) on worker 0."""
-        owned = [self._next_owner(s) == self.rank for s in seq_ids]
-        seqs = [self.kv.seqs[s] for s in seq_ids]
-        self.decode_attention.begin_step(seqs, owned)
-        tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(tokens, pos, self.decode_attention)   # [B, hidden]
-        self.decode_attention.end_step()
-        return self.model.logits(hidden).cpu() if self.rank == 0 else None
+    def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
+               full_rows: list[int] | None = None) -> tuple[list[int], torch.Tensor] | None:
+        """One new token per sequence. On worker 0: (the greedy token of every row, logits [len(full_rows), V]
+        CPU fp32 of the rows that sample otherwise or want logprobs); None elsewhere."""
+        step_inputs = self._decode_inputs(seq_ids, token_ids, positions)   # [5, B] int64 on the host
+        if self.graphs is not None and self.graphs.fits(len(seq_ids)):
+            logits = self.graphs.run(step_inputs)                            # [B, V] fp32
+        else:
+            logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
+        if self.rank != 0:
+            return None
+        greedy = logits.argmax(dim=-1).tolist()
+        rows = full_rows or []
+        return greedy, (logits[rows].cpu() if rows else logits[:0].cpu())
+
+    def _decode_inputs(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
+        positions, slots (scratch where another worker stores the token), keys held here, table rows."""
+        slots, lens, rows = [], [], []
+        for s in seq_ids:
+            if self.rank in self.ledger.advance(s):
+                slots.append(self.pool.append(s))
+            else:
+                slots.append(0)                                             # page 0: scratch
+            lens.append(self.pool.lengths[s])
+            rows.append(self.pool.rows[s])
+        return torch.tensor([token_ids, positions, slots, lens, rows], dtype=torch.int64)
+
+    def decode_forward(self, step_inputs: torch.Tensor, num_pages: int | None = None) -> torch.Tensor:
+        """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
+        by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
+        tokens, positions, slots, lens, rows = step_inputs
+        table = self.pool.table.index_select(0, rows)                        # [B, max_pages] int32
+        if num_pages is not None:
+            table = table[:, :num_pages]
+        b = tokens.shape[0]
+        cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
+        self.decode_attention.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
+        hidden = self.model.forward(tokens, positions, self.decode_attention)   # [B, hidden]
+        return self.model.logits(hidden)
+
+    def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int) -> torch.Tensor:
+        return self.decode_forward(step_inputs.to(self.device, non_blocking=True), num_pages)
 
     def _strategy_for(self, num_tokens: int) -> str:
         """The prefill strategy of one prompt: the configured one, or for `auto` ulysses on short
@@ -167,65 +212,71 @@ class ModelRunner:
             if len(self._exchange_alone) > 64:
                 self._exchange_alone.clear()
             shape = (2, self.cfg.num_kv_heads, self.cfg.head_dim)
-            per_layer = attention.time_exchanges_alone(shape, self.kv.dtype, self.device)
+            per_layer = attention.time_exchanges_alone(shape, self.dtype, self.device)
             self._exchange_alone[num_tokens] = per_layer * self.cfg.num_layers
         return self._exchange_alone[num_tokens]
 
-    def _next_owner(self, seq_id: int) -> int:
-        counts = self.tokens_per_rank[seq_id]
-        if self.tp:   # every worker stores every token (for its own heads)
-            for r in range(len(counts)):
-                counts[r] += 1
-            return self.rank
-        owner = next_kv_owner(counts)
-        counts[owner] += 1
-        return owner
+    def _shards(self, num_tokens: int):
+        shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
+        return shard_fn(num_tokens, 1 if self.tp else self.world_size)
+
+    def _tokens_per_rank(self, shards) -> list[int]:
+        return [s.length for s in shards] * (self.world_size if self.tp else 1)
+
+    def prefill_pages(self, num_tokens: int) -> list[int]:
+        """Pages each worker takes to prefill a prompt of num_tokens (for the scheduler's admission)."""
+        return [pages_for(n, self.block_size) for n in self._tokens_per_rank(self._shards(num_tokens))]
 
     @torch.inference_mode()
-    def fork(self, source_id: int, seq_id: int, reserve: int) -> None:
+    def fork(self, source_id: int, seq_id: int) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
         fill each worker's first slots; what the source decoded since is not copied)."""
-        counts = self.prompt_tokens_per_rank[source_id]
-        n = counts[self.rank]
-        source = self.kv.seqs[source_id]
-        seq = self.kv.allocate(seq_id, n + reserve)
-        seq.kv[:, :n] = source.kv[:, :n]
-        seq.length = n
-        self.tokens_per_rank[seq_id] = list(counts)
-        self.prompt_tokens_per_rank[seq_id] = list(counts)
+        counts = self.ledger.prompt_tokens(source_id)
+        self.ledger.add(seq_id, counts)
+        self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
 
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
-            self.kv.free(s)
-            self.tokens_per_rank.pop(s, None)
-            self.prompt_tokens_per_rank.pop(s, None)
+            self.pool.free(s)
+            self.ledger.remove(s)
 
     def info(self) -> dict:
-        total = self.kv_capacity_tokens * (1 if self.tp else self.world_size)   # tp: every worker holds every token
+        per_worker = self.ledger.num_pages * self.block_size
+        total = per_worker * (1 if self.tp else self.world_size)   # tp: every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
-                "kv_capacity_tokens": self.kv_capacity_tokens, "kv_capacity_total": total}
+                "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
+                "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)
         return x
 
-    def kv_tokens_per_worker(self) -> list[int]:
-        """Tokens each worker holds over all live sequences (the same bookkeeping on every worker)."""
-        totals = [0] * self.world_size
-        for counts in self.tokens_per_rank.values():
-            for r, n in enumerate(counts):
-                totals[r] += n
-        return totals
-
-    def _kv_capacity(self) -> int:
-        """Tokens of KV cache this worker admits: as configured, else a share of free GPU memory."""
+    def _num_pages(self) -> int:
+        """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
+        smallest over the workers, so that every worker's pool is the same size."""
+        kv_per_token = kv_bytes_per_token(self.cfg, self.local_cfg.num_kv_heads, self.dtype.itemsize)
         if self.engine.kv_cache_tokens:
-            return self.engine.kv_cache_tokens
-        if self.device.type != "cuda":
-            return CPU_KV_TOKENS
-        free, _ = torch.cuda.mem_get_info(self.device)
-        per_token = self.cfg.num_layers * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.kv.dtype.itemsize
-        return int(free * self.engine.kv_cache_memory_fraction) // per_token
+            tokens = self.engine.kv_cache_tokens
+        elif self.device.type != "cuda":
+            tokens = pool_tokens_on_cpu(kv_per_token)
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(self.engine.gpu_memory_utilization * total) - (total - free)
+            share = self.max_model_len if self.tp else -(-self.max_model_len // self.world_size) + 1
+            tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
+                                        share)
+            log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "
+                     "gpu_memory_utilization %.2f", self.rank, (total - free) / 2**30, total / 2**30, tokens,
+                     tokens * kv_per_token / 2**30, self.engine.gpu_memory_utilization)
+        if tokens < self.block_size:
+            raise ModelLoadError(f"worker {self.rank} ({self.device}) has no memory left for the KV cache "
+                                 f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "
+                                 f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
+                                 f"--max-model-len, or set --kv-cache-tokens")
+        pages = torch.tensor([tokens // self.block_size], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
+        return int(pages)
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

@@ -28,13 +28,11 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         device = _setup_device(rank, engine)
         cfg, max_model_len = resolve_model(engine)
         data_group, control = _init_groups(rank, engine, device, init_method)
-        runner = ModelRunner(engine, cfg, rank, device, data_group)
+        runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
         outputs.put(("ready", rank, runner.info()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
-            Scheduler(call, requests, outputs, engine.world_size, engine.max_num_seqs, max_model_len,
-                      cfg.eos_token_ids, runner.kv_capacity_tokens, runner.info()["kv_capacity_total"],
-                      runner.kv_tokens_per_worker).run()
+            Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, cfg.eos_token_ids, runner).run()
             call("shutdown")
         else:
             _follow(runner, control)

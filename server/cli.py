@@ -30,7 +30,12 @@ def serve_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
     p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a first token before 429")
     p.add_argument("--max-request-body-bytes", type=int, default=128 << 20)
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity per worker, in tokens")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV capacity per worker in tokens (default: sized from --gpu-memory-utilization; 1M on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU's memory for weights, activations and the paged KV cache (0-1]")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: 128 on GPUs, 16 on CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
                    help="how prefill attention spans the workers (decoding is the same for all); "
                         "auto: ulysses for short prompts, burst for long ones")
@@ -58,7 +63,8 @@ def serve(args) -> None:
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
                   auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
-                  attention_backend=args.attention_backend)
+                  gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                  cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend)
     except BurstServeError as e:
         log.error("%s", e)
         sys.exit(2)

@@ -9,7 +9,7 @@ import torch
 
 from engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
                     SamplingParams)
-from engine.kv_cache import next_kv_owner
+from engine.cache.ledger import KVLedger
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 
@@ -149,11 +149,11 @@ def test_device_strings(llm):
     assert llm.engine.devices == ["cpu"] * 3 and llm.engine.world_size == 3
 
 
-def test_next_kv_owner_balances():
-    counts = [3, 2, 2]
-    for _ in range(7):
-        counts[next_kv_owner(counts)] += 1
-    assert sorted(counts) == [4, 5, 5]
+def test_decoded_tokens_go_to_the_worker_holding_fewest():
+    ledger = KVLedger(3, 2, 100)
+    ledger.add(0, [3, 2, 2])
+    owners = [ledger.advance(0)[0] for _ in range(7)]
+    assert owners == [1, 2, 0, 1, 2, 0, 1] and ledger.seqs[0].tokens == [5, 5, 4]
 
 
 def test_a_dead_worker_makes_the_engine_raise():
@@ -171,9 +171,9 @@ def test_a_dead_worker_makes_the_engine_raise():
 
 
 def test_kv_capacity_admission():
-    with LLM("tiny", devices="cpu", context_parallel_size=2, kv_cache_tokens=100) as small:  # 200 tokens, both workers
-        assert small.kv_capacity_tokens == 200
-        with pytest.raises(InvalidRequestError, match="capacity of 200 tokens"):
+    with LLM("tiny", devices="cpu", context_parallel_size=2, kv_cache_tokens=100) as small:  # 6 pages of 16 each
+        assert small.kv_capacity_tokens == 192
+        with pytest.raises(InvalidRequestError, match="prompt of 150 tokens plus max_tokens 60.*capacity of 192 tokens"):
             small.generate([1] * 150, SamplingParams(max_tokens=60))
         # each fits alone, not together: the second waits for the first to finish, then runs
         outs = small.generate([[1] * 120, [2] * 120], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))

@@ -1,0 +1,107 @@
+"""One worker's KV cache: a pool of pages allocated once at start, and each sequence's page list.
+
+    k, v [num_layers, num_pages + 1, block_size, Hkv, D]; a layer's k[layer] is the paged cache that
+    kernels.paged_attention reads ([num_blocks, block_size, Hkv, D], contiguous).
+
+Page 0 is scratch: it is never given to a sequence, and a decode step writes there the new K/V of
+sequences whose token another worker stores (so every step writes B rows, with fixed shapes for
+CUDA graphs). A sequence's tokens fill its pages in order; slot = page * block_size + offset.
+Each sequence also has a row of `table` ([max_seqs + 1, max_pages] int32, on the device): its page
+ids, which a step gathers into its block table without building it on the host; the last row is
+never given out (all scratch: the padding rows of a CUDA graph's batch).
+"""
+import torch
+
+SCRATCH_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    """The scheduler asked for more pages than are free (its ledger and the pool disagree: a bug)."""
+
+
+class PagePool:
+    def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_seqs: int, max_pages_per_seq: int):
+        shape = (num_layers, num_pages + 1, block_size, num_kv_heads, head_dim)
+        # zeros on GPUs: flash-attn-4 reads whole pages, so the slots past a sequence's end must be finite;
+        # empty on CPU: the reference reads only the slots in use, and untouched memory costs nothing
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
+        self.block_size, self.num_pages, self.device = block_size, num_pages, device
+        self.max_pages_per_seq = max_pages_per_seq
+        self.table = torch.zeros(max_seqs + 1, max_pages_per_seq, dtype=torch.int32, device=device)
+        self.pad_row = max_seqs                     # never given out: all scratch (a graph's padding rows)
+        self._free = list(range(num_pages, 0, -1))   # a stack: low page ids first, so prompts get runs
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self.pages: dict[int, list[int]] = {}       # seq_id -> its pages, in token order
+        self.lengths: dict[int, int] = {}           # seq_id -> tokens stored
+        self.rows: dict[int, int] = {}              # seq_id -> its row of `table`
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def add(self, seq_id: int, num_tokens: int) -> None:
+        """A new sequence with room for num_tokens (its pages taken now; the slots are written later)."""
+        if not self._free_rows:
+            raise OutOfPagesError("no free row in the page table")
+        self.pages[seq_id], self.lengths[seq_id] = [], 0
+        self.rows[seq_id] = self._free_rows.pop()
+        self._grow(seq_id, num_tokens)
+        self.lengths[seq_id] = num_tokens
+
+    def append(self, seq_id: int) -> int:
+        """Room for one more token -> its slot."""
+        n = self.lengths[seq_id]
+        self._grow(seq_id, n + 1)
+        self.lengths[seq_id] = n + 1
+        return self.slot(seq_id, n)
+
+    def slot(self, seq_id: int, index: int) -> int:
+        return self.pages[seq_id][index // self.block_size] * self.block_size + index % self.block_size
+
+    def slots(self, seq_id: int, start: int, count: int) -> torch.Tensor:
+        """[count] int64 slots of the sequence's tokens start .. start + count - 1, on the device."""
+        index = torch.arange(start, start + count)
+        pages = torch.tensor(self.pages[seq_id], dtype=torch.int64)
+        return (pages[index // self.block_size] * self.block_size + index % self.block_size).to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, Hkv, D] into slots [n] of one layer."""
+        self.k[layer].view(-1, *self.k.shape[3:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *self.v.shape[3:]).index_copy_(0, slots, v)
+
+    def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
+        """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""
+        self.add(seq_id, num_tokens)
+        n = len(self.pages[seq_id])
+        src = torch.tensor(self.pages[source_id][:n], device=self.device)
+        dst = torch.tensor(self.pages[seq_id], device=self.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def free(self, seq_id: int) -> None:
+        pages = self.pages.pop(seq_id, None)
+        if pages is None:
+            return
+        self._free.extend(reversed(pages))
+        self.lengths.pop(seq_id)
+        self._free_rows.append(self.rows.pop(seq_id))
+
+    def _grow(self, seq_id: int, num_tokens: int) -> None:
+        pages = self.pages[seq_id]
+        need = -(-num_tokens // self.block_size) - len(pages)
+        if need > len(self._free):
+            raise OutOfPagesError(f"sequence {seq_id} needs {need} more pages, {len(self._free)} are free")
+        if len(pages) + need > self.max_pages_per_seq:
+            raise OutOfPagesError(f"sequence {seq_id} would hold more than {self.max_pages_per_seq} pages")
+        if need <= 0:
+            return
+        new = [self._free.pop() for _ in range(need)]
+        row, start = self.rows[seq_id], len(pages)
+        self.table[row, start:start + need] = torch.tensor(new, dtype=torch.int32)
+        pages.extend(new)

@@ -1,0 +1,42 @@
+"""How many tokens of KV cache a worker's page pool holds.
+
+    --kv-cache-tokens N          exactly N per worker (rounded down to whole pages)
+    --gpu-memory-utilization U   (GPUs, default 0.9, vLLM's meaning) the share of the GPU's memory this
+                                 worker may use for weights, activations and the KV pool together
+
+On a GPU the pool gets what is left of U x total memory after what is in use (weights, the CUDA
+context, other processes) and a reserve for the activations of the longest prefill a worker can
+run: a prefill of T tokens on one worker needs about T x `activation_bytes_per_token` besides its
+K/V (measured: burst on 4 H200 at 256K, llama3-8b, 33.4 GiB peak = 16 weights + 8 KV + 9.4 for
+64K tokens, ~150 KB a token; the estimate below gives 160 KB). The longest prefill is the prompt a
+worker's pool could hold, or max_model_len's share when that is shorter.
+"""
+from engine.config import ModelConfig
+
+CPU_KV_TOKENS = 1 << 20       # a CPU worker's default (memory is touched only as pages are used)
+CPU_KV_BYTES = 4 << 30        # ... at most this much address space
+
+
+def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int) -> int:
+    return cfg.num_layers * 2 * num_kv_heads * cfg.head_dim * itemsize
+
+
+def activation_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """One layer's live tensors during a prefill, per token: residual, norm, qkv, rotated q/k, the
+    K/V message and ring buffers, attention out (fp32 accumulators), gate/up, silu*up."""
+    h, hkv, d, hid, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    activations = 4 * hid + 2 * (h + 2 * hkv) * d + 3 * inter
+    return itemsize * activations + 4 * (h * d + h)
+
+
+def pool_tokens_on_gpu(budget_bytes: int, kv_per_token: int, act_per_token: int, prefill_tokens_max: int) -> int:
+    """budget = U x total - in use. A worker that can hold T tokens may prefill T of them, so T x (kv + act)
+    must fit; if max_model_len's share P is shorter than that, reserve P x act and give the rest to KV."""
+    joint = budget_bytes // (kv_per_token + act_per_token)
+    if joint >= prefill_tokens_max:
+        return (budget_bytes - act_per_token * prefill_tokens_max) // kv_per_token
+    return max(joint, 0)
+
+
+def pool_tokens_on_cpu(kv_per_token: int) -> int:
+    return min(CPU_KV_TOKENS, CPU_KV_BYTES // kv_per_token)

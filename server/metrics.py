@@ -41,6 +41,9 @@ class Metrics:
                                registry=r)
         self.running = Gauge("burstserve:num_requests_running", "Requests decoding.", lab, registry=r)
         self.waiting = Gauge("burstserve:num_requests_waiting", "Requests waiting for prefill.", lab, registry=r)
+        self.preemptions = Counter("burstserve:num_preemptions", "Sequences preempted (KV cache full) and "
+                                   "recomputed later.", lab, registry=r)
+        self._preemptions_seen = 0
         self.kv_usage = Gauge("burstserve:kv_cache_usage_perc", "KV cache usage per worker (0-1).",
                               lab + ["worker"], registry=r)
 
@@ -75,4 +78,8 @@ class Metrics:
         capacity = engine_stats.get("kv_capacity_per_worker") or 0
         for worker, tokens in enumerate(engine_stats.get("kv_tokens_per_worker", [])):
             self.kv_usage.labels(m, str(worker)).set(tokens / capacity if capacity else 0.0)
+        preemptions = engine_stats.get("num_preemptions", 0)
+        if preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
+            self.preemptions.labels(m).inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         return generate_latest(self.registry)

@@ -14,7 +14,8 @@ def stats_line(engine: AsyncEngine, prompt_tps: float, generation_tps: float) ->
     capacity = stats.get("kv_capacity_per_worker") or 0
     usage = ", ".join(f"{100 * t / capacity:.1f}%" if capacity else "-" for t in stats.get("kv_tokens_per_worker", []))
     return (f"prompt throughput {prompt_tps:.1f} tokens/s, generation throughput {generation_tps:.1f} tokens/s, "
-            f"running {stats.get('running', 0)} reqs, waiting {engine.waiting} reqs, KV usage per worker [{usage}]")
+            f"running {stats.get('running', 0)} reqs, waiting {engine.waiting} reqs, KV usage per worker [{usage}]"
+            + (f", preemptions {stats['num_preemptions']}" if stats.get("num_preemptions") else ""))
 
 
 async def log_stats_while_busy(engine: AsyncEngine, interval: float) -> None:

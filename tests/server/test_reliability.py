@@ -499,7 +499,7 @@ def test_killed_worker_is_503_within_2_s_and_ends_every_request(doomed_server, f
     srv = doomed_server
     workers = worker_pids(srv.proc.pid)
     assert len(workers) == 2, f"expected 2 worker processes, found {workers}"
-    # 6 x (8 + 3000) tokens fit the KV capacity (2 x 16384) that requests reserve when admitted: all run at once
+    # 6 prompts of 8 tokens take a page each per worker when admitted (nothing is reserved for max_tokens): all run
     long = {"model": MODEL, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
     streams, plain = 4, 2
     results: dict[int, dict] = {}

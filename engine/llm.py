@@ -289,16 +289,22 @@ class LLM:
                     self._fail("the engine's output queue closed")
                 return
             if msg[0] == "out":
-                sink = self._results.get(msg[1].request_id)
-                if msg[1].finish_reason is not None:
-                    self._results.pop(msg[1].request_id, None)
-                if sink is not None:
-                    sink(msg[1])
+                self._route(msg[1])
+            elif msg[0] == "outs":      # a decode step's tokens, one message
+                for item in msg[1]:
+                    self._route(item)
             elif msg[0] == "stats":
                 self.stats = msg[1]
             elif msg[0] == "error":
                 self._fail(f"worker {msg[1]} failed: {msg[2]}\n{msg[3]}")
                 return
+
+    def _route(self, item: StepOutput) -> None:
+        sink = self._results.get(item.request_id)
+        if item.finish_reason is not None:
+            self._results.pop(item.request_id, None)
+        if sink is not None:
+            sink(item)
 
     def _fail(self, reason: str) -> None:
         if self._closed:

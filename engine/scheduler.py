@@ -53,6 +53,7 @@ class Scheduler:
         self.kv_capacity_per_worker = self.ledger.num_pages * self.ledger.block_size
         self.watermark = max(1, self.ledger.num_pages // 100)   # pages kept free for running sequences to grow
         self.num_preemptions = 0
+        self._step_outputs: list[StepOutput] | None = None    # collecting a decode step's outputs
         self._published: tuple | None = None
         self._published_at = 0.0
         self.waiting: deque[Request] = deque()
@@ -192,11 +193,14 @@ class Scheduler:
             rows = mask_logits(logits[[row_of[i] for i in constrained]], [batch[i].grammar for i in constrained])
             masked = {i: rows[j] for j, i in enumerate(constrained)}
         self.running = []
+        self._step_outputs = []           # sent as one message: one pickle and queue put per step, not per token
         for i, seq in enumerate(batch):
             if i in row_of:
                 self._emit(seq, logits[row_of[i]], sample_logits=masked.get(i))
             else:
                 self._commit(seq, greedy[i], None)
+        outputs, self._step_outputs = self._step_outputs, None
+        self.outputs.put(("outs", outputs))
 
     def _make_room(self, batch: list[RunningSequence]) -> list[RunningSequence]:
         """Preempts the newest sequences until this step's new pages fit on every worker; returns the rest."""
@@ -245,8 +249,12 @@ class Scheduler:
         """Sends one sampled token back; the sequence runs on or is freed."""
         seq.generated.append(token)
         reason = self._finish_reason(seq, token)
-        self.outputs.put(("out", StepOutput(seq.request.request_id, token, logprobs, reason, time.time(),
-                                            prefill=prefill, logits=logits, prompt_logprobs=prompt_logprobs)))
+        item = StepOutput(seq.request.request_id, token, logprobs, reason, time.time(), prefill=prefill,
+                          logits=logits, prompt_logprobs=prompt_logprobs)
+        if self._step_outputs is not None:
+            self._step_outputs.append(item)
+        else:
+            self.outputs.put(("out", item))
         if reason is None:
             self.running.append(seq)
         else:

@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         msg = outputs.get()
         if msg[0] == "error":
             raise SystemExit(f"worker {msg[1]} failed: {msg[2]}")
-        if msg[0] == "out":
-            tokens[msg[1].request_id].append(msg[1].token_id)
-            done += msg[1].finish_reason is not None
+        for item in [msg[1]] if msg[0] == "out" else msg[1] if msg[0] == "outs" else []:
+            tokens[item.request_id].append(item.token_id)
+            done += item.finish_reason is not None
     for i in range(len(prompts)):
         print(json.dumps({"prompt": i, "token_ids": tokens[str(i)]}), flush=True)
     requests.put(("shutdown",))

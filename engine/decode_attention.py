@@ -39,7 +39,8 @@ class DecodeAttention:
         step = self.step
         self.pool.write(layer, step.slots, k, v)
         out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], step.block_table, step.cu_seqlens_q,
-                                   step.seq_lens, self.scale, causal=False, backend=self.backend)   # one query: sees every key
+                                   step.seq_lens, self.scale, causal=False, backend=self.backend,   # one query: sees every key
+                                   max_seqlen_q=1)
         if self.world_size == 1:
             return out
         packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)      # [B, H, D + 1]

@@ -31,3 +31,19 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     weights = torch.exp(lses - finite.unsqueeze(0))          # [P, ...]; 0 for empty partials
     out = (outs.float() * weights.unsqueeze(-1)).sum(dim=0)
     return out, lse
+
+
+def merge_stacked_masked(outs: torch.Tensor, lses: torch.Tensor, valid: torch.Tensor,
+                         dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_stacked over dimension `dim` (>= 0) of outs [..., D] / lses [...], where partials with
+    valid False weigh 0 whatever outs and lses hold there (NaN, inf, garbage: never read into the
+    result). valid: bool, lses.ndim dimensions, broadcastable to lses. No valid partial: out 0,
+    lse -inf. -> (out fp32 without `dim`, lse fp32 without `dim`). 13 elementwise/reduction ops."""
+    l = torch.where(valid, lses.float(), float("-inf"))
+    m = l.amax(dim, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)   # finite: -inf - m = -inf
+    w = (l - m).exp_()                                                         # 0 for invalid partials
+    s = w.sum(dim, keepdim=True)          # 0 (no valid partial) or >= 1 (the largest contributes exp(0) = 1)
+    lse = s.log().add_(m).squeeze(dim)    # log 0 + finite = -inf
+    w = w / s.clamp_(min=1.0)
+    out = (torch.where(valid.unsqueeze(-1), outs, 0.0) * w.unsqueeze(-1)).sum(dim)
+    return out.float(), lse

@@ -1,6 +1,7 @@
 """Attention of new tokens against a paged KV cache: decode (one new token per sequence) and chunks.
 
-    paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal=True)
+    paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal=True,
+                    backend="auto", num_chunks=None, max_seqlen_q=None)
         -> (out [total_q, H, D] in q's dtype, lse [total_q, H] fp32, natural log)
 
 q [total_q, H, D]: the new tokens of B sequences packed, sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
@@ -9,6 +10,12 @@ seq_lens_k [B] int32: sequence b's keys are the first seq_lens_k[b] slots of its
 tokens' keys included. `causal` is aligned to the end: query i of a sequence with q_len new tokens
 sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and lse -inf.
 
+max_seqlen_q (flash-attn's name; optional, host-known): the largest q_len in the batch. With
+max_seqlen_q == 1 and total_q == B every sequence has exactly one new token (decode), so
+cu_seqlens_q must be arange(B + 1) (the caller guarantees it; it is not read again): the flash-attn-4
+path then skips the per-row lookup and runs its fewest kernels. A sequence of a decode batch may
+have seq_lens_k 0 (a padding slot of a CUDA-graph batch): out 0, lse -inf.
+
 Backends, chosen by device:
 - "reference": any device; gathers each sequence's blocks and calls kernels.attention.reference_attention.
 - "dense": CUDA without flash-attn-4; gathers and calls the best dense backend (select_backend).
@@ -16,16 +23,22 @@ Backends, chosen by device:
 - "fa4": flash_attn.cute's varlen kernel reading the cache through `page_table` / `seqused_k`; no
   host synchronization, so a CUDA graph can capture it (fixed shapes). When there are too few query
   rows to fill the GPU (few long sequences: SM90 has no split-KV), each row's pages are split into
-  chunks run as one batch with the query repeated, and the chunks are merged by LSE.
+  chunks run as one batch with the query repeated, and the chunks are merged by LSE (a Triton kernel
+  for the repeat + chunk lengths and one for the merge where Triton works, else plain torch ops).
   flash-attn-4 reads whole pages: slots past seq_lens_k in a sequence's last page must be finite.
+  CUDA graphs: run each shape once eagerly before capturing it (flash-attn-4 and Triton compile on
+  their first call; the split path's shape-only constants, e.g. the chunk starts and the one-token
+  cu_seqlens, are cached per device and shape on their first eager call; made during a capture,
+  they belong to that graph and are not cached).
 """
 import functools
 import logging
+import os
 
 import torch
 
 from kernels.attention import AttentionBackend, enable_fa4_compile_cache, reference_attention, select_backend
-from kernels.merge import merge_stacked
+from kernels.merge import merge_stacked, merge_stacked_masked
 
 log = logging.getLogger(__name__)
 
@@ -34,30 +47,37 @@ MAX_CHUNKS = 64
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale: float,
-                    causal: bool = True, backend: str = "auto", num_chunks: int | None = None):
+                    causal: bool = True, backend: str = "auto", num_chunks: int | None = None,
+                    max_seqlen_q: int | None = None):
     """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
-    None chooses from the shapes, 1 never splits."""
+    None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
+    (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1))."""
     if backend == "auto":
         backend = "reference" if q.device.type != "cuda" else ("fa4" if fa4_available(q.device) else "dense")
     if backend == "fa4":
-        return _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks)
+        return _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks,
+                    max_seqlen_q)
     if backend == "dense":
         attn = _dense_backend(q.device, q.dtype, q.shape[1], k_cache.shape[2], q.shape[2])
     elif backend == "reference":
         attn = AttentionBackend("reference", reference_attention)
     else:
         raise ValueError(f"unknown paged attention backend {backend!r}")
-    return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn)
+    return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn,
+                     max_seqlen_q)
 
 
 # ---------------------------------------------------------------- gathered (reference, dense fallback)
 
-def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn):
+def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn,
+              max_seqlen_q=None):
     total_q, h, d = q.shape
     bs = k_cache.shape[1]
     out = torch.zeros(total_q, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((total_q, h), float("-inf"), dtype=torch.float32, device=q.device)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    if max_seqlen_q is not None and any(b - a > max_seqlen_q for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"a sequence has more than max_seqlen_q={max_seqlen_q} new tokens: cu_seqlens_q {cu}")
     for b, n in enumerate(lens):
         q0, q1 = cu[b], cu[b + 1]
         if q1 == q0 or n == 0:
@@ -111,6 +131,11 @@ def fa4_available(device: torch.device) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _row_visible_keys(cu_seqlens_q, seq_lens_k, total_q, causal):
     """Per query row: its sequence [R] and how many keys it sees [R] (device ops only)."""
     rows = torch.arange(total_q, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
@@ -140,44 +165,221 @@ def _fa4_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, c
     return out, lse.transpose(0, 1)                    # lse [H, total_q] -> [total_q, H]
 
 
-def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks):
-    total_q, h, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
+def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks,
+         max_seqlen_q=None):
+    total_q = q.shape[0]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
     b, max_blocks = block_table.shape
-    cu_seqlens_q = cu_seqlens_q.to(torch.int32)
-    seq_lens_k = seq_lens_k.to(torch.int32)
-    seq, visible = _row_visible_keys(cu_seqlens_q, seq_lens_k, total_q, causal)     # [R], [R]
+    seq_lens_k = seq_lens_k.to(torch.int32)                                          # no-op when int32
     if num_chunks is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_chunks = choose_num_chunks(total_q, hkv, max_blocks * bs, num_sms)
-    if num_chunks <= 1:
-        out, lse = _fa4_call(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, None)
-    else:
-        out, lse = _fa4_split(q, k_cache, v_cache, block_table, seq, visible, scale, num_chunks)
-    empty = (visible == 0)[:, None]                                                   # [R, 1]
-    return (torch.where(empty[..., None], torch.zeros_like(out), out),
-            torch.where(empty, torch.full_like(lse, float("-inf")), lse))
+        num_chunks = choose_num_chunks(total_q, hkv, max_blocks * bs, _num_sms(q.device))
+    if max_seqlen_q == 1 and total_q == b:
+        # Decode: row r is sequence r and sees all its seq_lens_k[r] keys (causal or not).
+        if num_chunks > 1:
+            return _fa4_split(q, k_cache, v_cache, block_table, seq_lens_k, scale, num_chunks)
+        out, lse = _fa4_call(q, k_cache, v_cache, block_table, cu_seqlens_q.to(torch.int32), seq_lens_k,
+                             scale, False, 1)
+        return _zero_empty_rows(out, lse, seq_lens_k)
+    cu_seqlens_q = cu_seqlens_q.to(torch.int32)
+    seq, visible = _row_visible_keys(cu_seqlens_q, seq_lens_k, total_q, causal)     # [R], [R]
+    if num_chunks > 1:   # the split's merge already gives rows without keys 0 / -inf
+        return _fa4_split(q, k_cache, v_cache, block_table.index_select(0, seq), visible.to(torch.int32),
+                          scale, num_chunks)
+    out, lse = _fa4_call(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
+                         max_seqlen_q)
+    return _zero_empty_rows(out, lse, visible)
 
 
-def _fa4_split(q, k_cache, v_cache, block_table, seq, visible, scale, c):
+def _zero_empty_rows(out, lse, visible):
+    """out 0 / lse -inf where visible [R] == 0, whatever the kernel wrote there (3 kernels)."""
+    has = (visible > 0)[:, None]                                                     # [R, 1]
+    return torch.where(has[..., None], out, 0.0), torch.where(has, lse, float("-inf"))
+
+
+def _fa4_split(q, k_cache, v_cache, table, visible, scale, c):
     """Every query row r becomes c one-token "sequences", chunk j holding pages [j*p, (j+1)*p) of its
-    sequence and min(p*bs, visible[r] - j*p*bs) of their slots (0: an empty chunk); run as one batch
-    without a mask (a one-token query sees all its visible keys), merged by LSE."""
-    r, h, d = q.shape
+    row's table (table [R, max_blocks]: row r's sequence's block table) and
+    min(p*bs, visible[r] - j*p*bs) of their slots (0: an empty chunk); run as one batch without a
+    mask (a one-token query sees all its visible keys), merged by LSE with empty chunks weighing 0
+    (whatever the kernel wrote for them): a row with no keys gives out 0, lse -inf. visible [R] int32.
+    GPU kernels: table pad (only if c does not divide max_blocks), chunk lengths + q repeat (Triton:
+    1; torch: 2, + 1 copy for R > 1), flash-attn-4, merge (Triton: 1; torch: 15)."""
+    r = q.shape[0]
     bs = k_cache.shape[1]
-    max_blocks = block_table.shape[1]
+    max_blocks = table.shape[1]
     p = -(-max_blocks // c)                                                # pages per chunk
-    table = block_table.index_select(0, seq)                               # [R, max_blocks]
     if p * c > max_blocks:                                                 # pad: pages past the end are never read
         table = torch.nn.functional.pad(table, (0, p * c - max_blocks))
-    table = table.view(r * c, p)                                           # [R*c, p] int32
-    starts = torch.arange(c, device=q.device) * (p * bs)                   # [c]
-    used = (visible[:, None] - starts[None, :]).clamp(0, p * bs).to(torch.int32).view(r * c)  # [R*c]
-    q_rep = q[:, None].expand(r, c, h, d).reshape(r * c, h, d)             # [R*c, H, D]
-    cu = torch.arange(r * c + 1, device=q.device, dtype=torch.int32)
+    table = table.reshape(r * c, p)                                        # [R*c, p] int32 (a view when contiguous)
+    cu = _cached(q.device, ("arange_i32", r * c + 1),
+                 lambda: torch.arange(r * c + 1, device=q.device, dtype=torch.int32))
+    q_rep, used = _split_inputs(q, visible, c, p * bs)                     # [R*c, H, D], [R*c] int32
     out, lse = _fa4_call(q_rep, k_cache, v_cache, table, cu, used, scale, False, 1)   # [R*c, H, D], [R*c, H]
-    empty = (used == 0)[:, None]                                           # the kernel's empty rows: 0 / -inf
-    out = torch.where(empty[..., None], torch.zeros_like(out), out)
-    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
-    o, l = merge_stacked(out.view(r, c, h, d).transpose(0, 1), lse.view(r, c, h).transpose(0, 1))
-    return o.to(q.dtype), l
+    return _split_merge(out, lse, used, r, c, q.dtype)
+
+
+# ---------------------------------------------------------------- split helpers (Triton or torch)
+
+_CONSTS: dict = {}
+
+
+def _cached(device, key, make):
+    """A shape-only constant tensor, made once per (device, key). One made while the current CUDA
+    stream is capturing is returned uncached (it belongs to that graph: its values exist only on
+    replay), so warm up eagerly before capture to get the cached one into the graph."""
+    t = _CONSTS.get((device, key))
+    if t is None:
+        t = make()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _CONSTS[(device, key)] = t
+    return t
+
+
+def _split_inputs(q, visible, c, chunk_keys):
+    """q [R, H, D], visible [R] int32 -> q_rep [R*c, H, D] (row r*c+j = q[r]), used [R*c] int32
+    (= clamp(visible[r] - j*chunk_keys, 0, chunk_keys))."""
+    kern = _triton_kernels(q.device)
+    if kern is not None:
+        try:
+            return _split_inputs_triton(kern[0], q, visible, c, chunk_keys)
+        except Exception as e:  # compile or launch failure: torch from now on
+            _triton_failed(e)
+    starts = _cached(q.device, ("chunk_starts", c, chunk_keys),
+                     lambda: torch.arange(c, device=q.device, dtype=torch.int32) * chunk_keys)
+    used = (visible[:, None] - starts).clamp_(0, chunk_keys).view(-1)       # int32
+    return _repeat_rows(q, c), used
+
+
+def _repeat_rows(q, c):
+    """q [R, H, D] -> [R*c, H, D], row r*c+j = q[r]. One row: a stride-0 view, no copy (flash-attn-4
+    4.0.0b36 compiles a kernel for the broadcast q; tests/gpu's one-long split cases ran on it since
+    the first version of this path). Several rows: no single strided view exists, a copy."""
+    r, h, d = q.shape
+    if r == 1:
+        return q.expand(c, h, d)
+    return q[:, None].expand(r, c, h, d).reshape(r * c, h, d)
+
+
+def _split_merge(out, lse, used, r, c, dtype):
+    """The kernel's per-chunk out [R*c, H, D], lse [R*c, H] (any strides) -> out [R, H, D] in dtype,
+    lse [R, H] fp32, chunks with used == 0 weighing 0 whatever out/lse hold there."""
+    kern = _triton_kernels(out.device)
+    if kern is not None:
+        try:
+            return _split_merge_triton(kern[1], out, lse, used, r, c, dtype)
+        except Exception as e:
+            _triton_failed(e)
+    h, d = out.shape[1], out.shape[2]
+    o, l = merge_stacked_masked(out.view(r, c, h, d), lse.view(r, c, h), (used > 0).view(r, c, 1), dim=1)
+    return o.to(dtype), l
+
+
+# Triton: two small kernels replacing ~16 torch ops on the split path. Off with BURSTSERVE_SPLIT_TRITON=0;
+# any failure to build, compile or launch logs once and falls back to the torch ops for good.
+_SPLIT_TRITON = os.environ.get("BURSTSERVE_SPLIT_TRITON", "1") != "0"
+tl = None   # triton.language, bound by _build_triton_kernels (its kernels resolve it as a global)
+
+
+def _triton_failed(e: Exception) -> None:
+    global _SPLIT_TRITON
+    _SPLIT_TRITON = False
+    log.warning("Triton split-attention kernels failed (%s: %s); using torch ops", type(e).__name__, e)
+
+
+def _triton_kernels(device):
+    """(prep, merge) jitted kernels for CUDA devices while enabled, else None."""
+    if device.type != "cuda" or not _SPLIT_TRITON:
+        return None
+    return _triton_kernels_built()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_kernels_built():
+    try:
+        return _build_triton_kernels()
+    except Exception as e:   # ImportError: no Triton
+        _triton_failed(e)
+        return None
+
+
+def _build_triton_kernels():
+    """jit the kernels (a fresh pair each call: tests build interpreter ones with TRITON_INTERPRET=1).
+    Defined here so that Triton is imported only when used; `tl` is this module's global."""
+    global tl
+    import triton
+    import triton.language
+    tl = triton.language
+
+    def _prep_kernel(q_ptr, visible_ptr, q_rep_ptr, used_ptr, c, chunk_keys,
+                     HD: tl.constexpr, HD_PAD: tl.constexpr, COPY_Q: tl.constexpr):
+        """Program i = r*c + j: used[i] = clamp(visible[r] - j*chunk_keys, 0, chunk_keys), q_rep[i] = q[r]."""
+        i = tl.program_id(0)
+        row = i // c
+        j = i - row * c
+        n = tl.load(visible_ptr + row)
+        u = tl.minimum(tl.maximum(n - j * chunk_keys, 0), chunk_keys)
+        tl.store(used_ptr + i, u)
+        if COPY_Q:
+            offs = tl.arange(0, HD_PAD)
+            mask = offs < HD
+            x = tl.load(q_ptr + row.to(tl.int64) * HD + offs, mask=mask)
+            tl.store(q_rep_ptr + i.to(tl.int64) * HD + offs, x, mask=mask)
+
+    def _merge_kernel(o_ptr, lse_ptr, used_ptr, out_ptr, lse_out_ptr, c, H,
+                      s_or, s_oh, s_lr, s_lh,
+                      D: tl.constexpr, C_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        """Program (r, h): merge chunks r*c .. r*c+c-1 of head h by LSE, chunks with used == 0 never read."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        cs = tl.arange(0, C_PAD)
+        rows = r * c + cs
+        used = tl.load(used_ptr + rows, mask=cs < c, other=0)
+        valid = used > 0
+        lse = tl.load(lse_ptr + rows.to(tl.int64) * s_lr + h * s_lh, mask=valid, other=float("-inf")).to(tl.float32)
+        m = tl.max(lse, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.where(valid, tl.exp(lse - m_safe), 0.0)
+        s = tl.sum(w, axis=0)                   # 0 (no used chunk) or >= 1 (the largest gives exp(0))
+        s1 = tl.maximum(s, 1.0)
+        lse_out = tl.where(s > 0, tl.log(s1) + m_safe, float("-inf"))
+        ds = tl.arange(0, D_PAD)
+        dm = ds < D
+        o = tl.load(o_ptr + rows.to(tl.int64)[:, None] * s_or + h * s_oh + ds[None, :],
+                    mask=valid[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(o * w[:, None], axis=0) / s1
+        base = (r * H + h).to(tl.int64)
+        tl.store(out_ptr + base * D + ds, acc.to(out_ptr.dtype.element_ty), mask=dm)
+        tl.store(lse_out_ptr + base, lse_out)
+
+    # integer arguments unspecialized (no recompile per value of c, strides, ...): one compile per
+    # constexpr combination and pointer alignment
+    return (triton.jit(_prep_kernel, do_not_specialize=["c", "chunk_keys"]),
+            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oh", "s_lr", "s_lh"]))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _split_inputs_triton(prep, q, visible, c, chunk_keys):
+    r, h, d = q.shape
+    visible = visible.contiguous()
+    used = torch.empty(r * c, dtype=torch.int32, device=q.device)
+    if r == 1:                                   # the stride-0 view (see _repeat_rows): chunk lengths only
+        prep[(c,)](q, visible, q, used, c, chunk_keys, HD=1, HD_PAD=1, COPY_Q=False)   # one compile for all shapes
+        return _repeat_rows(q, c), used
+    q = q.contiguous()
+    q_rep = torch.empty(r * c, h, d, dtype=q.dtype, device=q.device)
+    prep[(r * c,)](q, visible, q_rep, used, c, chunk_keys, HD=h * d, HD_PAD=_next_pow2(h * d), COPY_Q=True)
+    return q_rep, used
+
+
+def _split_merge_triton(merge, out, lse, used, r, c, dtype):
+    h, d = out.shape[1], out.shape[2]
+    if out.stride(2) != 1:
+        out = out.contiguous()
+    o = torch.empty(r, h, d, dtype=dtype, device=out.device)
+    l = torch.empty(r, h, dtype=torch.float32, device=out.device)
+    merge[(r, h)](out, lse, used, o, l, c, h, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                  D=d, C_PAD=_next_pow2(c), D_PAD=_next_pow2(d))
+    return o, l

@@ -51,10 +51,22 @@ for sq, sk, causal in ((4096, 4096, True), (8192, 8192, True), (32768, 32768, Tr
     print(f"| {label} | {row[0]} | {row[1]} |", flush=True)
     del q, kv
 
-print("\npaged decode, one layer, page 128, microseconds (fa4: CUDA graph replay; dense: eager gather + best dense)")
-print("| batch x context | fa4 auto (chunks) | fa4 no split | dense fallback | KV TB/s (fa4 auto) |\n| --- | --- | --- | --- | --- |")
-sms = torch.cuda.get_device_properties(dev).multi_processor_count
-for b, ctx in ((1, 8192), (1, 131072), (16, 8192), (64, 2048)):
+import kernels.paged_attention as pa
+
+def graph_us(f, iters=50):
+    """Capture f in a CUDA graph after two eager warm-up calls; replay time in us, and f's outputs."""
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        f(); f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = f()
+    us = time_us(g.replay, iters=iters)
+    g.replay(); torch.cuda.synchronize()
+    return us, res
+
+def decode_case(b, ctx):
     pages = ctx // PAGE
     kc = torch.randn(b * pages, PAGE, HKV, D, device=dev, dtype=bf)
     vc = torch.randn(b * pages, PAGE, HKV, D, device=dev, dtype=bf)
@@ -62,24 +74,44 @@ for b, ctx in ((1, 8192), (1, 131072), (16, 8192), (64, 2048)):
     cu = torch.arange(b + 1, device=dev, dtype=torch.int32)
     lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
     q = torch.randn(b, H, D, device=dev, dtype=bf)
+    return q, kc, vc, table, cu, lens
+
+def fa4(case, chunks, **kw):
+    return lambda: paged_attention(*case, D ** -0.5, True, backend="fa4", num_chunks=chunks, **kw)
+
+print("\npaged decode, one layer, page 128, microseconds (fa4: CUDA graph replay; dense: eager gather + best dense)")
+print("decode = the fast path (max_seqlen_q=1; split: Triton chunk-length + merge kernels), torch merge = its")
+print("fallback without Triton, generic = no max_seqlen_q (row lookup; the path measured before)")
+print("| batch x context | fa4 decode (chunks) | fa4 decode, torch merge | fa4 generic | fa4 no split | dense fallback | KV TB/s (fa4 decode) |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+sms = torch.cuda.get_device_properties(dev).multi_processor_count
+for b, ctx in ((1, 8192), (1, 32768), (1, 131072), (16, 8192), (64, 2048)):
+    case = decode_case(b, ctx)
     res = []
-    for chunks in (None, 1):
-        f = lambda: paged_attention(q, kc, vc, table, cu, lens, D ** -0.5, True, backend="fa4", num_chunks=chunks)
-        s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            f(); f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, lse = f()
-        res.append(time_us(g.replay, iters=50))
-        if chunks is None:
-            ref, _ = paged_attention(q, kc, vc, table, cu, lens, D ** -0.5, True, backend="dense")
-            g.replay(); err = (out.float() - ref.float()).abs().max().item()
-    res.append(time_us(lambda: paged_attention(q, kc, vc, table, cu, lens, D ** -0.5, True, backend="dense"), iters=10))
-    nch = choose_num_chunks(b, HKV, pages * PAGE, sms)
+    us, (out, _) = graph_us(fa4(case, None, max_seqlen_q=1)); res.append(us)
+    ref, _ = paged_attention(*case, D ** -0.5, True, backend="dense")
+    err = (out.float() - ref.float()).abs().max().item()
+    tri = pa._SPLIT_TRITON                      # False here: Triton failed (logged) and the column above is torch
+    pa._SPLIT_TRITON = False
+    res.append(graph_us(fa4(case, None, max_seqlen_q=1))[0])
+    pa._SPLIT_TRITON = tri
+    res.append(graph_us(fa4(case, None))[0])
+    res.append(graph_us(fa4(case, 1, max_seqlen_q=1))[0])
+    res.append(time_us(lambda: paged_attention(*case, D ** -0.5, True, backend="dense"), iters=10))
+    nch = choose_num_chunks(b, HKV, ctx, sms)
     tbs = 2 * b * ctx * HKV * D * 2 / (res[0] * 1e-6) / 1e12
-    print(f"| {b} x {ctx // 1024}K | {res[0]:.0f} ({nch} chunks) | {res[1]:.0f} | {res[2]:.0f} | {tbs:.2f} |  max|fa4-dense| {err:.1e}", flush=True)
-    del kc, vc
+    print(f"| {b} x {ctx // 1024}K | {res[0]:.0f} ({nch} chunk{'s' if nch > 1 else ''}) | {res[1]:.0f} | {res[2]:.0f} | {res[3]:.0f} | {res[4]:.0f} | {tbs:.2f} |  max|fa4-dense| {err:.1e}", flush=True)
+    del case, out, ref
+
+print("\nnum_chunks sweep, decode fast path (max_seqlen_q=1, Triton merge), CUDA graph replay, microseconds")
+sweep = (8, 12, 16, 24, 32, 48, 64)
+print("| batch x context | " + " | ".join(f"{c} chunks" for c in sweep) + " |")
+print("| --- | " + " | ".join("---" for _ in sweep) + " |")
+for b, ctx in ((1, 32768), (1, 131072)):
+    case = decode_case(b, ctx)
+    row = [graph_us(fa4(case, c, max_seqlen_q=1))[0] for c in sweep]
+    print(f"| {b} x {ctx // 1024}K (auto {choose_num_chunks(b, HKV, ctx, sms)}) | " + " | ".join(f"{us:.0f}" for us in row) + " |", flush=True)
+    del case
+print("Triton split kernels on at the end:", pa._SPLIT_TRITON)
 EOF
 echo "done: $(date -u)"

@@ -1,5 +1,6 @@
 """GPU checks of kernels/ (one GPU): the flash-attn-4 backend against cuDNN and the fp32 reference;
-paged_attention on CUDA (flash-attn-4 path with and without the split, the dense fallback) against the
+paged_attention on CUDA (flash-attn-4 path with and without the split, the dense fallback; the decode
+fast path, max_seqlen_q=1, with the split's Triton kernels and with their torch fallback) against the
 CPU reference on the CPU tests' cases, and captured + replayed in a CUDA graph on the flash-attn-4 path.
 Run: `python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py` (scripts/gpu_kernels.sh)."""
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
+import kernels.paged_attention as pa
 from kernels.paged_attention import fa4_available, paged_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
@@ -118,3 +120,80 @@ def test_paged_fa4_in_cuda_graph(q_lens, k_lens, num_chunks):
                                                      128 ** -0.5, True)
         assert (out.float().cpu() - ref_out).abs().max() < 2e-2, step
         assert (lse.cpu() - ref_lse).abs().max() < 2e-3, step
+
+
+# ---------------------------------------------------------------- decode fast path (max_seqlen_q=1)
+
+DECODE_CASES = {   # name: k_lens, one new token each; 0: a padding slot of a CUDA-graph batch
+    "decode-mixed": [1, 127, 128, 129, 300, 1000, 2500, 17],
+    "decode-padded": [0, 5000, 0, 300],
+    "one-long": [20000],
+}
+
+
+def _split_impl(monkeypatch, impl):
+    """impl "triton": the split's Triton kernels (and check they stayed on); "torch": the fallback."""
+    if impl == "torch":
+        monkeypatch.setattr(pa, "_SPLIT_TRITON", False)
+    else:
+        assert pa._SPLIT_TRITON and pa._triton_kernels(DEV) is not None, "Triton split kernels unavailable"
+
+
+DECODE_PARAMS = ([("triton", bs, case, n) for bs in (16, 128) for case in DECODE_CASES for n in (None, 1, 5)]
+                 + [("torch", 128, case, n) for case in DECODE_CASES for n in (None, 5)])
+
+
+@needs_fa4
+@pytest.mark.parametrize("impl,bs,case,num_chunks", DECODE_PARAMS)
+def test_paged_fa4_decode_keyword_matches_cpu_reference(monkeypatch, impl, bs, case, num_chunks):
+    _split_impl(monkeypatch, impl)
+    k_lens = DECODE_CASES[case]
+    for causal in (True, False):
+        _check(_gpu_case([1] * len(k_lens), k_lens, bs), causal, backend="fa4", num_chunks=num_chunks, max_seqlen_q=1)
+    assert impl == "torch" or pa._SPLIT_TRITON, "a Triton kernel failed and fell back to torch (see the log)"
+
+
+def test_paged_dense_fallback_takes_max_seqlen_q():
+    k_lens = DECODE_CASES["decode-padded"]
+    _check(_gpu_case([1] * len(k_lens), k_lens, 16), True, backend="dense", max_seqlen_q=1)
+
+
+@needs_fa4
+@pytest.mark.parametrize("impl,k_lens,num_chunks", [
+    ("triton", [9000, 1, 300, 4096, 0], None),     # split chosen from the shapes (13 chunks), a padding slot
+    ("triton", [20000], None),                     # one long sequence: 39 chunks, q as a stride-0 view
+    ("triton", [20000], 16),
+    ("triton", [3000, 0, 700], 1),                 # no split
+    ("torch", [9000, 1, 300, 4096, 0], None),      # the split's torch fallback
+    ("torch", [20000], None)])
+def test_paged_fa4_decode_in_cuda_graph(monkeypatch, impl, k_lens, num_chunks):
+    """The decode fast path captured once (shape constants cached by the eager warm-up); then new q
+    values and new lengths (some 0, some back from 0) written into the same tensors and replayed."""
+    _split_impl(monkeypatch, impl)
+    q, kc, vc, table, cu, lens = _gpu_case([1] * len(k_lens), k_lens, 128)
+    cap = table.shape[1] * 128
+    run = lambda: paged_attention(q, kc, vc, table, cu, lens, 128 ** -0.5, True, backend="fa4",  # noqa: E731
+                                  num_chunks=num_chunks, max_seqlen_q=1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = run()
+    for step in range(4):
+        q.copy_(torch.randn_like(q))
+        new_lens = [0 if (step + b) % 3 == 0 and len(k_lens) > 1 else random.randint(1, cap)
+                    for b in range(len(k_lens))]
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = cpu_cases.dense_reference(*[t.cpu() for t in (q, kc, vc, table, cu, lens)],
+                                                     128 ** -0.5, True)
+        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), step
+        fin = torch.isfinite(ref_lse)
+        assert (out.float().cpu() - ref_out).abs().max() < 2e-2, step
+        assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 2e-3, step
+    assert impl == "torch" or pa._SPLIT_TRITON, "a Triton kernel failed and fell back to torch (see the log)"

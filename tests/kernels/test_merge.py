@@ -2,7 +2,7 @@
 import torch
 
 from kernels.attention import reference_attention
-from kernels.merge import merge_into, merge_stacked
+from kernels.merge import merge_into, merge_stacked, merge_stacked_masked
 
 
 def _split_attention(q, k, v, cuts):
@@ -47,3 +47,35 @@ def test_merge_is_stable_for_large_scores():
     merge_into(out, lse, o2, l2)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_stacked_masked_ignores_invalid_partials():
+    """Invalid partials hold NaN / inf garbage: the result is the merge of the valid ones alone,
+    exactly as merge_stacked gives it; a query with no valid partial gets out 0, lse -inf."""
+    q, k, v = torch.randn(3, 4, 8), torch.randn(20, 4, 8), torch.randn(20, 4, 8)
+    parts = _split_attention(q, k, v, [0, 6, 6, 11, 20])          # a genuinely empty block too
+    outs = torch.stack([p[0] for p in parts] + [torch.randn(3, 4, 8)])
+    lses = torch.stack([p[1] for p in parts] + [torch.randn(3, 4)])
+    valid = torch.tensor([True, True, False, True, False])[:, None, None].expand(5, 3, 1).clone()
+    valid[:, 2] = False                                           # query 2: nothing valid
+    ref_out, ref_lse = merge_stacked(outs[[0, 1, 3]], lses[[0, 1, 3]])
+    outs[2], lses[2] = float("nan"), float("nan")
+    outs[4], lses[4] = float("inf"), float("inf")
+    outs[:, 2], lses[:, 2] = float("nan"), float("inf")
+    out, lse = merge_stacked_masked(outs, lses, valid)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out[:2], ref_out[:2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse[:2], ref_lse[:2], atol=1e-6, rtol=1e-5)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+def test_merge_stacked_masked_along_another_dim_and_bf16():
+    """dim=1 (the paged split's [rows, chunks, H] layout), bf16 partials: equals full attention."""
+    q, k, v = torch.randn(2, 4, 8), torch.randn(30, 2, 8), torch.randn(30, 2, 8)
+    ref_out, ref_lse = reference_attention(q, k, v, False, 0.25)
+    parts = _split_attention(q, k, v, [0, 10, 20, 30])
+    outs = torch.stack([p[0] for p in parts], dim=1).bfloat16()   # [2, 3, 4, 8]
+    lses = torch.stack([p[1] for p in parts], dim=1)              # [2, 3, 4]
+    out, lse = merge_stacked_masked(outs, lses, torch.ones(2, 3, 1, dtype=torch.bool), dim=1)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

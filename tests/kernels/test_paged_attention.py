@@ -1,11 +1,13 @@
 """paged_attention against a plain dense reference written here: fp32 softmax over each sequence's
 gathered keys with the end-aligned causal mask. Fresh random inputs each run."""
 import random
+import sys
 
 import pytest
 import torch
 
 import kernels.paged_attention as pa
+from kernels.merge import merge_stacked
 from kernels.paged_attention import choose_num_chunks, paged_attention
 
 
@@ -117,3 +119,175 @@ def test_num_chunks_from_shapes():
     assert choose_num_chunks(1, 8, 2048, 132) == 4               # chunks of at least 512 keys
     assert choose_num_chunks(16, 8, 8192, 132) == 1              # 128 CTAs already
     assert choose_num_chunks(64, 8, 2048, 132) == 1
+
+
+# ---------------------------------------------------------------- max_seqlen_q (the decode fast path)
+
+DECODE_K_LENS = [700, 30, 0, 1, 129, 2000]          # 0: a padding slot of a CUDA-graph batch
+
+
+def test_decode_keyword_on_reference_backend():
+    case = make_case([1] * len(DECODE_K_LENS), DECODE_K_LENS, 8, 2, 16, 16)
+    for causal in (True, False):
+        out, lse = check(case, 0.25, causal, max_seqlen_q=1)
+        g_out, g_lse = paged_attention(*case, 0.25, causal=causal)
+        assert torch.equal(out, g_out) and torch.equal(lse, g_lse)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+def test_max_seqlen_q_checked_on_gathered_paths():
+    case = make_case([1, 3], [10, 20], 4, 2, 16, 16)
+    check(case, 0.25, True, max_seqlen_q=3)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        paged_attention(*case, 0.25, max_seqlen_q=1)
+
+
+def _no_row_lookup(*a, **k):
+    raise AssertionError("the decode path must not look rows up")
+
+
+@pytest.mark.parametrize("num_chunks", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa4_decode_path(monkeypatch, num_chunks, bs, causal):
+    """max_seqlen_q=1, one row per sequence: no row lookup; split or not, equal to the generic path."""
+    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    case = make_case([1] * len(DECODE_K_LENS), DECODE_K_LENS, 8, 2, 16, bs)
+    generic = paged_attention(*case, 0.25, causal=causal, backend="fa4", num_chunks=num_chunks)
+    monkeypatch.setattr(pa, "_row_visible_keys", _no_row_lookup)
+    out, lse = check(case, 0.25, causal, backend="fa4", num_chunks=num_chunks, max_seqlen_q=1)
+    torch.testing.assert_close(out, generic[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, generic[1], atol=1e-5, rtol=1e-5)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+def test_fa4_decode_single_long_sequence(monkeypatch):
+    """One row (the 1 x 128K shape, scaled down): q repeated as a stride-0 view; the table is not
+    padded when the chunks divide it, padded when not."""
+    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
+    seen = []
+    monkeypatch.setattr(pa, "_fa4_call", lambda q, *a: seen.append(q.stride()) or _fake_fa4_call(q, *a))
+    for n, c in ((4096, 8), (4000, 8), (4096, 5)):
+        case = make_case([1], [n], 8, 2, 16, 128, spare_blocks=0)
+        check(case, 0.25, True, backend="fa4", num_chunks=c, max_seqlen_q=1)
+        assert seen[-1][0] == 0
+
+
+def test_split_merge_ignores_garbage_in_empty_chunks():
+    """The split's merge (torch path): chunks with used == 0 hold NaN/inf garbage; the result is the
+    exact merge of the others, and a row whose chunks are all empty gives out 0, lse -inf."""
+    r, c, h, d = 3, 4, 2, 8
+    used = torch.tensor([[5, 0, 3, 0], [0, 0, 0, 0], [1, 2, 3, 4]], dtype=torch.int32)
+    out = torch.randn(r, c, h, d)
+    lse = torch.randn(r, c, h)
+    ref = [merge_stacked(out[i][used[i] > 0], lse[i][used[i] > 0]) for i in (0, 2)]
+    out[used == 0] = float("nan")
+    lse[used == 0] = torch.tensor([float("inf"), float("nan")])
+    o, l = pa._split_merge(out.view(r * c, h, d), lse.view(r * c, h), used.view(-1), r, c, torch.float32)
+    for i, (ro, rl) in zip((0, 2), ref):
+        torch.testing.assert_close(o[i], ro, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(l[i], rl, atol=1e-6, rtol=1e-6)
+    assert (o[1] == 0).all() and torch.isneginf(l[1]).all()
+
+
+def test_split_inputs_torch_path():
+    q = torch.randn(2, 4, 8)
+    q_rep, used = pa._split_inputs(q, torch.tensor([300, 0], dtype=torch.int32), 3, 128)
+    assert used.tolist() == [128, 128, 44, 0, 0, 0] and used.dtype == torch.int32
+    assert torch.equal(q_rep, q.repeat_interleave(3, dim=0))
+    q_rep, used = pa._split_inputs(q[:1], torch.tensor([129], dtype=torch.int32), 3, 128)
+    assert used.tolist() == [128, 1, 0] and q_rep.stride(0) == 0 and torch.equal(q_rep, q[:1].expand(3, 4, 8))
+
+
+def test_shape_constants_cached():
+    a = pa._cached(torch.device("cpu"), ("test", 3), lambda: torch.arange(3))
+    b = pa._cached(torch.device("cpu"), ("test", 3), lambda: torch.arange(5))
+    assert a is b
+
+
+def _kernel_launches(fn):
+    """aten ops that launch a kernel on a GPU (views, allocations and metadata left out)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    skip = {"view", "expand", "transpose", "slice", "unsqueeze", "squeeze", "select", "as_strided", "_unsafe_view",
+            "alias", "t", "permute", "detach", "empty", "empty_strided", "empty_like", "scalar_tensor",
+            "lift_fresh", "_local_scalar_dense"}
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in skip:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return ops
+
+
+def test_decode_split_kernel_count(monkeypatch):
+    """The torch fallback of the decode split (1 row): chunk lengths 2, flash-attn-4 1, merge 15."""
+    def fake(q, k_cache, v_cache, page_table, cu, used, scale, causal, max_seqlen_q):
+        return torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[1], q.shape[0]).t()
+    monkeypatch.setattr(pa, "_fa4_call", fake)
+    case = make_case([1], [8192], 8, 2, 16, 128, dtype=torch.bfloat16, spare_blocks=0)
+    run = lambda **kw: paged_attention(*case, 0.25, backend="fa4", num_chunks=16, **kw)  # noqa: E731
+    run(max_seqlen_q=1)                                      # shape constants cached
+    decode = _kernel_launches(lambda: run(max_seqlen_q=1))
+    assert len(decode) <= 17, decode
+    assert len(_kernel_launches(run)) > len(decode)
+
+
+# ---------------------------------------------------------------- the Triton split kernels, interpreted on CPU
+
+def _triton_interpreted_checks():
+    """The Triton kernels against the torch path, on CPU through Triton's interpreter. Needs
+    TRITON_INTERPRET=1 from before triton's first import (its own jit'd functions, tl.max & co,
+    are decided then): test_triton_split_kernels_interpreted runs this in a fresh process."""
+    import warnings
+    warnings.simplefilter("ignore", RuntimeWarning)          # numpy: exp/log of -inf in masked lanes
+    prep, merge = pa._build_triton_kernels()
+    assert type(prep).__name__ == "InterpretedFunction", type(prep)
+    q = torch.randn(3, 4, 16)
+    visible = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    for rows in (q, q[1:2]):                                 # copy for several rows, stride-0 view for one
+        vis = visible[:rows.shape[0]].contiguous()
+        q_rep, used = pa._split_inputs_triton(prep, rows, vis, 5, 256)
+        t_rep, t_used = pa._split_inputs(rows, vis, 5, 256)
+        assert torch.equal(used, t_used) and torch.equal(q_rep, t_rep) and q_rep.stride() == t_rep.stride()
+    used = pa._split_inputs(q, visible, 5, 256)[1]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.randn(15, 4, 16).to(dtype)
+        lse = torch.randn(4, 15).t()                         # flash-attn-4's [H, total_q], transposed
+        out[used == 0] = float("nan")                        # garbage in the empty chunks
+        lse[used == 0] = float("inf")
+        o, l = pa._split_merge_triton(merge, out, lse, used, 3, 5, dtype)
+        t_o, t_l = pa._split_merge(out, lse, used, 3, 5, dtype)
+        assert o.dtype == dtype and l.dtype == torch.float32
+        rtol = 1e-5 if dtype == torch.float32 else 1e-2      # bf16: fp32 results one rounding apart
+        torch.testing.assert_close(o.float(), t_o.float(), atol=1e-5, rtol=rtol)
+        torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
+        assert (o[0] == 0).all() and torch.isneginf(l[0]).all()
+    # the whole fa4 path through the kernels (flash-attn-4 itself replaced by the reference)
+    pa._fa4_call = _fake_fa4_call
+    pa._triton_kernels = lambda device: (prep, merge)
+    for max_seqlen_q in (None, 1):
+        check(make_case([1] * len(DECODE_K_LENS), DECODE_K_LENS, 8, 2, 16, 16), 0.25, True, backend="fa4",
+              num_chunks=3, max_seqlen_q=max_seqlen_q)
+        check(make_case([1], [1000], 8, 2, 16, 16), 0.25, True, backend="fa4", num_chunks=4,
+              max_seqlen_q=max_seqlen_q)
+    check(make_case([1, 4, 0, 1, 2], [700, 30, 5, 0, 1], 8, 2, 16, 16), 0.25, True, backend="fa4", num_chunks=3)
+
+
+def test_triton_split_kernels_interpreted():
+    import importlib.util
+    import os
+    import subprocess
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", "import test_paged_attention as t; t._triton_interpreted_checks()"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]

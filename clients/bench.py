@@ -5,9 +5,13 @@
     burstserve bench sweep --offline --model llama3-8b --devices cuda -cp 4 --sp-strategy burst
     burstserve bench load --url ... --num-prompts 200 --input-len 4096 --output-len 128 --request-rate 4
     burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers
+    burstserve bench sweep --offline --model llama3-8b --devices cuda --lengths 8192 --output-len 128 --batch 16
+    burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers \
+        --lengths 8192 --output-len 128 --batch 16
     burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
         --doc docs/benchmarks.md --section llama3-8b --title "llama3-8b, every strategy"
 """
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -21,7 +25,8 @@ from kernels.attention import ATTENTION_BACKENDS
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark time to first token (sweep) or a request load")
     modes = p.add_subparsers(dest="mode", required=True)
-    sweep = modes.add_parser("sweep", help="TTFT over prompt lengths, one request at a time")
+    sweep = modes.add_parser("sweep", help="TTFT over prompt lengths (with --output-len, time per output token; "
+                                           "with --batch, generated tokens/s)")
     load = modes.add_parser("load", help="many requests at a rate; vllm bench serve's metrics")
     for m in (sweep, load):
         m.add_argument("--url", default=None, help="a running server (default: --serve, else http://127.0.0.1:8000)")
@@ -30,10 +35,18 @@ def add_parser(sub) -> None:
         m.add_argument("--label", default=None, help="the configuration's name in tables and plots")
         m.add_argument("--output-dir", default="bench-out")
     sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()))
-    sweep.add_argument("--repeats", type=int, default=3, help="measured requests per length")
+    sweep.add_argument("--repeats", type=int, default=3, help="measured requests (batches) per length")
     sweep.add_argument("--warmup", type=int, default=1,
-                       help="unmeasured requests per length first (a new length builds kernel plans); recorded apart")
-    sweep.add_argument("--max-tokens", type=int, default=1)
+                       help="unmeasured requests (batches) per length first (a new length builds kernel plans); "
+                            "recorded apart")
+    sweep.add_argument("--output-len", "--max-tokens", dest="output_len", type=_positive_int, default=1,
+                       metavar="N",
+                       help="tokens each request generates, exactly (ignore_eos). 1 (default): TTFT only; N > 1: "
+                            "also time per output token, (end-to-end - TTFT) / (N - 1), mean/p50/p99, and "
+                            "generated tokens/s. --max-tokens is its old name")
+    sweep.add_argument("--batch", type=_positive_int, default=1, metavar="B",
+                       help="prompts of the same length sent together: offline one generate call with B prompts, "
+                            "over HTTP B concurrent streams (default 1). Every request's TTFT and TPOT is a sample")
     sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
     sweep.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                        help="offline: the local attention kernel (the rows record the one chosen)")
@@ -63,6 +76,13 @@ def add_parser(sub) -> None:
     merge.add_argument("--title", default="Time to first token")
     merge.add_argument("--scaling-length", type=int, default=65536,
                        help="the prompt length of the scaling table (configurations by device count); 0: none")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _default_lengths() -> list[int]:
@@ -98,7 +118,8 @@ def _run(args) -> None:
             meta = {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
                     "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
                     "machine": report.this_machine() if args.offline or args.serve else None,
-                    "repeats": args.repeats, "warmup": args.warmup}
+                    "repeats": args.repeats, "warmup": args.warmup, "output_len": args.output_len,
+                    "batch": args.batch}
             rows = []
             with tqdm(total=len(lengths) * (args.repeats + args.warmup), desc="sweep", file=sys.stderr) as bar:
                 # written as it goes, with the length being measured marked: a killed run keeps its rows
@@ -109,7 +130,7 @@ def _run(args) -> None:
                         else []
                     report.write_sweep(args.output_dir, rows + pending, meta)
             report.write_sweep(args.output_dir, rows, meta)
-            print(report.sweep_table(rows, meta))
+            print(report.sweep_table(rows, meta) + report.decode_table(rows))
         else:
             from clients.load import run_load
             from clients.sweep import server_info
@@ -129,17 +150,20 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
     if args.offline and args.sp_strategy == "transformers":
         from clients.hf_baseline import sweep_transformers
         return sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
-                                  args.label, bar, args.context_parallel_size)
+                                  args.label, bar, args.context_parallel_size, args.output_len, args.batch)
     from clients.sweep import sweep_http, sweep_offline
     if args.offline:
-        # one request at a time: admit the longest one whatever the strategy's KV layout
-        # (the KV cache is allocated per sequence, so this reserves no memory up front)
+        # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
+        # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
+        # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
         llm_args = dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                         dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
-                        overlap=not args.no_overlap, max_model_len=max(lengths) + args.max_tokens,
-                        kv_cache_tokens=max(lengths) + args.max_tokens)
-        return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.max_tokens, args.label, bar)
-    return sweep_http(url, lengths, args.repeats, args.warmup, args.max_tokens, args.label, args.api_key, bar)
+                        overlap=not args.no_overlap, max_model_len=max(lengths) + args.output_len,
+                        max_num_seqs=max(64, args.batch))
+        return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.output_len, args.label, bar,
+                             args.batch)
+    return sweep_http(url, lengths, args.repeats, args.warmup, args.output_len, args.label, args.api_key, bar,
+                      args.batch)
 
 
 def _device_args(args) -> list[str]:

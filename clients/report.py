@@ -1,5 +1,7 @@
 """Writes a benchmark's results: results.json, results.csv, results.md (the paper's table shape) and
-ttft.png (TTFT vs prompt length, log-log, one line per configuration); merges several runs."""
+ttft.png (TTFT vs prompt length, log-log, one line per configuration); for rows that decoded (output_len > 1)
+also the decode table (TPOT, generated tokens/s) and tpot.png; merges several runs. Rows written before
+--output-len (no output_len, no TPOT) are TTFT-only rows."""
 import csv
 import json
 import os
@@ -8,7 +10,9 @@ import shutil
 import subprocess
 
 SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "context_parallel_size", "kernel", "prompt_tokens",
-                 "repeats", "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_server_prefill_ms",
+                 "batch", "output_len", "repeats", "mean_ttft_ms", "std_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_output_tokens_per_s",
+                 "mean_decode_tokens_per_s", "decode_mode", "mean_server_prefill_ms",
                  "mean_exchange_ms", "mean_exposed_ms", "hidden_fraction", "peak_memory_gib", "mean_setup_ms",
                  "mean_wrapup_ms", "mean_call_ms", "error"]
 NOT_RUN = "-: not run (a shorter prompt of that configuration had already failed)"
@@ -23,8 +27,10 @@ def write_sweep(output_dir: str, rows: list[dict], meta: dict) -> None:
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(sweep_table(rows, meta))
+        f.write(sweep_table(rows, meta) + decode_table(rows))
     plot_sweep(rows, os.path.join(output_dir, "ttft.png"))
+    if decoded(rows):
+        plot_tpot(rows, os.path.join(output_dir, "tpot.png"))
 
 
 def sweep_table(rows: list[dict], meta: dict) -> str:
@@ -32,7 +38,7 @@ def sweep_table(rows: list[dict], meta: dict) -> str:
     labels = list(dict.fromkeys(r["label"] for r in rows))
     lengths = sorted({r["prompt_tokens"] for r in rows})
     cell = {(r["label"], r["prompt_tokens"]): r for r in rows}
-    lines = [f"Time to first token, seconds: mean (std) over repeats. {meta.get('note', '')}".strip(), "",
+    lines = [f"Time to first token, seconds: mean (std) over the measured requests. {meta.get('note', '')}".strip(), "",
              "| prompt tokens | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for n in lengths:
         cells = [_cell(cell.get((label, n))) for label in labels]
@@ -48,6 +54,35 @@ def _cell(row: dict | None) -> str:
     return f"{row['mean_ttft_ms'] / 1e3:.3f} ({row['std_ttft_ms'] / 1e3:.3f})"
 
 
+def decoded(rows: list[dict]) -> list[dict]:
+    """The rows whose requests generated more than one token (rows written before --output-len did not)."""
+    return [r for r in rows if r.get("output_len", 1) > 1]
+
+
+DECODE_NOTE = ("Decode: time per output token (TPOT = (end-to-end - TTFT) / (tokens - 1)) in ms, mean / p50 / p99 "
+               "over every measured request; generated tokens/s of each batch, mean over its repeats: all its "
+               "tokens / (last token - first send), and decode: tokens after the batch's last first token / "
+               "(last token - that first token).")
+
+
+def decode_table(rows: list[dict]) -> str:
+    """One line per configuration and length that decoded: TTFT, TPOT, generated tokens/s; '' when none did."""
+    rows = decoded(rows)
+    if not rows:
+        return ""
+    lines = ["", DECODE_NOTE, "", "| configuration | prompt tokens | batch | output tokens | TTFT s | TPOT ms | "
+             "TPOT p50 | TPOT p99 | generated tok/s | decode tok/s | decode mode |", "|---|" + "---|" * 10]
+    for r in rows:
+        head = f"| {r['label']} | {r['prompt_tokens']} | {r.get('batch', 1)} | {r['output_len']} | "
+        if r.get("error"):
+            lines.append(head + failure(r) + " |" + " |" * 6)
+            continue
+        lines.append(head + f"{r['mean_ttft_ms'] / 1e3:.3f} | {r['mean_tpot_ms']:.2f} | {r['median_tpot_ms']:.2f} | "
+                     f"{r['p99_tpot_ms']:.2f} | {r['mean_output_tokens_per_s']:.1f} | "
+                     f"{r['mean_decode_tokens_per_s']:.1f} | {r.get('decode_mode', '')} |")
+    return "\n".join(lines) + "\n"
+
+
 UNFINISHED = "unfinished: the run stopped while measuring this length (killed at its time limit?)"
 
 
@@ -56,7 +91,8 @@ def unfinished_row(args, n: int, previous: dict | None) -> dict:
     kept = ("label", "strategy", "devices", "num_devices", "context_parallel_size", "kernel")
     fields = {k: previous[k] for k in kept if k in previous} if previous else \
         {"label": args.label or "?", "strategy": args.sp_strategy, "num_devices": 0, "context_parallel_size": 0}
-    return {**fields, "prompt_tokens": n, "repeats": 0, "error": UNFINISHED, "ttft_ms_samples": [],
+    return {**fields, "prompt_tokens": n, "batch": getattr(args, "batch", 1),
+            "output_len": getattr(args, "output_len", 1), "repeats": 0, "error": UNFINISHED, "ttft_ms_samples": [],
             "warmup_ttft_ms_samples": [], "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0, "mean_server_prefill_ms": 0.0}
 
 
@@ -194,6 +230,10 @@ def write_doc_section(doc: str, section: str, title: str, runs: list[dict], rows
                   "same computation there.", "",
                   scaling_table(rows, scaling_length).rstrip("\n"), "",
                   f"![scaling](img/{slug}-scaling.png)", ""]
+    if decoded(rows):
+        plot_tpot(rows, os.path.join(image_dir, f"{slug}-tpot.png"))
+        lines += [decode_table(rows).strip("\n"), "", f"![time per output token vs prompt length](img/{slug}-tpot.png)",
+                  ""]
     lines += ["Details. Warm-up: the TTFT of the first request(s) of that length (kernel plans for new shapes). "
               "Prefill: the workers' own time. Exchange: all layers' K/V ring exchanges timed alone; exposed: "
               "time compute stalled waiting for them (including waiting for a slower peer); hidden = 1 - "
@@ -227,7 +267,29 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (s)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:      # none yet while the first length is being measured
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tpot(rows: list[dict], path: str) -> None:
+    """Mean time per output token vs prompt length, one line per configuration (rows that decoded)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in decoded(rows) if not r.get("error")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        points = sorted((r["prompt_tokens"], r["mean_tpot_ms"]) for r in rows if r["label"] == label)
+        ax.plot(*zip(*points), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time per output token (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    if rows:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,15 +1,20 @@
-"""Sweep mode: time to first token over prompt lengths, against a server (HTTP/SSE) or offline (`LLM`).
+"""Sweep mode: time to first token over prompt lengths, against a server (HTTP/SSE) or offline (`LLM`);
+with an output length, time per output token too; with a batch, generated tokens/s.
 
-Prompts are random token ids of exactly the requested length, sent one at a time. Over HTTP, TTFT is
-measured on the client (first SSE chunk carrying a token) and the server's own prefill time is read
-from its Prometheus counters before and after each request."""
+Prompts are random token ids of exactly the requested length. Each measurement sends `batch` prompts of
+that length together (default 1: one request at a time); every request generates exactly `output_len`
+tokens (ignore_eos; default 1: TTFT only). Over HTTP, times are taken on the client (the SSE chunk carrying
+each token) and the server's own prefill time is read from its Prometheus counters before and after each
+batch; offline, from the engine's RequestMetrics (token times as worker 0 stamped them)."""
+import itertools
 import random
+import statistics
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.stats import summarize
-from clients.ttft_probe import ttft_once
+from clients.stats import RequestTiming, batch_throughput, summarize
+from clients.ttft_probe import stream_batch
 
 DEFAULT_LENGTHS = [4096 << i for i in range(7)]     # 4K .. 256K
 
@@ -42,16 +47,43 @@ def device_fields(devices: list[str]) -> dict:
     return {"devices": ",".join(devices), "num_devices": len(devices), "context_parallel_size": len(devices)}
 
 
-def make_row(label: str, fields: dict, n: int, ttfts: list[float], prefills: list[float], error: str | None,
-             warmups: list[float] = (), details: dict | None = None) -> dict:
-    """One prompt length's results: TTFT summary over the measured repeats (warm-up requests apart)."""
-    row = {"label": label, **fields, "prompt_tokens": n, "repeats": len(ttfts), "error": error,
-           "ttft_ms_samples": [t * 1e3 for t in ttfts], "warmup_ttft_ms_samples": [t * 1e3 for t in warmups],
+def default_label(base: str, batch: int) -> str:
+    return base + (f", batch {batch}" if batch > 1 else "")
+
+
+def make_row(label: str, fields: dict, n: int, batches: list[list[RequestTiming]], error: str | None,
+             warmups: list[list[RequestTiming]] = (), details: dict | None = None, output_len: int = 1,
+             batch: int = 1) -> dict:
+    """One prompt length's results over the measured batches (warm-up batches apart): the TTFT of every
+    request; with output_len > 1 also every request's TPOT and each batch's generated tokens/s.
+    repeats: measured batches; the per-request samples number repeats x batch."""
+    timed = [r for b in batches for r in b]
+    ttfts, prefills = [r.ttft for r in timed], [r.server_prefill for r in timed]
+    row = {"label": label, **fields, "prompt_tokens": n, "batch": batch, "output_len": output_len,
+           "repeats": len(batches), "error": error, "ttft_ms_samples": [t * 1e3 for t in ttfts],
+           "warmup_ttft_ms_samples": [r.ttft * 1e3 for b in warmups for r in b],
            "server_prefill_ms_samples": [p * 1e3 for p in prefills]}
     row.update(summarize("ttft", ttfts))
     row["mean_server_prefill_ms"] = sum(prefills) / len(prefills) * 1e3 if prefills else 0.0
+    if output_len > 1:
+        row.update(decode_fields(batches))
     row.update(details or {})
     return row
+
+
+def decode_fields(batches: list[list[RequestTiming]]) -> dict:
+    """Every request's TPOT and end-to-end latency (ms) and each batch's generated tokens/s
+    (see stats.batch_throughput)."""
+    timed = [r for b in batches for r in b]
+    rates = [batch_throughput(b) for b in batches]
+    output_rates, decode_rates = [o for o, _ in rates], [d for _, d in rates if d is not None]
+    tpots, e2els = [r.tpot for r in timed], [r.token_times[-1] - r.sent for r in timed]
+    return {"output_tokens_samples": [len(r.token_times) for r in timed],
+            "tpot_ms_samples": [t * 1e3 for t in tpots], **summarize("tpot", tpots),
+            "e2el_ms_samples": [t * 1e3 for t in e2els], **summarize("e2el", e2els),
+            "output_tokens_per_s_samples": output_rates, "decode_tokens_per_s_samples": decode_rates,
+            "mean_output_tokens_per_s": statistics.fmean(output_rates) if output_rates else 0.0,
+            "mean_decode_tokens_per_s": statistics.fmean(decode_rates) if decode_rates else 0.0}
 
 
 def timed_requests(count: int, send, progress) -> tuple[list, str | None]:
@@ -67,50 +99,74 @@ def timed_requests(count: int, send, progress) -> tuple[list, str | None]:
     return results, None
 
 
-def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, max_tokens: int, label: str | None,
-               api_key: str | None, progress):
-    """Yields one row per prompt length."""
+def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_len: int, label: str | None,
+               api_key: str | None, progress, batch: int = 1):
+    """Yields one row per prompt length. A batch is `batch` concurrent streams; the server's prefill time
+    over a batch is shared equally among its requests."""
     info = server_info(url, api_key)
     fields = config_fields(info)
-    label = label or f"{fields['strategy']}, {fields['context_parallel_size']} device(s)"
+    label = label or default_label(f"{fields['strategy']}, {fields['context_parallel_size']} device(s)", batch)
     vocab = info.get("vocab_size", 1000)
 
-    def send():
+    def send() -> list[RequestTiming]:
         before = prefill_seconds_total(url)
-        ttft = ttft_once(url, info["id"], n, vocab, api_key, max_tokens)
-        return ttft, prefill_seconds_total(url) - before
+        timings = stream_batch(url, info["id"], n, vocab, api_key, output_len, batch)
+        share = (prefill_seconds_total(url) - before) / batch
+        for t in timings:
+            t.server_prefill = share
+        return timings
 
     for n in lengths:
         warm, error = timed_requests(warmup, send, progress)
         timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
-        yield make_row(label, fields, n, [t for t, _ in timed], [p for _, p in timed], error, [t for t, _ in warm])
+        yield make_row(label, fields, n, timed, error, warm, output_len=output_len, batch=batch)
 
 
-def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int, max_tokens: int,
-                  label: str | None, progress):
-    """Yields one row per prompt length: the same sweep through the LLM API in this process. An error (an OOM kills the engine) ends
-    this configuration: longer prompts are not tried."""
+def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int, output_len: int,
+                  label: str | None, progress, batch: int = 1):
+    """Yields one row per prompt length: the same sweep through the LLM API in this process, a batch being
+    one llm.generate call with `batch` prompts. An error (an OOM kills the engine) ends this configuration:
+    longer prompts are not tried."""
     from engine import LLM, SamplingParams
     with LLM(**llm_args) as llm:
         devices = llm.engine.devices
         fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
                   **device_fields(devices), "kernel": llm.kernel}
-        label = label or f"{fields['strategy']}, {len(devices)} device(s), offline"
+        label = label or default_label(f"{fields['strategy']}, {len(devices)} device(s), offline", batch)
         vocab = llm.model_config.vocab_size
         llm.generate([random.randrange(vocab) for _ in range(16)], SamplingParams(max_tokens=1))   # warm-up
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
-        def send():
-            return llm.generate([random.randrange(vocab) for _ in range(n)], params)[0].metrics
+        def send() -> list:
+            prompts = [[random.randrange(vocab) for _ in range(n)] for _ in range(batch)]
+            outputs = llm.generate(prompts, params)
+            for out in outputs:
+                check_generated(len(out.outputs[0].token_ids), output_len)
+            return [out.metrics for out in outputs]
 
         for n in lengths:
             warm, error = timed_requests(warmup, send, progress)
             timed, error = timed_requests(repeats, send, progress) if not error else ([], error)
-            yield make_row(label, fields, n, [m.time_to_first_token for m in timed],
-                           [m.prefill_seconds for m in timed], error,
-                           [m.time_to_first_token for m in warm], prefill_details(timed))
+            yield make_row(label, fields, n, engine_batches(timed), error, engine_batches(warm),
+                           prefill_details([m for b in timed for m in b]), output_len, batch)
             if error:
                 break
+
+
+def engine_batches(batches: list[list]) -> list[list[RequestTiming]]:
+    """Batches of the engine's RequestMetrics as batches of clock readings."""
+    return [[engine_timing(m) for m in b] for b in batches]
+
+
+def engine_timing(metrics) -> RequestTiming:
+    """The engine's RequestMetrics as clock readings: the first token's time, then one per decode gap."""
+    token_times = list(itertools.accumulate(metrics.decode_seconds, initial=metrics.first_token_time))
+    return RequestTiming(metrics.arrival_time, token_times, metrics.prefill_seconds or 0.0)
+
+
+def check_generated(generated: int, asked: int) -> None:
+    if generated != asked:
+        raise RuntimeError(f"asked for {asked} tokens (ignore_eos), {generated} were generated")
 
 
 def prefill_details(metrics: list) -> dict:

@@ -144,3 +144,122 @@ def test_failed_and_unfinished_cells():
     assert report.failure(pending) == "timeout" and pending["label"] == "lbl" and pending["strategy"] == "cqs"
     table = report.sweep_table([dict(oom, mean_ttft_ms=0, std_ttft_ms=0), dict(pending, label="x")], {})
     assert "| 8 | OOM |" in table and "| 4096 | timeout |" in table
+
+
+# ---- decode: --output-len and --batch ------------------------------------------------------------------------
+OLD_RESULTS = os.path.join(ROOT, "docs", "results", "2026-11-22-4xH200", "llama3-8b", "transformers-1", "results.json")
+
+
+def check_decode_rows(rows, output_len, batch, repeats):
+    """Every request's samples are there, TPOT is (e2e - TTFT) / (N - 1), each batch's generated tokens/s
+    is its tokens over a wall time no shorter than its slowest request."""
+    for r in rows:
+        requests = batch * repeats
+        assert not r["error"] and r["output_len"] == output_len and r["batch"] == batch and r["repeats"] == repeats
+        assert r["output_tokens_samples"] == [output_len] * requests
+        assert len(r["ttft_ms_samples"]) == len(r["tpot_ms_samples"]) == len(r["e2el_ms_samples"]) == requests
+        for ttft, tpot, e2el in zip(r["ttft_ms_samples"], r["tpot_ms_samples"], r["e2el_ms_samples"]):
+            assert 0 < ttft < e2el and tpot > 0
+            assert tpot == pytest.approx((e2el - ttft) / (output_len - 1), rel=1e-6)
+        tpots = r["tpot_ms_samples"]
+        assert r["mean_tpot_ms"] == pytest.approx(statistics.fmean(tpots))
+        assert r["median_tpot_ms"] == pytest.approx(statistics.median(tpots))
+        assert r["median_tpot_ms"] <= r["p99_tpot_ms"] <= max(tpots)
+        assert len(r["output_tokens_per_s_samples"]) == len(r["decode_tokens_per_s_samples"]) == repeats
+        for j, rate in enumerate(r["output_tokens_per_s_samples"]):
+            slowest = max(r["e2el_ms_samples"][j * batch:(j + 1) * batch]) / 1e3
+            wall = batch * output_len / rate            # seconds from the first send to the last token
+            assert slowest * (1 - 1e-6) <= wall <= slowest + 0.5
+        assert all(d > 0 for d in r["decode_tokens_per_s_samples"])
+        assert r["mean_output_tokens_per_s"] == pytest.approx(statistics.fmean(r["output_tokens_per_s_samples"]))
+        assert r["mean_decode_tokens_per_s"] == pytest.approx(statistics.fmean(r["decode_tokens_per_s_samples"]))
+
+
+def test_batch_throughput_counts_only_tokens_after_the_last_first_token():
+    from clients.stats import RequestTiming, batch_throughput
+    early = RequestTiming(sent=0.0, token_times=[1.0, 2.0, 3.0, 4.0])     # decodes while `late` prefills
+    late = RequestTiming(sent=0.5, token_times=[3.0, 5.0, 6.0, 7.0])
+    assert early.ttft == 1.0 and late.ttft == 2.5
+    assert early.tpot == pytest.approx(1.0) and late.tpot == pytest.approx(4 / 3)
+    output, decode = batch_throughput([early, late])
+    assert output == pytest.approx(8 / 7)                 # 8 tokens, first send 0.0 to last token 7.0
+    assert decode == pytest.approx(4 / 4)                  # after 3.0: 4.0 of early, 5, 6, 7 of late; 4 s
+    assert batch_throughput([RequestTiming(0.0, [0.25])]) == (4.0, None)
+    assert batch_throughput([early])[1] == pytest.approx(1 / early.tpot)
+
+
+def test_output_len_flag_and_its_old_name():
+    import argparse
+    from clients.bench import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    sweep = lambda *a: parser.parse_args(["bench", "sweep", *a])   # noqa: E731
+    assert (sweep().output_len, sweep().batch) == (1, 1)
+    assert sweep("--output-len", "16", "--batch", "4").output_len == 16
+    assert sweep("--max-tokens", "7").output_len == 7
+    for bad in (["--output-len", "0"], ["--batch", "0"]):
+        with pytest.raises(SystemExit):
+            sweep(*bad)
+
+
+def test_offline_sweep_decodes_a_batch_and_old_results_still_merge(tmp_path):
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--lengths", "32,64", "--repeats", "2",
+          "--output-len", "4", "--batch", "3", "--label", "dec", "--output-dir", str(tmp_path / "dec"))
+    data = json.load(open(tmp_path / "dec" / "results.json"))
+    assert (data["output_len"], data["batch"]) == (4, 3)
+    check_decode_rows(data["rows"], 4, 3, 2)
+    r = data["rows"][1]
+    table = open(tmp_path / "dec" / "results.md").read()
+    line = (f"| dec | 64 | 3 | 4 | {r['mean_ttft_ms'] / 1e3:.3f} | {r['mean_tpot_ms']:.2f} | {r['median_tpot_ms']:.2f} | "
+            f"{r['p99_tpot_ms']:.2f} | {r['mean_output_tokens_per_s']:.1f} | {r['mean_decode_tokens_per_s']:.1f} |")
+    assert line in table
+    with open(tmp_path / "dec" / "results.csv") as f:
+        assert [float(c["mean_tpot_ms"]) for c in csv.DictReader(f)] == pytest.approx(
+            [row["mean_tpot_ms"] for row in data["rows"]])
+    assert open(tmp_path / "dec" / "tpot.png", "rb").read(8) == PNG_MAGIC
+    # an old run (no output_len, no TPOT) merged with it: its TTFT cells as before, no decode line of its own
+    old = json.load(open(OLD_RESULTS))["rows"]
+    doc = tmp_path / "bench.md"
+    bench("merge", OLD_RESULTS, str(tmp_path / "dec" / "results.json"), "--output-dir", str(tmp_path / "m"),
+          "--doc", str(doc), "--section", "mixed", "--scaling-length", "0")
+    text = doc.read_text()
+    ok = next(row for row in old if not row.get("error"))
+    line = next(line for line in text.splitlines() if line.startswith(f"| {ok['prompt_tokens']} |"))
+    assert f"{ok['mean_ttft_ms'] / 1e3:.3f} ({ok['std_ttft_ms'] / 1e3:.3f})" in line
+    decode_lines = [line for line in text.splitlines() if line.count("|") == 12 and line.startswith("| ")]
+    assert [line.split(" | ")[:2] for line in decode_lines[1:]] == [["| dec", "32"], ["| dec", "64"]]
+    assert (tmp_path / "img" / "mixed-tpot.png").read_bytes()[:8] == PNG_MAGIC
+    with open(tmp_path / "m" / "results.csv") as f:
+        cells = list(csv.DictReader(f))
+    assert [c["mean_tpot_ms"] for c in cells[:len(old)]] == [""] * len(old)
+
+
+def test_decode_table_keeps_failed_rows_and_skips_ttft_only_results():
+    from types import SimpleNamespace
+    from clients import report
+    assert report.decode_table([{"label": "old", "prompt_tokens": 8, "error": None, "mean_ttft_ms": 1.0}]) == ""
+    pending = report.unfinished_row(SimpleNamespace(label="x", sp_strategy="burst", output_len=8, batch=16), 8192,
+                                    None)
+    assert "| x | 8192 | 16 | 8 | timeout |" in report.decode_table([pending])
+
+
+def test_http_sweep_decodes_concurrent_streams(tmp_path):
+    bench("sweep", "--serve", "--model tiny --devices cpu", "--lengths", "40", "--repeats", "2", "--output-len", "5",
+          "--batch", "2", "--output-dir", str(tmp_path / "http"))
+    rows = json.load(open(tmp_path / "http" / "results.json"))["rows"]
+    check_decode_rows(rows, 5, 2, 2)
+    assert rows[0]["label"] == "burst, 1 device(s), batch 2" and rows[0]["mean_server_prefill_ms"] > 0
+
+
+def test_transformers_peer_decodes_on_cpu(tmp_path):
+    bench("sweep", "--offline", "--model", "tiny", "--devices", "cpu", "--sp-strategy", "transformers",
+          "--lengths", "24", "--repeats", "2", "--output-len", "3", "--batch", "2", "--label", "hf",
+          "--output-dir", str(tmp_path / "hf"))
+    rows = json.load(open(tmp_path / "hf" / "results.json"))["rows"]
+    check_decode_rows(rows, 3, 2, 2)
+    r = rows[0]
+    assert r["decode_mode"] == "dynamic, eager" and "dynamic, eager |" in open(tmp_path / "hf" / "results.md").read()
+    # one generate call per batch: its requests share every reading, so decode tokens/s is batch / TPOT
+    assert r["tpot_ms_samples"][0] == r["tpot_ms_samples"][1] and r["ttft_ms_samples"][0] == r["ttft_ms_samples"][1]
+    for j, decode in enumerate(r["decode_tokens_per_s_samples"]):
+        assert decode == pytest.approx(2 / (r["tpot_ms_samples"][2 * j] / 1e3))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 11 on one GPU: the paged KV cache and the decode CUDA graphs checked against eager decode and
+# transformers (tests/gpu/test_gpu.py), then `burstserve bench sweep --offline --output-len` for the
+# engine (llama3-8b preset, bf16) and for transformers with a static cache under torch.compile, the
+# peer, in the same run. Two back-to-back device calls (after ../shared/gpu/prepare.sh and
+# ../shared/gpu/fa4-prepare.sh here):
+#   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
+#   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
+# Results: $OUT/results.tgz (pytest log, one results.json / table per configuration).
+set -uo pipefail
+bash .fa4b/install.sh || exit 3
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+trap pack EXIT
+{ date -u; nvidia-smi -L; python3 -c "import torch, flash_attn.cute as c; print('torch', torch.__version__, 'flash_attn.cute', c.__version__)"; } 2>&1 | tee "$out/env.txt"
+OUTPUT_LEN=${OUTPUT_LEN:-128}
+
+timeout "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+    -k "one_gpu or cuda_graphs" 2>&1 | tail -40 | tee "$out/pytest.log"
+
+# bench NAME LIMIT ARGS...: one configuration in its own process
+bench() {
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  mkdir -p "$out/$name"
+  timeout "$limit" python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp 1 \
+      --output-len "$OUTPUT_LEN" --repeats 1 --warmup 1 --output-dir "$out/$name" "$@" \
+      > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
+  local rc=$?
+  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
+  grep -E "^\|" "$out/$name/stdout.log" | tail -4
+  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -5
+}
+SKIP_TESTS=1 SKIP_BLOCKS=1 OUT=$out/kernels timeout 80 bash scripts/gpu_kernels.sh > "$out/kernels.log" 2>&1
+grep -A12 "paged decode, one layer" "$out/kernels.log"; grep -A5 "num_chunks sweep" "$out/kernels.log"
+bench engine-1x8K 50 --lengths 8192 --label "engine, 1 GPU, 1 stream"
+bench engine-1x128K 80 --lengths 131072 --label "engine, 1 GPU, 1 stream"
+bench engine-16x8K 50 --lengths 8192 --batch 16 --label "engine, 1 GPU, 16 streams"
+bench engine-64x2K 50 --lengths 2048 --batch 64 --label "engine, 1 GPU, 64 streams"
+bench transformers-1x 100 --sp-strategy transformers --lengths 8192 --label "transformers static+compile, 1 GPU"

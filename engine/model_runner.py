@@ -273,10 +273,19 @@ class ModelRunner:
                                  f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "
                                  f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
                                  f"--max-model-len, or set --kv-cache-tokens")
-        pages = torch.tensor([tokens // self.block_size], dtype=torch.int64, device=self.device)
+        pages = min(tokens // self.block_size, self._max_pages_per_layer())
+        pages = torch.tensor([pages], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
         return int(pages)
+
+    def _max_pages_per_layer(self) -> int:
+        """A layer's cache [pages + 1, block, Hkv, D] stays under 2^31 elements on GPUs: flash-attn-4
+        takes 32-bit layouts (suspected cause of an illegal memory access seen 2026-11-23 with a small
+        model's 6.9e9-element layer cache on an H200; not yet confirmed)."""
+        if self.device.type != "cuda":
+            return 1 << 62
+        return (2**31 - 1) // (self.block_size * self.local_cfg.num_kv_heads * self.cfg.head_dim) - 1
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

@@ -47,7 +47,6 @@ class DecodeGraphs:
         self.padding = torch.zeros(5, self.max_batch, dtype=torch.int64, device=device)
         self.padding[4] = runner.pool.pad_row
         self.inputs = self.padding.clone()                       # [5, max_batch] static
-        self.staging = torch.empty(5, self.max_batch, dtype=torch.int64).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         start = time.perf_counter()
@@ -61,8 +60,9 @@ class DecodeGraphs:
         """step_inputs [5, B] int64 (host) -> logits [B, V] fp32 (device)."""
         b = step_inputs.shape[1]
         bucket = next(x for x in self.buckets if x >= b)
-        self.staging[:, :b] = step_inputs
-        self.inputs[:, :b].copy_(self.staging[:, :b], non_blocking=True)
+        # a blocking copy: workers other than 0 do not wait for the step's result, so an asynchronous copy from a
+        # reused host buffer could be overwritten by the next step before the GPU read it
+        self.inputs[:, :b].copy_(step_inputs)
         if b < bucket:
             self.inputs[:, b:bucket] = self.padding[:, b:bucket]
         self.graphs[bucket].replay()

@@ -79,8 +79,10 @@ class PagePool:
         """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""
         self.add(seq_id, num_tokens)
         n = len(self.pages[seq_id])
-        src = torch.tensor(self.pages[source_id][:n], device=self.device)
-        dst = torch.tensor(self.pages[seq_id], device=self.device)
+        if n == 0:                       # this worker holds none of the prompt (fewer tokens than workers)
+            return
+        src = torch.tensor(self.pages[source_id][:n], dtype=torch.long, device=self.device)
+        dst = torch.tensor(self.pages[seq_id], dtype=torch.long, device=self.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 

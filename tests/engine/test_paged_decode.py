@@ -118,3 +118,14 @@ def test_a_request_larger_than_the_pool_is_refused_naming_both_numbers():
             llm.generate([1] * 300, SamplingParams(max_tokens=50))
         out = llm.generate([1] * 250, SamplingParams(max_tokens=40, ignore_eos=True))[0].outputs[0]
         assert len(out.token_ids) == 40
+
+
+def test_choices_of_a_one_token_prompt_fork_on_workers_that_hold_none_of_it():
+    """A 1-token prompt on 3 workers: two hold no prompt token; its n copies fork (nothing to copy there)
+    and each decodes as it would alone. Found by the schema fuzz (worker 1 died on an empty page list)."""
+    with LLM("tiny", devices="cpu", context_parallel_size=3, block_size=4) as llm:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=9, ignore_eos=True) for s in (1, 2, 3)]
+        together = llm.generate([[7]] * 3, params)
+        assert [bool(o.metrics.prefill_stats.get("shared_prefill")) for o in together] == [False, True, True]
+        for out, p in zip(together, params):
+            assert out.outputs[0].token_ids == llm.generate([7], p)[0].outputs[0].token_ids

@@ -66,7 +66,7 @@ class Scheduler:
     def run(self) -> None:
         while True:
             self._publish_stats()
-            if not self._poll(block=not (self.waiting or self.running)):
+            if not self._poll(block=not (self.waiting or self.running or self.preempted)):
                 return
             self._drop_aborted()
             if self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):

@@ -251,3 +251,12 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def printable_window(text: str) -> str | None:
+    """Two printable ASCII characters of a generated text (after its first two), to use as a stop string."""
+    for i in range(2, len(text) - 1):
+        window = text[i:i + 2]
+        if window.isascii() and window.isprintable() and window.strip():
+            return window
+    return None

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from live import (DEVICE_ARGS, KEY, LiveServer, ascii_checkpoint, delta, openai_error, param_names,
-                  sse_payloads, wait_until_idle)
+                  printable_window, sse_payloads, wait_until_idle)
 
 NAME = "test-model"
 MAX_LEN = 512
@@ -212,19 +212,11 @@ def test_text_offsets_follow_the_token_texts(server):
 
 
 # ---- 8. a request ended by a stop string is counted ----------------------------------------------------------------
-def _printable_window(text: str) -> str | None:
-    for i in range(2, len(text) - 1):
-        window = text[i:i + 2]
-        if window.isascii() and window.isprintable() and window.strip():
-            return window
-    return None
-
-
 def test_stop_string_requests_are_counted_in_the_metrics(server):
     kw = {"model": NAME, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     for prompt in ("hello", "the quick brown fox", "a", "stop here"):
         full = _ok(server.post(C, {**kw, "prompt": prompt}))["choices"][0]["text"]
-        stop = _printable_window(full)
+        stop = printable_window(full)
         if stop:
             break
     assert stop, f"no printable two-character window in four greedy texts (last {full!r})"

@@ -11,7 +11,7 @@ import torch
 
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
 from clients.server_process import RemoteServer
-from live import metrics, wait_until_idle
+from live import metrics, printable_window, wait_until_idle
 
 KEY = "test-key"
 MAX_LEN = 512
@@ -109,14 +109,6 @@ def test_seed_reproduces_sampling(server):
     assert a == b and a != c
 
 
-def _printable_window(text: str) -> str | None:
-    for i in range(2, len(text) - 1):
-        window = text[i:i + 2]
-        if window.isascii() and window.isprintable() and window.strip():
-            return window
-    return None
-
-
 def test_stop_string_cuts_the_text(server):
     # Printable-ASCII stop strings: with invalid byte sequences (control bytes, U+FFFD) the cut text was once
     # seen one character off; that edge case of incremental detokenization is still open.
@@ -124,7 +116,7 @@ def test_stop_string_cuts_the_text(server):
     for prompt in ("hello", "the quick brown fox", "a", "stop here", "zzz"):
         kw = dict(model="test-model", prompt=prompt, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0].text
-        stop = _printable_window(full)
+        stop = printable_window(full)
         if stop:
             break
     assert stop, f"no printable two-character window in five greedy texts (last {full!r})"

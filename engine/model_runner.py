@@ -168,10 +168,12 @@ class ModelRunner:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
         tokens, positions, slots, lens, rows = step_inputs
-        table = self.pool.table.index_select(0, rows)                        # [B, max_pages] int32
-        if num_pages is not None:
-            table = table[:, :num_pages]
         b = tokens.shape[0]
+        pages = self.pool.table if num_pages is None else self.pool.table[:, :num_pages]
+        # gathered behind one spare entry (kernels.paged_attention.guarded_table: flash-attn-4 reads the
+        # entry before a row without keys), once for every layer of the step
+        buf = torch.empty(1 + b * pages.shape[1], dtype=torch.int32, device=tokens.device)
+        table = torch.index_select(pages, 0, rows, out=buf[1:].view(b, pages.shape[1]))   # [B, pages] int32
         cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
         self.decode_attention.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
         hidden = self.model.forward(tokens, positions, self.decode_attention)   # [B, hidden]
@@ -273,19 +275,11 @@ class ModelRunner:
                                  f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "
                                  f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
                                  f"--max-model-len, or set --kv-cache-tokens")
-        pages = min(tokens // self.block_size, self._max_pages_per_layer())
+        pages = tokens // self.block_size
         pages = torch.tensor([pages], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
         return int(pages)
-
-    def _max_pages_per_layer(self) -> int:
-        """A layer's cache [pages + 1, block, Hkv, D] stays under 2^31 elements on GPUs: flash-attn-4
-        takes 32-bit layouts (suspected cause of an illegal memory access seen 2026-11-23 with a small
-        model's 6.9e9-element layer cache on an H200; not yet confirmed)."""
-        if self.device.type != "cuda":
-            return 1 << 62
-        return (2**31 - 1) // (self.block_size * self.local_cfg.num_kv_heads * self.cfg.head_dim) - 1
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

@@ -22,10 +22,12 @@ Backends, chosen by device:
   Both gathered paths read lengths on the host (not capturable in a CUDA graph).
 - "fa4": flash_attn.cute's varlen kernel reading the cache through `page_table` / `seqused_k`; no
   host synchronization, so a CUDA graph can capture it (fixed shapes). When there are too few query
-  rows to fill the GPU (few long sequences: SM90 has no split-KV), each row's pages are split into
-  chunks run as one batch with the query repeated, and the chunks are merged by LSE (a Triton kernel
-  for the repeat + chunk lengths and one for the merge where Triton works, else plain torch ops).
-  flash-attn-4 reads whole pages: slots past seq_lens_k in a sequence's last page must be finite.
+  rows to fill the GPU (few long sequences: SM90 has no split-KV), each row's keys are split into
+  chunks (widths from the row's own length, on the device) run as one batch with the query repeated,
+  and the chunks are merged by LSE (a Triton kernel for the repeat + chunk lengths and tables and one
+  for the merge where Triton works, else plain torch ops).
+  flash-attn-4 reads whole pages: slots past seq_lens_k in a sequence's last page must be finite;
+  it also reads the int32 before a keyless row's table row, so tables go through guarded_table.
   CUDA graphs: run each shape once eagerly before capturing it (flash-attn-4 and Triton compile on
   their first call; the split path's shape-only constants, e.g. the chunk starts and the one-token
   cu_seqlens, are cached per device and shape on their first eager call; made during a capture,
@@ -159,10 +161,30 @@ def choose_num_chunks(rows: int, num_kv_heads: int, max_keys: int, num_sms: int)
 
 def _fa4_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, causal, max_seqlen_q):
     from flash_attn.cute import flash_attn_varlen_func
+    page_table = guarded_table(page_table)
     out, lse = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                                       page_table=page_table, max_seqlen_q=max_seqlen_q,
                                       softmax_scale=scale, causal=causal, return_lse=True)
     return out, lse.transpose(0, 1)                    # lse [H, total_q] -> [total_q, H]
+
+
+def guarded_table(table: torch.Tensor) -> torch.Tensor:
+    """table [B, P] int32 -> the same values in memory with one readable int32 before them.
+
+    flash-attn-4 4.0.0b36 (SM90, TMA paged path: page size == its key tile) reads page_table[b, -1]
+    for a row b with no keys (n_block_max - 1 = -1; the loaded tile is all out of bounds, so the
+    value does not matter); for row 0 that is the int32 before the table: outside any allocation
+    when the table starts a memory segment, an illegal memory access (seen 2026-11-23 on an H200
+    while warming up the decode graphs: every row of a padding batch has no keys). A table that is
+    a view with an offset into its storage is returned as it is (callers that run many layers build
+    it so once: engine.model_runner); else it is copied after one zero entry (1 kernel)."""
+    if table.storage_offset() > 0 and table.is_contiguous():
+        return table
+    buf = torch.empty(table.numel() + 1, dtype=table.dtype, device=table.device)
+    buf[:1].zero_()
+    out = buf[1:].view(table.shape)
+    out.copy_(table)
+    return out
 
 
 def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks,
@@ -197,24 +219,21 @@ def _zero_empty_rows(out, lse, visible):
 
 
 def _fa4_split(q, k_cache, v_cache, table, visible, scale, c):
-    """Every query row r becomes c one-token "sequences", chunk j holding pages [j*p, (j+1)*p) of its
-    row's table (table [R, max_blocks]: row r's sequence's block table) and
-    min(p*bs, visible[r] - j*p*bs) of their slots (0: an empty chunk); run as one batch without a
-    mask (a one-token query sees all its visible keys), merged by LSE with empty chunks weighing 0
-    (whatever the kernel wrote for them): a row with no keys gives out 0, lse -inf. visible [R] int32.
-    GPU kernels: table pad (only if c does not divide max_blocks), chunk lengths + q repeat (Triton:
-    1; torch: 2, + 1 copy for R > 1), flash-attn-4, merge (Triton: 1; torch: 15)."""
+    """Every query row r becomes c one-token "sequences": row r's visible[r] keys fill
+    pages_r = ceil(visible[r] / bs) pages, cut into c chunks of p_r = ceil(pages_r / c) pages, chunk j
+    holding pages [j*p_r, (j+1)*p_r) of its row's table and min(p_r*bs, visible[r] - j*p_r*bs) of their
+    slots (0: an empty chunk). The widths are computed on the device from the lengths, so a CUDA graph
+    captured for the table's full capacity still splits each row's actual keys c ways. Run as one
+    batch without a mask (a one-token query sees all its visible keys), merged by LSE with empty
+    chunks weighing 0 (whatever the kernel wrote for them): a row with no keys gives out 0, lse -inf.
+    table [R, max_blocks] int32 (row r's sequence's block table), visible [R] int32.
+    GPU kernels: chunk lengths + chunk tables + q repeat (Triton: 1; torch: ~22), flash-attn-4,
+    merge (Triton: 1; torch: 15)."""
     r = q.shape[0]
-    bs = k_cache.shape[1]
-    max_blocks = table.shape[1]
-    p = -(-max_blocks // c)                                                # pages per chunk
-    if p * c > max_blocks:                                                 # pad: pages past the end are never read
-        table = torch.nn.functional.pad(table, (0, p * c - max_blocks))
-    table = table.reshape(r * c, p)                                        # [R*c, p] int32 (a view when contiguous)
     cu = _cached(q.device, ("arange_i32", r * c + 1),
                  lambda: torch.arange(r * c + 1, device=q.device, dtype=torch.int32))
-    q_rep, used = _split_inputs(q, visible, c, p * bs)                     # [R*c, H, D], [R*c] int32
-    out, lse = _fa4_call(q_rep, k_cache, v_cache, table, cu, used, scale, False, 1)   # [R*c, H, D], [R*c, H]
+    q_rep, used, chunk_table = _split_inputs(q, visible, table, c, k_cache.shape[1])   # [R*c, H, D], [R*c], [R*c, P]
+    out, lse = _fa4_call(q_rep, k_cache, v_cache, chunk_table, cu, used, scale, False, 1)   # [R*c, H, D], [R*c, H]
     return _split_merge(out, lse, used, r, c, q.dtype)
 
 
@@ -235,19 +254,27 @@ def _cached(device, key, make):
     return t
 
 
-def _split_inputs(q, visible, c, chunk_keys):
-    """q [R, H, D], visible [R] int32 -> q_rep [R*c, H, D] (row r*c+j = q[r]), used [R*c] int32
-    (= clamp(visible[r] - j*chunk_keys, 0, chunk_keys))."""
+def _split_inputs(q, visible, table, c, bs):
+    """q [R, H, D], visible [R] int32, table [R, max_blocks] int32, page size bs ->
+    q_rep [R*c, H, D] (row r*c+j = q[r]), used [R*c] int32 (chunk j of row r: its keys, see
+    _fa4_split), chunk_table [R*c, P] int32 with P = ceil(max_blocks / c) (row r*c+j: pages
+    j*p_r .. of row r, 0 past the table's end) in a guarded_table layout."""
     kern = _triton_kernels(q.device)
     if kern is not None:
         try:
-            return _split_inputs_triton(kern[0], q, visible, c, chunk_keys)
+            return _split_inputs_triton(kern[0], q, visible, table, c, bs)
         except Exception as e:  # compile or launch failure: torch from now on
             _triton_failed(e)
-    starts = _cached(q.device, ("chunk_starts", c, chunk_keys),
-                     lambda: torch.arange(c, device=q.device, dtype=torch.int32) * chunk_keys)
-    used = (visible[:, None] - starts).clamp_(0, chunk_keys).view(-1)       # int32
-    return _repeat_rows(q, c), used
+    r, max_blocks = table.shape
+    width = -(-max_blocks // c)                                                     # P
+    n = visible.long()[:, None]                                                     # [R, 1]
+    per_chunk = (n + bs - 1).div(bs, rounding_mode="floor").add(c - 1).div(c, rounding_mode="floor")  # p_r [R, 1]
+    j = _cached(q.device, ("chunk_index", c), lambda: torch.arange(c, device=q.device))             # [c]
+    used = (n - j * per_chunk * bs).clamp(min=0).minimum(per_chunk * bs).to(torch.int32).view(-1)   # [R*c]
+    t = _cached(q.device, ("page_index", width), lambda: torch.arange(width, device=q.device))      # [P]
+    src = (j[:, None] * per_chunk[:, :, None] + t).view(r, c * width)                 # [R, c*P] int64
+    pages = table.long().gather(1, src.clamp(max=max_blocks - 1)).masked_fill_(src >= max_blocks, 0)
+    return _repeat_rows(q, c), used, guarded_table(pages.to(torch.int32).view(r * c, width))
 
 
 def _repeat_rows(q, c):
@@ -310,15 +337,24 @@ def _build_triton_kernels():
     import triton.language
     tl = triton.language
 
-    def _prep_kernel(q_ptr, visible_ptr, q_rep_ptr, used_ptr, c, chunk_keys,
-                     HD: tl.constexpr, HD_PAD: tl.constexpr, COPY_Q: tl.constexpr):
-        """Program i = r*c + j: used[i] = clamp(visible[r] - j*chunk_keys, 0, chunk_keys), q_rep[i] = q[r]."""
+    def _prep_kernel(q_ptr, visible_ptr, table_ptr, table_stride, max_blocks, q_rep_ptr, used_ptr, chunk_table_ptr,
+                     c, bs, width, HD: tl.constexpr, HD_PAD: tl.constexpr, W_PAD: tl.constexpr, COPY_Q: tl.constexpr):
+        """Program i = r*c + j (see _split_inputs): used[i], chunk_table[i, :width] = table[r, j*p_r + t]
+        (0 past max_blocks), q_rep[i] = q[r]. chunk_table_ptr points at the guard entry (program 0 zeroes
+        it); the table follows it."""
         i = tl.program_id(0)
         row = i // c
         j = i - row * c
         n = tl.load(visible_ptr + row)
-        u = tl.minimum(tl.maximum(n - j * chunk_keys, 0), chunk_keys)
+        per_chunk = ((n + bs - 1) // bs + c - 1) // c
+        u = tl.minimum(tl.maximum(n - j * per_chunk * bs, 0), per_chunk * bs)
         tl.store(used_ptr + i, u)
+        t = tl.arange(0, W_PAD)
+        src = j * per_chunk + t
+        page = tl.load(table_ptr + row.to(tl.int64) * table_stride + src, mask=(t < width) & (src < max_blocks), other=0)
+        tl.store(chunk_table_ptr + 1 + i.to(tl.int64) * width + t, page, mask=t < width)
+        if i == 0:
+            tl.store(chunk_table_ptr, 0)
         if COPY_Q:
             offs = tl.arange(0, HD_PAD)
             mask = offs < HD
@@ -353,7 +389,7 @@ def _build_triton_kernels():
 
     # integer arguments unspecialized (no recompile per value of c, strides, ...): one compile per
     # constexpr combination and pointer alignment
-    return (triton.jit(_prep_kernel, do_not_specialize=["c", "chunk_keys"]),
+    return (triton.jit(_prep_kernel, do_not_specialize=["table_stride", "max_blocks", "c", "bs", "width"]),
             triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oh", "s_lr", "s_lh"]))
 
 
@@ -361,17 +397,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _split_inputs_triton(prep, q, visible, c, chunk_keys):
+def _split_inputs_triton(prep, q, visible, table, c, bs):
     r, h, d = q.shape
+    max_blocks = table.shape[1]
+    width = -(-max_blocks // c)
     visible = visible.contiguous()
+    if table.stride(1) != 1:
+        table = table.contiguous()
     used = torch.empty(r * c, dtype=torch.int32, device=q.device)
-    if r == 1:                                   # the stride-0 view (see _repeat_rows): chunk lengths only
-        prep[(c,)](q, visible, q, used, c, chunk_keys, HD=1, HD_PAD=1, COPY_Q=False)   # one compile for all shapes
-        return _repeat_rows(q, c), used
+    buf = torch.empty(1 + r * c * width, dtype=torch.int32, device=q.device)      # guard entry + chunk tables
+    chunk_table = buf[1:].view(r * c, width)
+    if r == 1:                                   # the stride-0 view (see _repeat_rows): no copy of q
+        prep[(c,)](q, visible, table, table.stride(0), max_blocks, q, used, buf, c, bs, width,
+                   HD=1, HD_PAD=1, W_PAD=_next_pow2(width), COPY_Q=False)
+        return _repeat_rows(q, c), used, chunk_table
     q = q.contiguous()
     q_rep = torch.empty(r * c, h, d, dtype=q.dtype, device=q.device)
-    prep[(r * c,)](q, visible, q_rep, used, c, chunk_keys, HD=h * d, HD_PAD=_next_pow2(h * d), COPY_Q=True)
-    return q_rep, used
+    prep[(r * c,)](q, visible, table, table.stride(0), max_blocks, q_rep, used, buf, c, bs, width,
+                   HD=h * d, HD_PAD=_next_pow2(h * d), W_PAD=_next_pow2(width), COPY_Q=True)
+    return q_rep, used, chunk_table
 
 
 def _split_merge_triton(merge, out, lse, used, r, c, dtype):

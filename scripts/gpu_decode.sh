@@ -15,7 +15,7 @@ trap pack EXIT
 { date -u; nvidia-smi -L; python3 -c "import torch, flash_attn.cute as c; print('torch', torch.__version__, 'flash_attn.cute', c.__version__)"; } 2>&1 | tee "$out/env.txt"
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 
-timeout "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     -k "one_gpu or cuda_graphs" 2>&1 | tail -40 | tee "$out/pytest.log"
 
 # bench NAME LIMIT ARGS...: one configuration in its own process

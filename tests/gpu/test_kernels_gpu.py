@@ -197,3 +197,42 @@ def test_paged_fa4_decode_in_cuda_graph(monkeypatch, impl, k_lens, num_chunks):
         assert (out.float().cpu() - ref_out).abs().max() < 2e-2, step
         assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 2e-3, step
     assert impl == "torch" or pa._SPLIT_TRITON, "a Triton kernel failed and fell back to torch (see the log)"
+
+
+@needs_fa4
+@pytest.mark.parametrize("num_chunks", [1, 32])
+def test_paged_fa4_reads_a_cache_over_2_31_elements(num_chunks):
+    """A layer cache of 4.6e9 elements (140000 pages of 128 x 2 x 128), the sequence's pages at its
+    end: flash-attn-4 addresses it in 64 bits (the engine does not cap its pool at 2^31 elements)."""
+    total, ctx = 140000, 16384
+    kc = torch.empty(total, 128, 2, 128, device=DEV, dtype=torch.bfloat16).normal_()
+    vc = torch.empty_like(kc).normal_()
+    table = torch.arange(total - ctx // 128, total, device=DEV, dtype=torch.int32)[None]
+    q = torch.randn(1, 8, 128, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(2, device=DEV, dtype=torch.int32)
+    lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+    ref, ref_lse = paged_attention(q, kc, vc, table, cu, lens, 128 ** -0.5, False, backend="reference")
+    out, lse = paged_attention(q, kc, vc, table, cu, lens, 128 ** -0.5, False, backend="fa4",
+                               num_chunks=num_chunks, max_seqlen_q=1)
+    assert (out.float() - ref.float()).abs().max() < 2e-2 and (lse - ref_lse).abs().max() < 1e-3
+
+
+@needs_fa4
+def test_paged_fa4_keyless_rows_with_a_table_at_a_segment_start():
+    """Every row without keys (a CUDA graph's padding batch) and the block table alone at the start
+    of its own cudaMalloc segment: flash-attn-4 reads the int32 before a keyless row's table row,
+    which guarded_table keeps inside memory (an illegal memory access before it, 2026-11-23)."""
+    kc = torch.randn(64, 128, 2, 128, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(4, 8, 128, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(5, device=DEV, dtype=torch.int32)
+    lens = torch.zeros(4, device=DEV, dtype=torch.int32)
+    for num_chunks in (1, 8):
+        torch.cuda.empty_cache()
+        big = torch.zeros(1 << 26, device=DEV, dtype=torch.int32)   # 256 MiB: a segment of its own
+        table = big[:4 * 128].view(4, 128)
+        out, lse = paged_attention(q, kc, vc, table, cu, lens, 128 ** -0.5, False, backend="fa4",
+                                   num_chunks=num_chunks, max_seqlen_q=1)
+        torch.cuda.synchronize()
+        assert (out == 0).all() and torch.isneginf(lse).all()
+        del big, table

@@ -163,15 +163,42 @@ def test_fa4_decode_path(monkeypatch, num_chunks, bs, causal):
 
 
 def test_fa4_decode_single_long_sequence(monkeypatch):
-    """One row (the 1 x 128K shape, scaled down): q repeated as a stride-0 view; the table is not
-    padded when the chunks divide it, padded when not."""
-    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
+    """One row (the 1 x 128K shape, scaled down): q repeated as a stride-0 view; chunk counts that
+    divide the table and that do not."""
     seen = []
     monkeypatch.setattr(pa, "_fa4_call", lambda q, *a: seen.append(q.stride()) or _fake_fa4_call(q, *a))
     for n, c in ((4096, 8), (4000, 8), (4096, 5)):
         case = make_case([1], [n], 8, 2, 16, 128, spare_blocks=0)
         check(case, 0.25, True, backend="fa4", num_chunks=c, max_seqlen_q=1)
         assert seen[-1][0] == 0
+
+
+def test_split_width_follows_each_rows_length(monkeypatch):
+    """The table's capacity is far larger than the rows' keys (a CUDA graph's batch is captured for
+    max_model_len): each row's own keys are still split c ways, each chunk's table row starts at its
+    first page, and the chunk tables sit behind a readable guard entry."""
+    seen = []
+    monkeypatch.setattr(pa, "_fa4_call", lambda q, k, v, table, cu, used, *a: seen.append((table, used))
+                        or _fake_fa4_call(q, k, v, table, cu, used, *a))
+    lens = [1000, 0, 130, 16 * 64]
+    case = make_case([1] * 4, lens, 8, 2, 16, 16, spare_blocks=0)
+    q, kc, vc, table, cu, k_lens = case
+    wide = torch.randint(0, kc.shape[0], (4, 400), dtype=torch.int32)     # capacity 6400 keys a row
+    wide[:, :table.shape[1]] = table
+    check([q, kc, vc, wide, cu, k_lens], 0.25, False, backend="fa4", num_chunks=4, max_seqlen_q=1)
+    chunk_table, used = seen[-1]
+    assert used.view(4, 4).tolist() == [[256, 256, 256, 232], [0] * 4, [48, 48, 34, 0], [256] * 4]
+    assert chunk_table.shape == (16, 100) and chunk_table.storage_offset() >= 1
+    assert chunk_table[1, :16].tolist() == table[0, 16:32].tolist()          # row 0, chunk 1: pages 16..31
+    assert chunk_table[3, :15].tolist() == table[0, 48:63].tolist()
+    assert chunk_table[13, :4].tolist() == wide[3, 16:20].tolist()           # row 3, chunk 1: pages 16..19
+
+
+def test_guarded_table_has_a_readable_entry_before_it():
+    t = torch.randint(0, 9, (3, 5), dtype=torch.int32)
+    g = pa.guarded_table(t)
+    assert torch.equal(g, t) and g.storage_offset() == 1 and g.untyped_storage()[0] == 0
+    assert pa.guarded_table(g) is g
 
 
 def test_split_merge_ignores_garbage_in_empty_chunks():
@@ -193,11 +220,14 @@ def test_split_merge_ignores_garbage_in_empty_chunks():
 
 def test_split_inputs_torch_path():
     q = torch.randn(2, 4, 8)
-    q_rep, used = pa._split_inputs(q, torch.tensor([300, 0], dtype=torch.int32), 3, 128)
-    assert used.tolist() == [128, 128, 44, 0, 0, 0] and used.dtype == torch.int32
+    table = torch.arange(20, dtype=torch.int32).view(2, 10)
+    q_rep, used, chunks = pa._split_inputs(q, torch.tensor([300, 0], dtype=torch.int32), table, 3, 128)
+    assert used.tolist() == [128, 128, 44, 0, 0, 0] and used.dtype == torch.int32   # 3 pages: 1 a chunk
     assert torch.equal(q_rep, q.repeat_interleave(3, dim=0))
-    q_rep, used = pa._split_inputs(q[:1], torch.tensor([129], dtype=torch.int32), 3, 128)
-    assert used.tolist() == [128, 1, 0] and q_rep.stride(0) == 0 and torch.equal(q_rep, q[:1].expand(3, 4, 8))
+    assert chunks.tolist()[:3] == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5]] and chunks.storage_offset() == 1
+    q_rep, used, chunks = pa._split_inputs(q[:1], torch.tensor([1200], dtype=torch.int32), table[:1], 3, 128)
+    assert used.tolist() == [512, 512, 176] and q_rep.stride(0) == 0 and torch.equal(q_rep, q[:1].expand(3, 4, 8))
+    assert chunks.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]      # 10 pages: 4 a chunk, 0 past the end
 
 
 def test_shape_constants_cached():
@@ -225,7 +255,7 @@ def _kernel_launches(fn):
 
 
 def test_decode_split_kernel_count(monkeypatch):
-    """The torch fallback of the decode split (1 row): chunk lengths 2, flash-attn-4 1, merge 15."""
+    """The torch fallback of the decode split (1 row): chunk lengths and tables ~22, flash-attn-4 1, merge 15."""
     def fake(q, k_cache, v_cache, page_table, cu, used, scale, causal, max_seqlen_q):
         return torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[1], q.shape[0]).t()
     monkeypatch.setattr(pa, "_fa4_call", fake)
@@ -233,7 +263,7 @@ def test_decode_split_kernel_count(monkeypatch):
     run = lambda **kw: paged_attention(*case, 0.25, backend="fa4", num_chunks=16, **kw)  # noqa: E731
     run(max_seqlen_q=1)                                      # shape constants cached
     decode = _kernel_launches(lambda: run(max_seqlen_q=1))
-    assert len(decode) <= 17, decode
+    assert len(decode) <= 40, decode
     assert len(_kernel_launches(run)) > len(decode)
 
 
@@ -249,12 +279,15 @@ def _triton_interpreted_checks():
     assert type(prep).__name__ == "InterpretedFunction", type(prep)
     q = torch.randn(3, 4, 16)
     visible = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    table = torch.randint(1, 100, (3, 70), dtype=torch.int32)
     for rows in (q, q[1:2]):                                 # copy for several rows, stride-0 view for one
         vis = visible[:rows.shape[0]].contiguous()
-        q_rep, used = pa._split_inputs_triton(prep, rows, vis, 5, 256)
-        t_rep, t_used = pa._split_inputs(rows, vis, 5, 256)
+        tab = table[:rows.shape[0]]
+        q_rep, used, chunks = pa._split_inputs_triton(prep, rows, vis, tab, 5, 16)
+        t_rep, t_used, t_chunks = pa._split_inputs(rows, vis, tab, 5, 16)
         assert torch.equal(used, t_used) and torch.equal(q_rep, t_rep) and q_rep.stride() == t_rep.stride()
-    used = pa._split_inputs(q, visible, 5, 256)[1]
+        assert torch.equal(chunks, t_chunks) and chunks.storage_offset() == 1 and chunks.untyped_storage()[0] == 0
+    used = pa._split_inputs(q, visible, table, 5, 16)[1]
     for dtype in (torch.float32, torch.bfloat16):
         out = torch.randn(15, 4, 16).to(dtype)
         lse = torch.randn(4, 15).t()                         # flash-attn-4's [H, total_q], transposed

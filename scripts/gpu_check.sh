@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU: the kernel GPU tests (tests/gpu/test_kernels_gpu.py) and the engine's one-GPU tests. Second of two
+# back-to-back device calls (see scripts/gpu_kernels.sh); scripts/gpu_decode.sh can follow while the machine is warm.
+set -uo pipefail
+bash .fa4b/install.sh || exit 3
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+trap pack EXIT
+{ date -u; nvidia-smi -L; } 2>&1 | tee "$out/env.txt"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_kernels_gpu.py \
+    2>&1 | tail -30 | tee "$out/kernels.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
+    -k "one_gpu or cuda_graphs" 2>&1 | tail -40 | tee "$out/engine.log"

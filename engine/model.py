@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from engine.rope import inverse_frequencies, rope_cos_sin
+from kernels import fused
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -81,30 +82,29 @@ class LlamaModel:
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
         )
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """token_ids, positions [S] -> final-normed hidden states [S, hidden]."""
+        """token_ids, positions [S] -> final-normed hidden states [S, hidden]. The residual stream's
+        additions ride in the next norm (kernels.fused: one kernel on GPUs)."""
         cfg = self.cfg
-        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(token_ids, self.embed)                        # [S, hidden]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, 1, D]
+        h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        residual = F.embedding(token_ids, self.embed)                 # [S, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
+        x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)  # [S, (H+2Hkv) D]
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)                # [S, (H + 2 Hkv) D]
+            fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-            q = apply_rope(q.view(-1, h, d), cos, sin)                 # [S, H, D]
-            k = apply_rope(k.view(-1, hkv, d), cos, sin)               # [S, Hkv, D]
-            attn = attend(i, q, k, v.view(-1, hkv, d))                 # [S, H, D]
-            x = x + self.reduce(F.linear(attn.reshape(attn.shape[0], h * d), layer.o))
-            x = x + self.reduce(self.mlp(self.rms_norm(x, layer.post_norm), layer))
-        return self.rms_norm(x, self.norm)
+            n = qkv.shape[0]
+            attn = attend(i, q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d))     # [S, H, D]
+            delta = self.reduce(F.linear(attn.reshape(attn.shape[0], h * d), layer.o))
+            x, residual = fused.rms_norm(delta, layer.post_norm, eps, residual)
+            delta = self.reduce(self.mlp(x, layer))
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x, residual = fused.rms_norm(delta, next_norm, eps, residual)
+        return x if self.layers else fused.rms_norm(residual, self.norm, eps)
 
     def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        return F.linear(fused.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] fp32."""

@@ -32,14 +32,7 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [S] int -> cos, sin [S, 1, head_dim] in dtype (computed in fp32)."""
+    """positions [S] int -> cos, sin [S, head_dim] in dtype (computed in fp32); rotate with kernels.fused.rope_."""
     freqs = positions.float()[:, None] * inv_freq[None, :]            # [S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]               # [S, 1, D]
+    emb = torch.cat((freqs, freqs), dim=-1)                            # [S, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [S, H, D] -> rotated x (rotate-half convention, as transformers' LLaMA)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

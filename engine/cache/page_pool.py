@@ -12,6 +12,8 @@ never given out (all scratch: the padding rows of a CUDA graph's batch).
 """
 import torch
 
+from kernels.fused import store_kv
+
 SCRATCH_PAGE = 0
 
 
@@ -71,9 +73,8 @@ class PagePool:
         return (pages[index // self.block_size] * self.block_size + index % self.block_size).to(self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, Hkv, D] into slots [n] of one layer."""
-        self.k[layer].view(-1, *self.k.shape[3:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *self.v.shape[3:]).index_copy_(0, slots, v)
+        """k, v [n, Hkv, D] into slots [n] of one layer (one kernel on GPUs)."""
+        store_kv(self.k[layer], self.v[layer], slots, k, v)
 
     def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
         """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""

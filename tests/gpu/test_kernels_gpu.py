@@ -236,3 +236,41 @@ def test_paged_fa4_keyless_rows_with_a_table_at_a_segment_start():
         torch.cuda.synchronize()
         assert (out == 0).all() and torch.isneginf(lse).all()
         del big, table
+
+
+@pytest.mark.parametrize("s", [1, 64, 3000])
+def test_fused_kernels_match_torch_ops_on_cuda(s):
+    """kernels.fused's Triton kernels (llama3-8b shapes, bf16) against the torch ops they replace:
+    the same bits for rope, silu*up, the KV store and the residual; the norm within one bf16 rounding."""
+    from kernels import fused
+    kern = fused._built()
+    assert kern is not None, "Triton kernels did not build"
+    bf = torch.bfloat16
+    h, hkv, d, hid, inter = 32, 8, 128, 4096, 14336
+    x, r, w = torch.randn(s, hid, device=DEV, dtype=bf), torch.randn(s, hid, device=DEV, dtype=bf), \
+        torch.randn(hid, device=DEV, dtype=bf)
+    out, res = fused._rms_norm_triton(kern["rms_norm"], x, w, 1e-5, r)
+    assert torch.equal(res, x + r)
+    ref = fused._rms_norm_torch(x + r, w, 1e-5)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
+    qkv = torch.randn(s, (h + 2 * hkv) * d, device=DEV, dtype=bf)
+    pos = torch.randint(0, 1 << 17, (s,), device=DEV)
+    freqs = pos.float()[:, None] * torch.rand(d // 2, device=DEV)[None]
+    cos, sin = torch.cat([freqs, freqs], -1).cos().to(bf), torch.cat([freqs, freqs], -1).sin().to(bf)
+    ref = qkv.clone()
+    rot = ref[:, :(h + hkv) * d].view(s, h + hkv, d)
+    rot.copy_(fused._rope_torch(rot, cos[:, None], sin[:, None]))
+    fused._rope_triton(kern["rope"], qkv, cos, sin, h + hkv)
+    assert torch.equal(qkv, ref)
+    gate_up = torch.randn(s, 2 * inter, device=DEV, dtype=bf)
+    assert torch.equal(fused._silu_and_mul_triton(kern["silu_and_mul"], gate_up),
+                       torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    kc, vc = torch.randn(2, 5000, 128, hkv, d, device=DEV, dtype=bf)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    kv = qkv.view(s, h + 2 * hkv, d)
+    k, v = kv[:, h:h + hkv], kv[:, h + hkv:]
+    slots = torch.randperm(5000 * 128, device=DEV)[:s]
+    ref_k.view(-1, hkv, d).index_copy_(0, slots, k)
+    ref_v.view(-1, hkv, d).index_copy_(0, slots, v)
+    fused._store_kv_triton(kern["store_kv"], kc, vc, slots, k, v)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)

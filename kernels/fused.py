@@ -1,0 +1,243 @@
+"""The decoder's small per-token operations, each one kernel on CUDA (Triton), plain torch ops elsewhere.
+
+    rms_norm(x, weight, eps, residual=None) -> normed                (residual None)
+                                            -> (normed, x + residual) (the residual stream, updated)
+    rope_(qkv, cos, sin, num_heads, num_kv_heads)                    rotates q and k inside qkv, in place
+    store_kv(k_cache, v_cache, slots, k, v)                          k, v rows into a paged layer cache
+    silu_and_mul(gate_up) -> silu(gate) * up
+
+A decode step of an 8B model spends as much GPU time on these as on its weights' GEMMs when each is
+a chain of torch ops (measured on an H200, llama3-8b, 8K context: 41 kernels a layer, 2.0 of 6.7 ms
+outside the GEMMs and attention; scripts/gpu_decode_profile.py). The Triton kernels round where the
+torch ops round (bf16 after each product and sum, as transformers' LLaMA does), so they agree with
+the torch path to fp32 summation order. Off with BURSTSERVE_FUSED_TRITON=0; a kernel that fails to
+build or launch logs once and the torch ops serve from then on.
+"""
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+_TRITON = os.environ.get("BURSTSERVE_FUSED_TRITON", "1") != "0"
+tl = None   # triton.language, bound by _build (the kernels resolve it as a global)
+
+
+# ---------------------------------------------------------------- the operations
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [S, hidden] -> weight * normalize(x) (fp32 statistics, bf16 product, as transformers). With
+    residual [S, hidden]: x + residual is normalized, and (normed, x + residual) returned."""
+    kern = _kernels(x.device)
+    if kern is not None and x.shape[0] > 0:
+        try:
+            return _rms_norm_triton(kern["rms_norm"], x, weight, eps, residual)
+        except Exception as e:
+            _failed(e)
+    if residual is not None:
+        x = x + residual
+        return _rms_norm_torch(x, weight, eps), x
+    return _rms_norm_torch(x, weight, eps)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """qkv [S, (H + 2 Hkv) D] (rows contiguous): q's H heads and k's Hkv heads rotated in place
+    (rotate-half, as transformers' LLaMA); cos, sin [S, D] in qkv's dtype."""
+    kern = _kernels(qkv.device)
+    if kern is not None and qkv.shape[0] > 0:
+        try:
+            return _rope_triton(kern["rope"], qkv, cos, sin, num_heads + num_kv_heads)
+        except Exception as e:
+            _failed(e)
+    d = cos.shape[-1]
+    rot = qkv[:, :(num_heads + num_kv_heads) * d].view(qkv.shape[0], num_heads + num_kv_heads, d)   # [S, H + Hkv, D]
+    rot.copy_(_rope_torch(rot, cos[:, None], sin[:, None]))
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k, v [n, Hkv, D] (any row stride) into slots [n] int64 of k_cache, v_cache [pages, block, Hkv, D]."""
+    kern = _kernels(k.device)
+    if kern is not None and k.shape[0] > 0:
+        try:
+            return _store_kv_triton(kern["store_kv"], k_cache, v_cache, slots, k, v)
+        except Exception as e:
+            _failed(e)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [S, 2 I] -> silu(gate) * up [S, I] (each rounded to the input dtype, as torch)."""
+    kern = _kernels(gate_up.device)
+    if kern is not None and gate_up.shape[0] > 0:
+        try:
+            return _silu_and_mul_triton(kern["silu_and_mul"], gate_up)
+        except Exception as e:
+            _failed(e)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------- torch (CPU, and the reference)
+
+def _rms_norm_torch(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope_torch(x, cos, sin):
+    """x [S, H, D], cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------- Triton
+
+def _failed(e: Exception) -> None:
+    global _TRITON
+    _TRITON = False
+    log.warning("fused Triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
+
+
+def _kernels(device: torch.device):
+    if device.type != "cuda" or not _TRITON:
+        return None
+    return _built()
+
+
+@functools.lru_cache(maxsize=1)
+def _built():
+    try:
+        return _build()
+    except Exception as e:   # no Triton
+        _failed(e)
+        return None
+
+
+def _build() -> dict:
+    """jit the kernels (a fresh set each call: the CPU tests build interpreted ones)."""
+    global tl
+    import triton
+    import triton.language
+    tl = triton.language
+
+    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, x_stride, res_stride, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """Program = one row of n values: [res_out = x + res;] out = w * (x * rsqrt(mean(x^2) + eps))."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    def rope_kernel(qkv_ptr, cos_ptr, sin_ptr, row_stride, cs_stride, num_rot,
+                    D: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+        """Program = one token: its first num_rot heads of D rotated in place,
+        out[:half] = x1 cos1 - x2 sin1, out[half:] = x2 cos2 + x1 sin2 (each product rounded, then the sum)."""
+        s = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        i = tl.arange(0, HALF)[None, :]
+        mask = heads < num_rot
+        base = qkv_ptr + s * row_stride + heads * D + i                        # [HEADS_PAD, HALF]
+        dt = qkv_ptr.dtype.element_ty
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + s * cs_stride + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + s * cs_stride + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + s * cs_stride + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + s * cs_stride + HALF + i).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        tl.store(base, o1.to(dt), mask=mask)
+        tl.store(base + HALF, o2.to(dt), mask=mask)
+
+    def store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, k_stride, v_stride, n,
+                        BLOCK: tl.constexpr):
+        """Program = one token: its n = Hkv * D values of k and of v into row slots[token] of the caches."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        tl.store(k_cache_ptr + slot * n + cols, tl.load(k_ptr + t * k_stride + cols, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + slot * n + cols, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask)
+
+    def silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride, BLOCK: tl.constexpr):
+        """Program (token, block of I): out = rounded(silu(gate)) * up."""
+        s = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(x_ptr + s * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + s * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + s * inter + cols, (a * u).to(dt), mask=mask)
+
+    # sizes and strides unspecialized: one compile per dtype and constexpr combination
+    return {
+        "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
+        "rope": triton.jit(rope_kernel, do_not_specialize=["row_stride", "cs_stride", "num_rot"]),
+        "store_kv": triton.jit(store_kv_kernel, do_not_specialize=["k_stride", "v_stride", "n"]),
+        "silu_and_mul": triton.jit(silu_and_mul_kernel, do_not_specialize=["inter", "x_stride"]),
+    }
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view whose rows are contiguous (a copy only when they are not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rms_norm_triton(kernel, x, weight, eps, residual):
+    x = _rows(x)
+    s, n = x.shape
+    out = torch.empty(s, n, dtype=x.dtype, device=x.device)
+    if residual is None:
+        kernel[(s,)](x, x, weight, out, out, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=_pow2(n))
+        return out
+    residual = _rows(residual)
+    res_out = torch.empty_like(out)
+    kernel[(s,)](x, residual, weight, out, res_out, n, x.stride(0), residual.stride(0), eps,
+                 HAS_RES=True, BLOCK=_pow2(n))
+    return out, res_out
+
+
+def _rope_triton(kernel, qkv, cos, sin, num_rot):
+    d = cos.shape[-1]
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("rope_: rows must be contiguous and cos, sin alike")
+    kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), num_rot, D=d, HALF=d // 2,
+                            HEADS_PAD=_pow2(num_rot))
+
+
+def _store_kv_triton(kernel, k_cache, v_cache, slots, k, v):
+    n = k.shape[1] * k.shape[2]
+    if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+        k, v = k.contiguous(), v.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv: the caches must be contiguous")
+    kernel[(k.shape[0],)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), n, BLOCK=_pow2(n))
+
+
+def _silu_and_mul_triton(kernel, gate_up):
+    gate_up = _rows(gate_up)
+    s, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(s, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, _pow2(inter))
+    kernel[(s, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,64 @@
+"""Where a decode step's time goes on one GPU (llama3-8b preset, bf16, one 8K-token sequence):
+the whole step as the scheduler calls it (ModelRunner.decode), the CUDA graph's replay alone, and
+the replay's kernels by GPU time (torch.profiler). Usage: python scripts/gpu_decode_profile.py [context]"""
+import sys
+import time
+
+import torch
+
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+
+ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+cfg, max_model_len = resolve_model(engine)
+runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
+prompt = torch.randint(0, 250, (ctx,))
+runner.prefill(0, prompt)
+tok, pos = 5, ctx
+
+
+def step():
+    global tok, pos
+    greedy, _ = runner.decode([0], [tok], [pos])
+    tok, pos = greedy[0], pos + 1
+
+
+for _ in range(5):
+    step()
+torch.cuda.synchronize()
+n = 100
+t0 = time.perf_counter()
+for _ in range(n):
+    step()
+step_ms = (time.perf_counter() - t0) * 1000 / n
+graph = runner.graphs.graphs[1]
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+for _ in range(n):
+    graph.replay()
+b.record()
+torch.cuda.synchronize()
+replay_ms = a.elapsed_time(b) / n
+t0 = time.perf_counter()
+for _ in range(n):
+    graph.replay()
+launch_ms = (time.perf_counter() - t0) * 1000 / n
+torch.cuda.synchronize()
+print(f"context {ctx}: ModelRunner.decode step {step_ms:.3f} ms; graph replay (GPU) {replay_ms:.3f} ms; "
+      f"replay launch (host, queued) {launch_ms:.3f} ms")
+from torch.profiler import ProfilerActivity, profile
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+print(f"kernels per replay: {len(events) / 3:.0f}; GPU busy per replay {sum(e.device_time for e in events) / 3 / 1000:.3f} ms")
+groups = {}
+for e in events:
+    g = groups.setdefault(e.name[:90], [0, 0.0])
+    g[0] += 1
+    g[1] += e.device_time / 3
+print("| kernel | calls/step | us/step |\n| --- | --- | --- |")
+for name, (calls, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:30]:
+    print(f"| {name} | {calls // 3} | {us:.0f} |")

@@ -21,11 +21,11 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig, ModelConfig, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
-from engine.model_runner import SP_STRATEGIES
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
+from engine.parallel import SP_STRATEGIES
+from engine.parallel.tensor_parallel import tp_check
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
-from engine.tensor_parallel import tp_check
 from engine.tokenizer import load_tokenizer
 from engine.weights import weight_files
 from engine.worker import worker_main
@@ -51,7 +51,8 @@ class LLM:
                  dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
                  sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384):
+                 block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -63,6 +64,9 @@ class LLM:
             raise InvalidRequestError(f"auto_ulysses_max_tokens must be >= 0, not {auto_ulysses_max_tokens}",
                                       "auto_ulysses_max_tokens")
         _check_kv_options(kv_cache_tokens, gpu_memory_utilization, block_size)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
+                                      "max_num_batched_tokens")
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
@@ -71,7 +75,8 @@ class LLM:
                                    seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
                                    kv_cache_tokens=kv_cache_tokens,
                                    gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                                   cuda_graphs=cuda_graphs,
+                                   cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None

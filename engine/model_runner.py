@@ -5,35 +5,29 @@ logits come back on worker 0 only.
 """
 import logging
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from engine.burst_attention import BurstAttention
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.cqs import CQSAttention, contiguous_shards
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
+from engine.extend_attention import ExtendAttention
 from engine.devices import synchronize
 from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
+from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
+from engine.parallel.ring import RingCommunicator
+from engine.parallel.sharding import owner_of_position, zigzag_shards
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
-from engine.ring import RingCommunicator
-from engine.ring_rsa import RingSelfAttention
-from engine.sharding import owner_of_position, zigzag_shards
-from engine.tensor_parallel import shard_weights
-from engine.ulysses import UlyssesAttention
+from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights
-from kernels.attention import AttentionBackend, reference_attention, select_backend
+from kernels.attention import select_backend
 
 log = logging.getLogger(__name__)
-# Prefill strategies (how attention spans the workers); decoding afterwards is the same for all.
-SP_STRATEGIES = ("burst", "auto", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "single")
-MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
 class ModelRunner:
@@ -43,32 +37,30 @@ class ModelRunner:
         self.world_size = engine.world_size
         self.data_group = data_group
         dtype = DTYPES[engine.dtype]
-        self.tp = engine.sp_strategy == "tp" and self.world_size > 1
+        self.strategy = get_strategy(engine.sp_strategy, self.world_size)   # how a prefill spans the workers
         shapes = hf_weight_shapes(cfg)
         if engine.is_preset:
             weights = random_weights(shapes, device, dtype, engine.seed)
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype)
-        local = cfg
-        if self.tp:   # each worker keeps its heads and MLP slice; all-reduce after o_proj and down_proj
-            local, weights = shard_weights(cfg, weights, rank, self.world_size)
-        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if self.tp else None)
+        local, weights, partial_sums = self.strategy.local_weights(cfg, weights, rank)   # tp: this worker's slice
+        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None)
         self.backend = select_backend(device, dtype, local.num_heads, local.num_kv_heads, cfg.head_dim, engine.kernel)
         self.scale = cfg.head_dim ** -0.5
-        multi_ring = self.world_size > 1 and not self.tp
+        multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
+        self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
+                                              cfg.num_heads, engine.auto_ulysses_max_tokens)
         self.dtype, self.local_cfg = dtype, local
         self.block_size = engine.page_size
         self.max_model_len = max_model_len
         num_pages = self._num_pages()
-        # a worker's share of the longest sequence, in pages (zigzag shards differ by at most one token a chunk)
-        share = max_model_len if self.tp else -(-max_model_len // self.world_size) + 1
+        share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
         self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, local.num_kv_heads, cfg.head_dim, dtype,
                              device, max_seqs=engine.max_num_seqs + 1,
                              max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)))
-        self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.tp)
-        self.decode_attention = DecodeAttention(self.pool, self.scale, 1 if self.tp else self.world_size,
-                                                data_group)
+        self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
+        self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
         log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB), decode %s", rank, num_pages,
@@ -79,18 +71,18 @@ class ModelRunner:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32), timings, and with
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
-        shards = self._shards(token_ids.shape[0])
-        strategy = self._strategy_for(token_ids.shape[0])
-        attention = self._prefill_attention(shards, strategy)
-        exchange_alone = self._exchange_seconds_alone(attention, token_ids.shape[0])   # first time per length only
+        shards = self.strategy.shards(token_ids.shape[0])
+        chosen = self.strategy.for_prompt(token_ids.shape[0], self.prefill_context)   # auto: ulysses or burst
+        attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q [n, H, D], kv) -> [n, H, D]
+        exchange_alone = self._exchange_seconds_alone(chosen, attention, token_ids.shape[0])   # first time per length
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
         start = time.perf_counter()
-        shard = shards[0 if self.tp else self.rank]
+        shard = self.strategy.shard_of(shards, self.rank)
         positions = shard.positions()                                   # [n]
         local_ids = token_ids[positions].to(self.device)
-        self.ledger.add(seq_id, self._tokens_per_rank(shards))
+        self.ledger.add(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, 0))
         self.pool.add(seq_id, shard.length)
         slots = self.pool.slots(seq_id, 0, shard.length)               # [n]
 
@@ -109,7 +101,7 @@ class ModelRunner:
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         end = time.perf_counter()
-        result = {"prefill_seconds": end - start, "strategy": strategy, "setup_seconds": start - entered}
+        result = {"prefill_seconds": end - start, "strategy": chosen.name, "setup_seconds": start - entered}
         if stats is not None:
             result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
@@ -126,9 +118,59 @@ class ModelRunner:
         result["wrapup_seconds"] = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
         return result
 
+    @torch.inference_mode()
+    def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:
+        """An incremental prefill: token_ids [n] int64 (CPU) are the sequence's tokens start .. start+n-1,
+        after the `start` already in the cache (a chunked prefill's next chunk). The new tokens are
+        sharded over the workers (zigzag over the n, or whole under replicated K/V), attend causally to
+        each other over the K/V ring and to the cached tokens by passing the queries (see
+        engine/extend_attention.py), and their K/V go after the cached ones on the worker that ran
+        them. Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
+        self._sync()
+        start_time = time.perf_counter()
+        n = token_ids.shape[0]
+        shards = self._extend_shards(n)
+        shard = self.strategy.shard_of(shards, self.rank)
+        positions = shard.positions()                                   # [n_w], within the new tokens
+        cached = self.ledger.tokens(seq_id, self.rank)
+        self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
+        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]
+        attend = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
+                                 self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
+        hidden = self.model.forward(token_ids[positions].to(self.device), (positions + start).to(self.device),
+                                    attend)                                                  # [n_w, hidden]
+        owner, row = owner_of_position(shards, n - 1)
+        if self.rank == owner:
+            logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
+        else:
+            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if owner != 0:
+            dist.broadcast(logits, src=owner, group=self.data_group)
+        if self.ring is not None:
+            self.ring.collect_stats()                                    # not reported: a chunk's ring is short
+        self._sync()
+        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": "extend", "cached_tokens": start}
+        if self.rank == 0:
+            result["logits"] = logits.cpu()
+        return result
+
+    def _extend_shards(self, num_tokens: int):
+        """How an incremental prefill's new tokens spread: zigzag over the workers holding K/V shards
+        (whatever the prompt's layout: the cached part is attended by passing queries, in any order),
+        or the strategy's one shard under replicated K/V."""
+        return self.strategy.shards(num_tokens) if self.strategy.replicated_kv else zigzag_shards(num_tokens, self.world_size)
+
+    def chunk_pages(self, seq_id: int | None, num_tokens: int) -> list[int]:
+        """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
+        its first chunk, a prefill)."""
+        if seq_id is None:
+            return self.prefill_pages(num_tokens)
+        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(self._extend_shards(num_tokens)))
+
     def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
-        """Each worker scores the rows it holds (tp: worker 0 holds them all); worker 0 gets the entries."""
-        if self.tp:
+        """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets
+        the entries."""
+        if self.strategy.replicated_kv:
             parts = [score_rows(self.model, hidden, positions, token_ids, top)] if self.rank == 0 else []
         else:
             parts = gather_scores(score_rows(self.model, hidden, positions, token_ids, top), self.world_size,
@@ -137,9 +179,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-               full_rows: list[int] | None = None) -> tuple[list[int], torch.Tensor] | None:
-        """One new token per sequence. On worker 0: (the greedy token of every row, logits [len(full_rows), V]
-        CPU fp32 of the rows that sample otherwise or want logprobs); None elsewhere."""
+               sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None):
+        """One new token per sequence. On worker 0: (every row's token: the argmax, or drawn on the device
+        by sampling[row]; logits [len(host_rows), V] CPU fp32 of the rows the host samples (grammars);
+        per row its logprobs dict where sampling asks for them, else None); None elsewhere."""
         step_inputs = self._decode_inputs(seq_ids, token_ids, positions)   # [5, B] int64 on the host
         if self.graphs is not None and self.graphs.fits(len(seq_ids)):
             logits = self.graphs.run(step_inputs)                            # [B, V] fp32
@@ -147,9 +190,20 @@ class ModelRunner:
             logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         if self.rank != 0:
             return None
-        greedy = logits.argmax(dim=-1).tolist()
-        rows = full_rows or []
-        return greedy, (logits[rows].cpu() if rows else logits[:0].cpu())
+        if sampling is None:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample_rows(logits, sampling)                           # [B] on the device
+        host_rows = host_rows or []
+        logprobs = None
+        wanted = [i for i, r in enumerate(sampling or []) if r.logprobs is not None and i not in host_rows]
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            entries = rows_logprobs(logits[rows], tokens[rows], [sampling[i].logprobs for i in wanted])
+            logprobs = [None] * len(seq_ids)
+            for i, entry in zip(wanted, entries):
+                logprobs[i] = entry
+        return tokens.tolist(), (logits[host_rows].cpu() if host_rows else logits[:0].cpu()), logprobs
 
     def _decode_inputs(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
@@ -182,33 +236,9 @@ class ModelRunner:
     def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int) -> torch.Tensor:
         return self.decode_forward(step_inputs.to(self.device, non_blocking=True), num_pages)
 
-    def _strategy_for(self, num_tokens: int) -> str:
-        """The prefill strategy of one prompt: the configured one, or for `auto` ulysses on short
-        prompts (it has no per-ring-step cost; measured 2x faster than burst at 4K on 4 H200s) and
-        burst on long ones. Both keep the same zigzag KV layout, so decoding does not care."""
-        strategy = self.engine.sp_strategy
-        if strategy != "auto":
-            return strategy
-        short = num_tokens <= self.engine.auto_ulysses_max_tokens
-        return "ulysses" if short and self.world_size > 1 and self.cfg.num_heads % self.world_size == 0 else "burst"
-
-    def _prefill_attention(self, shards, strategy: str):
-        """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for this prefill's strategy."""
-        overlap = self.engine.overlap
-        if self.tp:   # the whole prompt, this worker's heads: one causal kernel call
-            return lambda q, kv: self.backend(q, kv[:, 0], kv[:, 1], True, self.scale)[0]
-        if strategy == "ring-rsa":
-            return RingSelfAttention(self.ring, shards, self.rank, self.scale, overlap)
-        if strategy == "cqs":
-            return CQSAttention(self.backend, shards, self.rank, self.scale, self.data_group)
-        if strategy == "ulysses":
-            return UlyssesAttention(self.backend, shards, self.rank, self.scale, self.data_group)
-        backend = MATERIALIZED if strategy == "burst-nolao" else self.backend
-        return BurstAttention(self.ring, backend, shards, self.rank, self.scale, overlap)
-
-    def _exchange_seconds_alone(self, attention, num_tokens: int) -> float:
+    def _exchange_seconds_alone(self, chosen: PrefillStrategy, attention, num_tokens: int) -> float:
         """All layers' exchanges timed alone, once per prompt length (cached); 0 without a K/V ring."""
-        if self.ring is None or not isinstance(attention, BurstAttention):
+        if self.ring is None or not chosen.times_exchanges:
             return 0.0
         if num_tokens not in self._exchange_alone:
             if len(self._exchange_alone) > 64:
@@ -218,24 +248,39 @@ class ModelRunner:
             self._exchange_alone[num_tokens] = per_layer * self.cfg.num_layers
         return self._exchange_alone[num_tokens]
 
-    def _shards(self, num_tokens: int):
-        shard_fn = contiguous_shards if self.engine.sp_strategy == "cqs" else zigzag_shards
-        return shard_fn(num_tokens, 1 if self.tp else self.world_size)
-
-    def _tokens_per_rank(self, shards) -> list[int]:
-        return [s.length for s in shards] * (self.world_size if self.tp else 1)
-
     def prefill_pages(self, num_tokens: int) -> list[int]:
         """Pages each worker takes to prefill a prompt of num_tokens (for the scheduler's admission)."""
-        return [pages_for(n, self.block_size) for n in self._tokens_per_rank(self._shards(num_tokens))]
+        tokens = self.strategy.tokens_per_rank(self.strategy.shards(num_tokens))
+        return [pages_for(n, self.block_size) for n in tokens]
 
     @torch.inference_mode()
     def fork(self, source_id: int, seq_id: int) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
         fill each worker's first slots; what the source decoded since is not copied)."""
         counts = self.ledger.prompt_tokens(source_id)
-        self.ledger.add(seq_id, counts)
+        self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
         self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
+
+    @torch.inference_mode()
+    def adopt(self, source_id: int, seq_id: int, position: int) -> None:
+        """A new sequence whose cache starts as a copy of the source's tokens before `position` (a
+        cached prefix: on every worker, the source's first slots there, whole pages copied)."""
+        counts = self.ledger.add_prefix_of(source_id, seq_id, position)
+        self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
+
+    def _ranges(self, shards, offset: int) -> list[list[tuple[int, int]]]:
+        """By rank, the positions (offset + shard ranges) each worker stores of a prefill or a chunk."""
+        if self.strategy.replicated_kv:
+            s = shards[0]
+            return [[(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
+                    for _ in range(self.world_size)]
+        return [[(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
+                for s in shards]
+
+    def retire(self, seq_ids: list[int]) -> None:
+        """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""
+        for s in seq_ids:
+            self.pool.retire(s)
 
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
@@ -244,7 +289,7 @@ class ModelRunner:
 
     def info(self) -> dict:
         per_worker = self.ledger.num_pages * self.block_size
-        total = per_worker * (1 if self.tp else self.world_size)   # tp: every worker holds every token
+        total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
                 "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None}
@@ -264,7 +309,7 @@ class ModelRunner:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free)
-            share = self.max_model_len if self.tp else -(-self.max_model_len // self.world_size) + 1
+            share = self.strategy.kv_share(self.max_model_len)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         share)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "

@@ -48,37 +48,95 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A private generator for seeded requests: same seed, same tokens."""
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row of a batch is sampled (small and picklable: it travels with the decode call to the
+    worker that holds the logits)."""
+    temperature: float = 0.0        # < 1e-5: greedy
+    top_k: int = -1
+    top_p: float = 1.0
+    noise_seed: int | None = None   # seeded requests: this token's noise seed (see noise_seed); None: the device's RNG
+    logprobs: int | None = None     # top-k logprobs wanted (0: the chosen token's only), None: none
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] fp32 -> one token id. With a response_format these are the grammar-masked logits
-    (-inf where the grammar forbids), so temperature, top-k and top-p act on the allowed tokens only."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        beyond = (torch.cumsum(probs, dim=-1) - probs) > params.top_p    # keep the smallest set reaching top_p
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(beyond, float("-inf")))
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def row_sampling(params: SamplingParams, step: int) -> RowSampling:
+    """The sampling of a request's token number `step` (0: the first generated token)."""
+    seed = None if params.seed is None or params.greedy else noise_seed(params.seed, step)
+    return RowSampling(params.temperature, params.top_k, params.top_p, seed, params.logprobs)
+
+
+def noise_seed(seed: int, step: int) -> int:
+    """One seed per (request seed, token index): a seeded request draws the same noise for its n-th
+    token on every run, whatever else is in the batch, and after a preemption (no generator state to
+    carry). A 64-bit mix (splitmix64's finalizer) of the pair."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """logits [R, V] fp32 (any device) -> tokens [R] int64 on the same device, all rows at once:
+    temperature, top-k, top-p (the smallest set of most likely tokens reaching top_p), then a draw
+    by the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). Greedy rows: the argmax.
+    With a response_format these are grammar-masked logits (-inf where forbidden), so the filters act
+    on the allowed tokens only. A few batched kernels plus one noise kernel per seeded row."""
+    greedy = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if not sampled:
+        return greedy
+    x = logits[sampled] if len(sampled) < len(rows) else logits                       # [S, V]
+    device, v = x.device, x.shape[-1]
+    picked = [rows[i] for i in sampled]
+    x = x / torch.tensor([r.temperature for r in picked], device=device)[:, None]
+    ks = [r.top_k if 0 < r.top_k < v else v for r in picked]
+    if min(ks) < v:
+        top = torch.topk(x, max(k for k in ks if k < v), dim=-1).values                 # [S, kmax]
+        kth = top.gather(1, torch.tensor([min(k, top.shape[1]) - 1 for k in ks], device=device)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == v for k in ks], device=device)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(r.top_p < 1.0 for r in picked):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        top_p = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in picked], device=device)[:, None]
+        beyond = (torch.cumsum(probs, dim=-1) - probs) > top_p                           # keep the smallest set reaching top_p
+        x = x.scatter(1, order, sorted_x.masked_fill(beyond, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    tokens = (probs / _exponential_noise(picked, probs.shape, device)).argmax(dim=-1)
+    return greedy.index_copy(0, torch.tensor(sampled, device=device), tokens)
+
+
+def _exponential_noise(rows: list[RowSampling], shape, device) -> torch.Tensor:
+    """E ~ Exp(1) [S, V]: seeded rows from their own noise seed, the others in one draw from the device's RNG."""
+    noise = torch.empty(shape, device=device)
+    seeded = [i for i, r in enumerate(rows) if r.noise_seed is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    for i in seeded:
+        noise[i].exponential_(generator=torch.Generator(device=device).manual_seed(rows[i].noise_seed))
+    return noise
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, float]]:
+    """logits [R, V], tokens [R] (same device) -> per row {token_id: logprob} of the model's
+    distribution: the chosen token and the `tops[r]` most likely. One host copy for all rows."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1))[:, 0].tolist()
+    kmax = max(tops, default=0)
+    values, ids = (torch.topk(logp, kmax, dim=-1) if kmax > 0 else (logp[:, :0], logp[:, :0].long()))
+    values, ids = values.tolist(), ids.tolist()
+    out = []
+    for r, top in enumerate(tops):
+        entry = {int(i): float(lp) for i, lp in zip(ids[r][:top], values[r][:top])}
+        entry[int(tokens[r])] = float(chosen[r])
+        out.append(entry)
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, float]:
-    """{token_id: logprob} of the model's distribution: the chosen token and the `top` most likely."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    result = {}
-    if top > 0:
-        values, ids = torch.topk(logp, top)
-        result = {int(i): float(v) for i, v in zip(ids, values)}
-    result[token] = float(logp[token])
-    return result
+    """{token_id: logprob} of the model's distribution [V]: the chosen token and the `top` most likely."""
+    return rows_logprobs(logits[None], torch.tensor([token], device=logits.device), [top])[0]

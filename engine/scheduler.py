@@ -5,9 +5,13 @@ KV pages (engine/cache): a request is admitted when its prompt's pages fit on ev
 small watermark left for the running sequences to grow); nothing is reserved for the tokens it may
 generate. When a decode step needs more pages than a worker has free, the newest running sequence
 is preempted (its pages freed) and later recomputed, before any new request: one prefill over its
-prompt and the tokens it had generated, after which it goes on sampling with the same generator, so
-a seeded or greedy request gives the same tokens as if it had never been preempted (vLLM's
-recompute preemption)."""
+prompt and the tokens it had generated, after which it goes on sampling; a seeded request's noise
+depends only on its seed and the token's index (engine/sampling.py), so a seeded or greedy request
+gives the same tokens as if it had never been preempted (vLLM's recompute preemption).
+
+Sampling: a decode step's tokens are drawn on worker 0's device for the whole batch (greedy,
+temperature, top-k, top-p; logprobs there too); only the rows under a grammar (response_format)
+come to the host, masked and sampled by the same rule."""
 import logging
 import queue
 import time
@@ -18,7 +22,8 @@ from typing import Callable
 import torch
 
 from engine.outputs import Request, StepOutput
-from engine.sampling import make_generator, sample_one, token_logprobs
+from engine.cache.prefix_cache import PrefixCache
+from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
 log = logging.getLogger(__name__)
@@ -28,18 +33,25 @@ log = logging.getLogger(__name__)
 class RunningSequence:
     request: Request
     seq_id: int
-    generator: torch.Generator | None
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
     prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
     grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
     preemptions: int = 0                         # times preempted (its cache now starts with prompt + generated)
 
-    @property
-    def needs_logits(self) -> bool:
-        """Does sampling this sequence's next token need its logits on the host (not just the argmax)?"""
-        params = self.request.params
-        return not params.greedy or params.logprobs is not None or self.grammar is not None
+    def sampling(self) -> RowSampling:
+        """How its next token is sampled (seeded requests: the same noise for the same token index)."""
+        return row_sampling(self.request.params, len(self.generated))
+
+
+@dataclass
+class ChunkedPrefill:
+    seq: RunningSequence
+    done: int = 0                 # prompt tokens already in the KV cache
+    cached: int = 0               # of those, taken from the prefix cache (the first chunk extends them)
+    chunks: int = 0
+    prefill_seconds: float = 0.0  # the workers' time over all chunks
+    call_seconds: float = 0.0
 
 
 class Scheduler:
@@ -61,15 +73,22 @@ class Scheduler:
         self.running: list[RunningSequence] = []
         self.aborted: set[str] = set()
         self.next_seq_id = 0
+        self.chunk_tokens = kv.engine.max_num_batched_tokens    # None: a prompt is prefilled in one call
+        self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
+        self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
 
     def run(self) -> None:
         while True:
             self._publish_stats()
-            if not self._poll(block=not (self.waiting or self.running or self.preempted)):
+            if not self._poll(block=not (self.waiting or self.running or self.preempted or self.prefilling)):
                 return
             self._drop_aborted()
-            if self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
+            if self.prefilling is not None:           # a long prompt's next chunk, then a step of the others
+                self._prefill_chunk()
+                if self.running:
+                    self._decode()
+            elif self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
                 self._resume(self.preempted.popleft())
             elif not self.preempted and self.waiting and self._can_admit(len(self.waiting[0].prompt_token_ids)):
                 self._prefill(self.waiting.popleft())
@@ -84,8 +103,19 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         keep = self.watermark if self.running else 0
-        return all(need + keep <= free for need, free in zip(self.kv.prefill_pages(num_tokens),
-                                                              self.ledger.free_pages()))
+        return self._fits([n + keep for n in self.kv.prefill_pages(num_tokens)])
+
+    def _fits(self, need: list[int]) -> bool:
+        """Do `need` pages fit on every worker, after evicting prefix-cache entries (oldest first) if needed?"""
+        while not all(n <= free for n, free in zip(need, self.ledger.free_pages())):
+            if not self.prefix_cache:
+                return False
+            self._evict(self.prefix_cache.oldest())
+        return True
+
+    def _evict(self, seq_id: int) -> None:
+        self.prefix_cache.remove(seq_id)
+        self.call("free", [seq_id])
 
     def _refuse_head(self) -> None:
         """Nothing runs and the first waiting sequence still does not fit: LLM.submit refuses any request
@@ -102,7 +132,10 @@ class Scheduler:
     def _publish_stats(self) -> None:
         """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""
         kv = self.ledger.tokens_per_worker()
-        state = (len(self.running), len(self.waiting) + len(self.preempted), tuple(kv), self.num_preemptions)
+        waiting = len(self.waiting) + len(self.preempted) + (self.prefilling is not None)
+        cache = self.prefix_cache
+        state = (len(self.running), waiting, tuple(kv), self.num_preemptions,
+                 cache.queries if cache else 0, cache.hits if cache else 0)
         now = time.monotonic()
         if state == self._published or (now - self._published_at < 0.25 and self.running and
                                         state[:2] == self._published[:2]):
@@ -110,7 +143,8 @@ class Scheduler:
         self._published, self._published_at = state, now
         self.outputs.put(("stats", {"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
                                     "kv_capacity_per_worker": self.kv_capacity_per_worker,
-                                    "kv_pages_free": self.ledger.free_pages(), "num_preemptions": state[3]}))
+                                    "kv_pages_free": self.ledger.free_pages(), "num_preemptions": state[3],
+                                    "prefix_cache_queries": state[4], "prefix_cache_hits": state[5]}))
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""
@@ -138,13 +172,22 @@ class Scheduler:
         if gone:
             self._free(gone)
             self.running = [s for s in self.running if s.request.request_id not in self.aborted]
+        if self.prefilling is not None and self.prefilling.seq.request.request_id in self.aborted:
+            self._free([self.prefilling.seq])
+            self.prefilling = None
         self.aborted.clear()
 
     def _prefill(self, request: Request) -> None:
-        seq = RunningSequence(request, self.next_seq_id, make_generator(request.params, torch.device("cpu")),
-                              grammar=self._grammar(request))
+        seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
+        cached = 0
+        if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
+            cached = self._adopt_cached_prefix(seq)
+        if twin is None and (cached or self._chunked(request)):   # prefilled by extending what is cached
+            self.prefilling = ChunkedPrefill(seq, done=cached, cached=cached)
+            self._prefill_chunk()
+            return
         if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
             self.call("fork", twin.seq_id, seq.seq_id)
             logits, result = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}
@@ -157,6 +200,59 @@ class Scheduler:
         seq.prompt_logits = logits
         self._emit(seq, logits, prefill=result, keep_logits=request.return_logits,
                    prompt_logprobs=result.pop("prompt_logprobs", None))
+
+    def _chunked(self, request: Request) -> bool:
+        """Is this prompt prefilled in chunks of chunk_tokens (--max-num-batched-tokens)? Not one that
+        wants prompt logprobs (they come out of one whole prefill)."""
+        return (self.chunk_tokens is not None and len(request.prompt_token_ids) > self.chunk_tokens
+                and request.params.prompt_logprobs is None)
+
+    def _adopt_cached_prefix(self, seq: RunningSequence) -> int:
+        """The new sequence starts from a copy of the longest cached prefix of its prompt -> its length (0: none)."""
+        hit = self.prefix_cache.lookup(seq.request.prompt_token_ids)
+        if hit is None:
+            return 0
+        source, length = hit
+        self.call("adopt", source, seq.seq_id, length)
+        return length
+
+    def _prefill_chunk(self) -> None:
+        """The next chunk of the prompt being prefilled: the first as a prefill, the others as an
+        incremental prefill over the chunks before it; after the last, its first token."""
+        job = self.prefilling
+        ids = job.seq.request.prompt_token_ids
+        n = min(self.chunk_tokens or len(ids), len(ids) - job.done)
+        self._make_room_for_chunk(job, n)
+        chunk = torch.tensor(ids[job.done:job.done + n], dtype=torch.int64)
+        called = time.perf_counter()
+        if job.done == 0:                     # nothing cached: the first chunk is a prefill
+            result = self.call("prefill", job.seq.seq_id, chunk, None)
+        else:
+            result = self.call("extend", job.seq.seq_id, chunk, job.done)
+        job.call_seconds += time.perf_counter() - called
+        job.prefill_seconds += result["prefill_seconds"]
+        job.done += n
+        job.chunks += 1
+        if job.done < len(ids):
+            return
+        self.prefilling = None
+        logits = result.pop("logits")
+        result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
+                      cached_tokens=job.cached)
+        job.seq.prompt_logits = logits
+        self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
+
+    def _make_room_for_chunk(self, job: "ChunkedPrefill", n: int) -> None:
+        """Preempts the newest running sequences until the chunk's pages fit on every worker (admission
+        checked that the whole prompt fits an empty cache; decode steps since may have taken pages)."""
+        while True:
+            if self._fits(self.kv.chunk_pages(job.seq.seq_id if job.done else None, n)):
+                return
+            if not self.running:
+                raise RuntimeError(f"a prompt chunk of {n} tokens does not fit in an otherwise empty KV cache")
+            victim = max(self.running, key=lambda s: (s.request.arrival_time, s.seq_id))
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _grammar(self, request: Request) -> SequenceGrammar | None:
         """A fresh matcher for a constrained request (each of n choices has its own); the grammar is
@@ -184,29 +280,30 @@ class Scheduler:
             return
         tokens = [s.generated[-1] for s in batch]
         positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in batch]
-        full_rows = [i for i, s in enumerate(batch) if s.needs_logits]
-        greedy, logits = self.call("decode", [s.seq_id for s in batch], tokens, positions, full_rows)
-        row_of = {i: j for j, i in enumerate(full_rows)}                          # batch index -> logits row
-        constrained = [i for i in full_rows if batch[i].grammar is not None]
+        host_rows = [i for i, s in enumerate(batch) if s.grammar is not None]   # masked on the host
+        sampling = [s.sampling() for s in batch]
+        if all(r.greedy and r.logprobs is None for r in sampling):
+            sampling = None                                                # argmax only
+        sampled, logits, logprobs = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling,
+                                              host_rows)
         masked = {}
-        if constrained:   # a masked copy of those rows, in one call; logprobs still read the model's logits
-            rows = mask_logits(logits[[row_of[i] for i in constrained]], [batch[i].grammar for i in constrained])
-            masked = {i: rows[j] for j, i in enumerate(constrained)}
+        if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
+            rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])
+            masked = {i: (logits[j], rows[j]) for j, i in enumerate(host_rows)}
         self.running = []
         self._step_outputs = []           # sent as one message: one pickle and queue put per step, not per token
         for i, seq in enumerate(batch):
-            if i in row_of:
-                self._emit(seq, logits[row_of[i]], sample_logits=masked.get(i))
+            if i in masked:
+                self._emit(seq, masked[i][0], sample_logits=masked[i][1])
             else:
-                self._commit(seq, greedy[i], None)
+                self._commit(seq, sampled[i], logprobs[i] if logprobs else None)
         outputs, self._step_outputs = self._step_outputs, None
         self.outputs.put(("outs", outputs))
 
     def _make_room(self, batch: list[RunningSequence]) -> list[RunningSequence]:
         """Preempts the newest sequences until this step's new pages fit on every worker; returns the rest."""
         while batch:
-            need = self.ledger.step_new_pages([s.seq_id for s in batch])
-            if all(n <= free for n, free in zip(need, self.ledger.free_pages())):
+            if self._fits(self.ledger.step_new_pages([s.seq_id for s in batch])):
                 return batch
             if len(batch) == 1:   # alone and out of pages: larger than the cache, which check_fits refuses
                 raise RuntimeError(f"sequence {batch[0].seq_id} cannot grow in an otherwise empty KV cache")
@@ -239,8 +336,10 @@ class Scheduler:
         params = seq.request.params
         if sample_logits is None and seq.grammar is not None:
             sample_logits = mask_logits(logits.unsqueeze(0).clone(), [seq.grammar])[0]
-        token = sample_one(logits if sample_logits is None else sample_logits, params, seq.generator)
-        logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
+        rule = seq.sampling()
+        token = sample_rows((logits if sample_logits is None else sample_logits)[None], [rule])
+        logprobs = rows_logprobs(logits[None], token, [params.logprobs])[0] if params.logprobs is not None else None
+        token = int(token[0])
         self._commit(seq, token, logprobs, prefill=prefill, logits=logits.clone() if keep_logits else None,
                      prompt_logprobs=prompt_logprobs)
 
@@ -257,6 +356,9 @@ class Scheduler:
             self.outputs.put(("out", item))
         if reason is None:
             self.running.append(seq)
+        elif self.prefix_cache is not None and reason != "abort":
+            self.call("retire", [seq.seq_id])
+            self.prefix_cache.insert(seq.seq_id, seq.request.prompt_token_ids + seq.generated[:-1])   # K/V computed
         else:
             self._free([seq])
 

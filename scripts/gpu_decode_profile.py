@@ -20,7 +20,7 @@ tok, pos = 5, ctx
 
 def step():
     global tok, pos
-    greedy, _ = runner.decode([0], [tok], [pos])
+    greedy = runner.decode([0], [tok], [pos])[0]
     tok, pos = greedy[0], pos + 1
 
 

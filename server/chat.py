@@ -35,6 +35,7 @@ class ChatWriter:
         self.ctx, self.req, self.prompt_tokens = ctx, req, prompt_tokens
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.tokens = 0
+        self.cached_tokens = 0      # the prompt's tokens found in the prefix cache (the most over the choices)
 
     async def body(self, events) -> dict:
         n = self.req.n
@@ -64,6 +65,7 @@ class ChatWriter:
     def _logprobs(self, event: ChoiceEvent) -> dict | None:
         """Counts the token; its logprobs entry when asked for."""
         self.tokens += 1
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens or 0)
         if not self.req.logprobs or event.logprobs is None:
             return None
         return chat_logprob_entry(self.ctx.llm.tokenizer, event.token_id, event.logprobs, self.req.top_logprobs or 0,
@@ -71,7 +73,8 @@ class ChatWriter:
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens}
+                "total_tokens": self.prompt_tokens + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
         return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,

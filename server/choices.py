@@ -19,6 +19,7 @@ class ChoiceEvent:
     logprobs: dict[int, float] | None
     finish_reason: str | None      # "stop" or "length" on the last event
     prompt_logprobs: list | None = None   # on the first event, when asked for: one entry per prompt token
+    cached_tokens: int | None = None      # on the first event: prompt tokens found in the prefix cache
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
@@ -58,7 +59,8 @@ async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], para
                 reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
             if assembler.stopped:
                 request.close("stop")
-            yield ChoiceEvent(index, text, offset, step.token_id, step.logprobs, reason, step.prompt_logprobs)
+            cached = (step.prefill or {}).get("cached_tokens", 0) if step.prefill is not None else None
+            yield ChoiceEvent(index, text, offset, step.token_id, step.logprobs, reason, step.prompt_logprobs, cached)
             if reason is not None:
                 return
     finally:

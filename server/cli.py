@@ -6,7 +6,7 @@ import sys
 import uvicorn
 
 from engine.config import preset_names
-from engine.model_runner import SP_STRATEGIES
+from engine.parallel import SP_STRATEGIES
 from kernels.attention import ATTENTION_BACKENDS
 
 log = logging.getLogger("burstserve")
@@ -36,6 +36,12 @@ def serve_parser(sub) -> None:
                    help="share of each GPU's memory for weights, activations and the paged KV cache (0-1]")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: 128 on GPUs, 16 on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep finished requests' KV in the cache (evicted least recently used first) and prefill "
+                        "only what a new prompt adds to the longest cached prefix")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prefill a longer prompt in chunks of N tokens, decoding the running requests between "
+                        "chunks (default: every prompt in one prefill)")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
                    help="how prefill attention spans the workers (decoding is the same for all); "
                         "auto: ulysses for short prompts, burst for long ones")
@@ -64,7 +70,9 @@ def serve(args) -> None:
                   auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                  cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend)
+                  cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching)
     except BurstServeError as e:
         log.error("%s", e)
         sys.exit(2)

@@ -38,6 +38,7 @@ class _Choice:
 
     def __init__(self, prefix: str, prompt_ids: list[int]):
         self.prefix, self.text, self.tokens, self.finish_reason = prefix, prefix, 0, None
+        self.cached_tokens = 0      # its prompt's tokens found in the prefix cache
         self.prompt_ids = prompt_ids
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
@@ -90,6 +91,7 @@ class CompletionWriter:
             return prompt_entry, None
         choice.text += event.text
         choice.tokens += 1
+        choice.cached_tokens = max(choice.cached_tokens, event.cached_tokens or 0)
         choice.finish_reason = event.finish_reason
         if req.logprobs is None or event.logprobs is None:
             return prompt_entry, None
@@ -117,7 +119,10 @@ class CompletionWriter:
     def _usage(self) -> dict:
         p = sum(len(ids) for _, ids in self.prompts)
         c = sum(ch.tokens for ch in self.choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        n = self.req.n
+        cached = sum(max(ch.cached_tokens for ch in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         return self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])

@@ -43,7 +43,15 @@ class Metrics:
         self.waiting = Gauge("burstserve:num_requests_waiting", "Requests waiting for prefill.", lab, registry=r)
         self.preemptions = Counter("burstserve:num_preemptions", "Sequences preempted (KV cache full) and "
                                    "recomputed later.", lab, registry=r)
+        self.preemptions.labels(self.model_name)   # exported as 0 from the start (dashboards graph a rate of it)
         self._preemptions_seen = 0
+        self.prefix_queries = Counter("burstserve:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", lab, registry=r)
+        self.prefix_hits = Counter("burstserve:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(not prefilled again).", lab, registry=r)
+        self.prefix_queries.labels(self.model_name)
+        self.prefix_hits.labels(self.model_name)
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.kv_usage = Gauge("burstserve:kv_cache_usage_perc", "KV cache usage per worker (0-1).",
                               lab + ["worker"], registry=r)
 
@@ -82,4 +90,9 @@ class Metrics:
         if preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
             self.preemptions.labels(m).inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            value = engine_stats.get(key, 0)
+            if value > self._seen[key]:        # worker 0 counts; the counters follow it
+                counter.labels(m).inc(value - self._seen[key])
+                self._seen[key] = value
         return generate_latest(self.registry)

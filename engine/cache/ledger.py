@@ -7,10 +7,32 @@ asking them. A worker's tokens of one sequence fill `ceil(tokens / block_size)` 
 from dataclasses import dataclass
 
 
+Ranges = list[tuple[int, int]]    # [start, end) position ranges, increasing
+
+
 @dataclass
 class SequenceLedger:
     tokens: list[int]    # tokens each worker holds, by rank
     prompt: list[int]    # of those, the first ones: the prefilled prompt's shard on each worker
+    ranges: list[Ranges] = None   # by rank: the positions of the tokens it holds, in slot order (increasing:
+                                  # prefill shards, then chunk shards, then decoded tokens, all later than before)
+
+    def held_before(self, rank: int, position: int) -> int:
+        """How many of the rank's tokens lie before `position`: they are its first slots."""
+        return sum(max(0, min(end, position) - start) for start, end in self.ranges[rank])
+
+
+def truncate(ranges: Ranges, position: int) -> Ranges:
+    return [(a, min(b, position)) for a, b in ranges if a < position]
+
+
+def append_range(ranges: Ranges, start: int, end: int) -> None:
+    if end <= start:
+        return
+    if ranges and ranges[-1][1] == start:
+        ranges[-1] = (ranges[-1][0], end)
+    else:
+        ranges.append((start, end))
 
 
 def pages_for(tokens: int, block_size: int) -> int:
@@ -26,16 +48,41 @@ class KVLedger:
         self.seqs: dict[int, SequenceLedger] = {}
         self.pages_used = [0] * world_size
 
-    def add(self, seq_id: int, tokens_per_rank: list[int]) -> None:
-        self.seqs[seq_id] = SequenceLedger(list(tokens_per_rank), list(tokens_per_rank))
+    def add(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> None:
+        """A new sequence whose first tokens (its prompt, or the cached prefix it starts from) sit on
+        each rank at the given positions."""
+        self.seqs[seq_id] = SequenceLedger(list(tokens_per_rank), list(tokens_per_rank), [list(r) for r in ranges])
         for r, n in enumerate(tokens_per_rank):
             self.pages_used[r] += pages_for(n, self.block_size)
+
+    def add_prefix_of(self, source_id: int, seq_id: int, position: int) -> list[int]:
+        """A new sequence holding, on every rank, the copy of the source's tokens before `position`
+        (its first slots there) -> those counts by rank."""
+        source = self.seqs[source_id]
+        counts = [source.held_before(r, position) for r in range(self.world_size)]
+        self.add(seq_id, counts, [truncate(source.ranges[r], position) for r in range(self.world_size)])
+        return counts
 
     def remove(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             for r, n in enumerate(seq.tokens):
                 self.pages_used[r] -= pages_for(n, self.block_size)
+
+    def extend(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> None:
+        """Records more of the sequence's prompt on each worker (the next chunk: its positions by rank)."""
+        seq = self.seqs[seq_id]
+        for r, n in enumerate(tokens_per_rank):
+            self.pages_used[r] += pages_for(seq.tokens[r] + n, self.block_size) - pages_for(seq.tokens[r], self.block_size)
+            seq.tokens[r] += n
+            seq.prompt[r] += n
+            for start, end in ranges[r]:
+                append_range(seq.ranges[r], start, end)
+
+    def extend_new_pages(self, seq_id: int, tokens_per_rank: list[int]) -> list[int]:
+        """Pages each worker must take to store tokens_per_rank more tokens of the sequence."""
+        tokens = self.seqs[seq_id].tokens
+        return [pages_for(t + n, self.block_size) - pages_for(t, self.block_size) for t, n in zip(tokens, tokens_per_rank)]
 
     def owners_of_next(self, seq_id: int) -> list[int]:
         """The workers that store the sequence's next token: the one holding fewest (lowest rank on
@@ -49,10 +96,12 @@ class KVLedger:
         """Records one more token of the sequence; returns the workers that store it."""
         owners = self.owners_of_next(seq_id)
         seq = self.seqs[seq_id]
+        position = seq.tokens[0] if self.replicated else sum(seq.tokens)
         for r in owners:
             if seq.tokens[r] % self.block_size == 0:
                 self.pages_used[r] += 1
             seq.tokens[r] += 1
+            append_range(seq.ranges[r], position, position + 1)
         return owners
 
     def step_new_pages(self, seq_ids: list[int]) -> list[int]:
@@ -79,3 +128,18 @@ class KVLedger:
 
     def prompt_tokens(self, seq_id: int) -> list[int]:
         return list(self.seqs[seq_id].prompt)
+
+    def prompt_ranges(self, seq_id: int) -> list[Ranges]:
+        seq = self.seqs[seq_id]
+        return [_first_tokens(seq.ranges[r], seq.prompt[r]) for r in range(self.world_size)]
+
+
+def _first_tokens(ranges: Ranges, count: int) -> Ranges:
+    """The ranges of the first `count` positions listed."""
+    out = []
+    for a, b in ranges:
+        if count <= 0:
+            break
+        out.append((a, min(b, a + count)))
+        count -= b - a
+    return out

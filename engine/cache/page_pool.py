@@ -63,6 +63,13 @@ class PagePool:
         self.lengths[seq_id] = n + 1
         return self.slot(seq_id, n)
 
+    def extend(self, seq_id: int, count: int) -> torch.Tensor:
+        """Room for count more tokens -> their slots [count] int64 on the device."""
+        n = self.lengths[seq_id]
+        self._grow(seq_id, n + count)
+        self.lengths[seq_id] = n + count
+        return self.slots(seq_id, n, count)
+
     def slot(self, seq_id: int, index: int) -> int:
         return self.pages[seq_id][index // self.block_size] * self.block_size + index % self.block_size
 
@@ -87,13 +94,20 @@ class PagePool:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+    def retire(self, seq_id: int) -> None:
+        """The sequence stops decoding but keeps its pages (a prefix-cache entry): its table row is given back."""
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self.table[row].zero_()
+            self._free_rows.append(row)
+
     def free(self, seq_id: int) -> None:
         pages = self.pages.pop(seq_id, None)
         if pages is None:
             return
         self._free.extend(reversed(pages))
         self.lengths.pop(seq_id)
-        self._free_rows.append(self.rows.pop(seq_id))
+        self.retire(seq_id)
 
     def _grow(self, seq_id: int, num_tokens: int) -> None:
         pages = self.pages[seq_id]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
-from engine.burst_attention import BurstAttention
-from engine.ring import RingCommunicator
-from engine.sharding import zigzag_shards
+from engine.parallel.burst_attention import BurstAttention
+from engine.parallel.ring import RingCommunicator
+from engine.parallel.sharding import zigzag_shards
 from kernels.attention import reference_attention
 
 

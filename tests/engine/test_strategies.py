@@ -60,7 +60,7 @@ def test_tp_slices_qkv_biases(tmp_path):
 
 @pytest.mark.parametrize("workers", [3, 4, 5, 7, 8, 13])
 def test_cqs_plan_computes_every_block_once(workers):
-    from engine.cqs import CQSPlan, difference_cover
+    from engine.parallel.cqs import CQSPlan, difference_cover
     plan = CQSPlan(workers)
     blocks = [pair for tasks in plan.tasks for pair in tasks]
     assert sorted(blocks) == sorted((q, k) for q in range(workers) for k in range(q + 1))   # causal blocks, once

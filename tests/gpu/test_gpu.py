@@ -37,9 +37,9 @@ def test_auto_backend_prefers_flash_attn_4_then_cudnn():
 
 def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):
     import torch.distributed as dist
-    from engine.burst_attention import BurstAttention
-    from engine.ring import RingCommunicator
-    from engine.sharding import zigzag_shards
+    from engine.parallel.burst_attention import BurstAttention
+    from engine.parallel.ring import RingCommunicator
+    from engine.parallel.sharding import zigzag_shards
     from kernels.attention import select_backend
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)

@@ -85,7 +85,10 @@ def _triton_interpreted_checks():
         rot = ref[:, :(h + hkv) * d].view(s, h + hkv, d)
         rot.copy_(fused._rope_torch(rot, cos[:, None], sin[:, None]))
         fused._rope_triton(kern["rope"], qkv, cos, sin, h + hkv)
-        assert same(qkv, ref)                                # fp32: the same roundings, the same bits
+        if dtype == torch.float32:
+            assert torch.equal(qkv, ref)                     # the same roundings, the same bits
+        else:                                                # two rounded products summed: 2 ulps of |x| <= 4
+            torch.testing.assert_close(qkv, ref, atol=4e-2, rtol=2e-2)
 
         gate_up = torch.randn(3, 2 * 1500).to(dtype)         # two blocks of I, the second partial
         torch.testing.assert_close(fused._silu_and_mul_triton(kern["silu_and_mul"], gate_up),

@@ -10,6 +10,8 @@ from dataclasses import replace
 import torch
 
 from engine.config import ModelConfig
+from engine.parallel.sharding import Shard, zigzag_shards
+from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 
 def tp_check(cfg: ModelConfig, world_size: int) -> str | None:
@@ -50,3 +52,32 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
         weights[m + "down_proj.weight"] = weights[m + "down_proj.weight"][:, mlp_rows].contiguous()
     local = replace(cfg, num_heads=per_q, num_kv_heads=len(kv_heads), intermediate_size=inter)
     return local, weights
+
+
+class TensorParallelStrategy(PrefillStrategy):
+    """tp: every worker runs the whole prompt (one shard) for its own heads and keeps every token's K/V
+    for them. On one worker there is nothing to split: the weights stay whole, its K/V is its own."""
+    name = "tp"
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size)
+        self.replicated_kv = world_size > 1
+
+    def shards(self, num_tokens: int) -> list[Shard]:
+        return zigzag_shards(num_tokens, 1)                     # the whole prompt, in position order
+
+    def shard_of(self, shards: list[Shard], rank: int) -> Shard:
+        return shards[0]
+
+    def tokens_per_rank(self, shards: list[Shard]) -> list[int]:
+        return [shards[0].length] * self.world_size
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        return lambda q, kv: ctx.backend(q, kv[:, 0], kv[:, 1], True, ctx.scale)[0]   # one causal kernel call
+
+    def local_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                      rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+        if not self.replicated_kv:
+            return cfg, weights, False
+        local, weights = shard_weights(cfg, weights, rank, self.world_size)
+        return local, weights, True                             # all-reduce after o_proj and down_proj

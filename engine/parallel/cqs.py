@@ -19,7 +19,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from engine.sharding import Shard, chunk_bounds
+from engine.parallel.sharding import Shard, chunk_bounds
+from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_stacked
 
@@ -136,3 +137,14 @@ class CQSAttention:
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_sizes,
                                input_split_sizes=send_sizes, group=self.group)
         return recv
+
+
+class CQSStrategy(PrefillStrategy):
+    """cqs: CQSAttention over contiguous token groups (worker w keeps group w's K/V)."""
+    name = "cqs"
+
+    def shards(self, num_tokens: int) -> list[Shard]:
+        return contiguous_shards(num_tokens, self.world_size)
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        return CQSAttention(ctx.backend, shards, rank, ctx.scale, ctx.data_group)

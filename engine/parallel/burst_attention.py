@@ -9,16 +9,22 @@ each step is one of:
   block of rank s<r:  all local queries to the keys of s's first chunk (full);
   block of rank s>r:  the queries of r's second chunk to all of s's keys (full).
 Without a causal mask (causal=False) every step is all local queries to the whole block.
+The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
+the paper's ablation without its local attention optimization) are at the end.
 """
 import time
+from functools import partial
 
 import torch
 
 from engine.devices import synchronize
-from engine.ring import RingCommunicator, RingPass
-from engine.sharding import Shard
-from kernels.attention import AttentionBackend
+from engine.parallel.ring import RingCommunicator, RingPass
+from engine.parallel.sharding import Shard
+from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
+from kernels.attention import AttentionBackend, reference_attention
 from kernels.merge import merge_into
+
+MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
 class BurstAttention:
@@ -74,3 +80,19 @@ class BurstAttention:
             return slice(None), *self.backend(q, k[:m], v[:m], False, self.scale)
         m = self.shards[self.rank].len_first
         return slice(m, None), *self.backend(q[m:], k, v, False, self.scale)
+
+
+class BurstStrategy(PrefillStrategy):
+    """burst: BurstAttention over zigzag shards with the configured local kernel (the default)."""
+    name = "burst"
+    times_exchanges = True
+    materialized = False   # burst-nolao: every step's scores [H, n, m] materialized (MATERIALIZED)
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        backend = MATERIALIZED if self.materialized else ctx.backend
+        return BurstAttention(ctx.ring, backend, shards, rank, ctx.scale, ctx.overlap)
+
+
+class BurstNoLaoStrategy(BurstStrategy):
+    name = "burst-nolao"
+    materialized = True

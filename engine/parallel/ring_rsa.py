@@ -7,8 +7,9 @@ prompts). Same zigzag shards and KV layout as `burst`, so decoding afterwards is
 """
 import torch
 
-from engine.ring import RingCommunicator, RingPass
-from engine.sharding import Shard
+from engine.parallel.ring import RingCommunicator, RingPass
+from engine.parallel.sharding import Shard
+from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 
 class RingSelfAttention:
@@ -44,3 +45,11 @@ class RingSelfAttention:
 
         self.ring_pass.run(kv[:, 1].contiguous(), value_block)                    # round 2: V
         return out.view(n, h, d).to(q.dtype)
+
+
+class RingRSAStrategy(PrefillStrategy):
+    """ring-rsa: RingSelfAttention over zigzag shards (the ring, K then V)."""
+    name = "ring-rsa"
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        return RingSelfAttention(ctx.ring, shards, rank, ctx.scale, ctx.overlap)

@@ -8,7 +8,8 @@ are repeated up to the query heads first. The KV cache keeps the shard's own K/V
 import torch
 import torch.distributed as dist
 
-from engine.sharding import Shard
+from engine.parallel.sharding import Shard
+from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend
 
 
@@ -61,3 +62,11 @@ class UlyssesAttention:
         dist.all_to_all_single(recv, y.contiguous(), output_split_sizes=[n] * g, input_split_sizes=self.lengths,
                                group=self.group)
         return recv.view(g, n, hg, d).transpose(0, 1).reshape(n, g * hg, d)
+
+
+class UlyssesStrategy(PrefillStrategy):
+    """ulysses: UlyssesAttention over zigzag shards (two all-to-alls a layer, no ring)."""
+    name = "ulysses"
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        return UlyssesAttention(ctx.backend, shards, rank, ctx.scale, ctx.data_group)

@@ -1,0 +1,86 @@
+"""Finished sequences kept in the KV cache, found again by the longest common prefix of a new prompt.
+
+An entry is a finished sequence whose pages stay on every worker: its token ids (prompt and
+generated tokens whose K/V were computed) and its sequence id in the ledger and the pools. Entries
+are indexed by a hash chain over blocks of BLOCK tokens (vLLM's scheme: block i's key hashes block
+i - 1's key with block i's tokens), so the deepest cached block of a prompt is found in
+O(prompt / BLOCK) dictionary lookups; the match is then checked token by token against the entry
+(a hash collision never reuses a wrong prefix) and extended inside the next block. The scheduler
+evicts entries least recently used first when it needs pages; an entry is copied from, never
+shared, so evicting one never touches a running sequence.
+"""
+from collections import OrderedDict
+
+BLOCK = 16          # tokens per hashed block
+
+
+def block_keys(tokens: list[int], limit: int | None = None) -> list[int]:
+    """The hash chain over the whole blocks of tokens[:limit]."""
+    keys, key = [], None
+    n = len(tokens) if limit is None else min(limit, len(tokens))
+    for start in range(0, n - BLOCK + 1, BLOCK):
+        key = hash((key, tuple(tokens[start:start + BLOCK])))
+        keys.append(key)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self):
+        self.entries: OrderedDict[int, list[int]] = OrderedDict()   # seq_id -> tokens; least recently used first
+        self.index: dict[int, set[int]] = {}                        # block key -> entries holding that prefix
+        self.used: dict[int, int] = {}                             # seq_id -> tick of its last use
+        self.tick = 0
+        self.queries = 0            # prompt tokens looked up
+        self.hits = 0               # of those, found cached
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _touch(self, seq_id: int) -> None:
+        self.entries.move_to_end(seq_id)
+        self.tick += 1
+        self.used[seq_id] = self.tick
+
+    def insert(self, seq_id: int, tokens: list[int]) -> None:
+        self.entries[seq_id] = list(tokens)
+        self._touch(seq_id)
+        for key in block_keys(tokens):
+            self.index.setdefault(key, set()).add(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        tokens = self.entries.pop(seq_id)
+        del self.used[seq_id]
+        for key in block_keys(tokens):
+            holders = self.index.get(key)
+            if holders is not None:
+                holders.discard(seq_id)
+                if not holders:
+                    del self.index[key]
+
+    def oldest(self) -> int:
+        return next(iter(self.entries))
+
+    def lookup(self, prompt: list[int]) -> tuple[int, int] | None:
+        """(entry, L): the entry sharing the longest prefix with the prompt and that prefix's length, at
+        most len(prompt) - 1 (the last prompt token is always computed: its logits give the first
+        token), or None if no entry shares a whole block. The entry becomes the most recently used."""
+        self.queries += len(prompt)
+        best = None
+        keys = block_keys(prompt, len(prompt) - 1)
+        for depth in range(len(keys), 0, -1):
+            holders = sorted(self.index.get(keys[depth - 1], ()), key=self.used.__getitem__, reverse=True)
+            for seq_id in holders:                          # most recently used first
+                if self.entries[seq_id][:depth * BLOCK] == prompt[:depth * BLOCK]:    # never trust the hash alone
+                    best = (seq_id, depth * BLOCK)
+                    break
+            if best is not None:
+                break
+        if best is None:
+            return None
+        seq_id, matched = best
+        tokens, limit = self.entries[seq_id], min(len(self.entries[seq_id]), len(prompt) - 1)
+        while matched < limit and tokens[matched] == prompt[matched]:
+            matched += 1
+        self._touch(seq_id)
+        self.hits += matched
+        return seq_id, matched

@@ -1,0 +1,86 @@
+"""Attention for an incremental prefill: n new tokens of a sequence whose first L tokens are already
+in the distributed KV cache (the next chunk of a chunked prefill; later, a prompt that extends a
+cached prefix).
+
+The new tokens are sharded over the workers like a prompt (zigzag over the n new tokens, at
+positions L + ...), and each worker's queries see two kinds of keys:
+- the new tokens' own K/V, causally: the K/V ring of BurstAttention over the new shards (pass-KV);
+- the L cached tokens, every one of them: they sit in the workers' pages, so the queries travel
+  instead (pass-Q, Meta's "Context Parallelism for Scalable Million-Token Inference"): one
+  all-gather brings every worker all n queries, each attends them to the cached K/V it holds with
+  one paged_attention call (no mask: the cache is all before the new tokens), and one all-to-all
+  returns each worker the partials of its own queries.
+The partials merge in fp32 by LSE. With replicated K/V (tp) every worker holds the whole cache for
+its heads and the new tokens whole: one paged call and one causal kernel call, nothing exchanged.
+The new tokens' K/V are written into the worker's pages after the cached ones.
+"""
+import torch
+import torch.distributed as dist
+
+from engine.cache.page_pool import PagePool
+from engine.parallel.burst_attention import BurstAttention
+from engine.parallel.sharding import Shard
+from kernels.attention import AttentionBackend
+from kernels.merge import merge_stacked
+from kernels.paged_attention import paged_attention
+
+
+class ExtendAttention:
+    def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
+                 new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
+                 overlap: bool = True, group=None, replicated: bool = False):
+        """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
+        where this worker's new tokens' K/V go; new_shards: the n new tokens over the workers."""
+        self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
+        self.slots, self.shards, self.replicated = slots, new_shards, replicated
+        self.world_size = 1 if replicated else len(new_shards)
+        device = pool.device
+        pages = pool.pages[seq_id][:-(-cached_local // pool.block_size)] if cached_local else []
+        self.table = torch.tensor([pages or [0]], dtype=torch.int32, device=device)          # [1, pages]
+        self.cached = torch.tensor([cached_local], dtype=torch.int32, device=device)          # [1]
+        self.ring_attention = None if replicated else BurstAttention(ring, backend, new_shards, rank, scale, overlap)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [n_w, H, D], k and v [n_w, Hkv, D] (this worker's new tokens) -> out [n_w, H, D]."""
+        if self.replicated:
+            new = self.backend(q, k, v, True, self.scale)                                     # causal over the new tokens
+            cached = self._cached_partial(layer, q)
+        else:
+            new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
+            cached = self._cached_partials_of_mine(layer, q) if self.world_size > 1 else self._cached_partial(layer, q)
+        self.pool.write(layer, self.slots, k, v)
+        outs = torch.stack([new[0].float()] + [o for o, _ in cached])                         # [P, n_w, H, D]
+        lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
+        out, _ = merge_stacked(outs, lses)
+        return out.to(q.dtype)
+
+    def _cached_partial(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Queries q [m, H, D] against every cached token this worker holds -> [(out fp32, lse)]."""
+        m = q.shape[0]
+        cu = torch.tensor([0, m], dtype=torch.int32, device=q.device)
+        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, cu, self.cached,
+                                   self.scale, causal=False)
+        return [(out.float(), lse)]
+
+    def _cached_partials_of_mine(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """pass-Q: every worker's queries against this worker's cache, and back -> one partial per worker."""
+        lengths = [s.length for s in self.shards]
+        everyone = _all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
+        out, lse = self._cached_partial(layer, everyone)[0]
+        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
+        mine = lengths[self.rank]
+        recv = torch.empty((self.world_size * mine,) + packed.shape[1:], dtype=packed.dtype, device=q.device)
+        dist.all_to_all_single(recv, packed, output_split_sizes=[mine] * self.world_size,
+                               input_split_sizes=lengths, group=self.group)
+        recv = recv.view(self.world_size, mine, *packed.shape[1:])
+        return [(recv[w, ..., :-1], recv[w, ..., -1]) for w in range(self.world_size)]
+
+
+def _all_gather_rows(x: torch.Tensor, lengths: list[int], group=None) -> torch.Tensor:
+    """x [lengths[rank], ...] on each worker -> [sum(lengths), ...]: every worker's rows in rank order."""
+    longest = max(lengths)
+    padded = x.new_zeros((longest,) + x.shape[1:])
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, lengths)])

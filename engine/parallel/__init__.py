@@ -1,0 +1,35 @@
+"""How a prefill spans the workers: one strategy per `--sp-strategy` name.
+
+Every strategy answers the small interface in strategy.py (sharding, the attention callable, where
+the K/V lives, the weights hook); ModelRunner asks it and never the name. The ring, the shardings
+and each strategy's attention live beside it, one file each.
+"""
+from engine.parallel.auto import AutoStrategy
+from engine.parallel.burst_attention import BurstNoLaoStrategy, BurstStrategy
+from engine.parallel.cqs import CQSStrategy
+from engine.parallel.ring_rsa import RingRSAStrategy
+from engine.parallel.single import SingleStrategy
+from engine.parallel.strategy import PrefillContext, PrefillStrategy
+from engine.parallel.tensor_parallel import TensorParallelStrategy
+from engine.parallel.ulysses import UlyssesStrategy
+
+# --sp-strategy name -> its strategy, in the order the CLI lists them
+STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
+    BurstStrategy,            # burst: BurstAttention over zigzag shards, K/V round the ring (default)
+    AutoStrategy,             # auto: ulysses for short prompts, burst for long ones
+    BurstNoLaoStrategy,       # burst-nolao: the burst ring with a materialized-score local kernel
+    RingRSAStrategy,          # ring-rsa: ring self-attention, K round then V round
+    UlyssesStrategy,          # ulysses: all-to-all over heads
+    CQSStrategy,              # cqs: cyclic quorum sets over contiguous token groups
+    TensorParallelStrategy,   # tp: heads and MLP split over the workers, K/V replicated
+    SingleStrategy,           # single: one worker
+)}
+SP_STRATEGIES = tuple(STRATEGIES)
+
+
+def get_strategy(name: str, world_size: int) -> PrefillStrategy:
+    """The strategy `name` built for world_size workers (KeyError: not a --sp-strategy name)."""
+    return STRATEGIES[name](world_size)
+
+
+__all__ = ["PrefillContext", "PrefillStrategy", "SP_STRATEGIES", "STRATEGIES", "get_strategy"]

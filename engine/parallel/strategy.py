@@ -1,0 +1,83 @@
+"""The prefill strategy interface: what ModelRunner asks of every `--sp-strategy`.
+
+A strategy is built for the runner's world size W (`engine.parallel.get_strategy(name, W)`) and
+answers:
+  shards / shard_of / tokens_per_rank   how a prompt of N tokens is cut over the W workers;
+  attention(ctx, shards, rank)          the attention callable of one prefill:
+                                        (q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D];
+  replicated_kv                         where the K/V lives: one shard per worker (False), or every
+                                        token on every worker, for its own heads (True, tp); this
+                                        decides where decoded tokens go, the decode all-gather's
+                                        width, the capacity totals and a worker's share of a sequence;
+  local_weights                         the weights hook: tp slices them and needs an all-reduce,
+                                        every other strategy keeps them whole;
+  for_prompt                            the strategy that prefills one prompt (itself; `auto` picks).
+Decoding afterwards is the same for every strategy (engine/decode_attention.py).
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.parallel.ring import RingCommunicator
+from engine.parallel.sharding import Shard, zigzag_shards
+from kernels.attention import AttentionBackend
+
+Attention = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (q [n, H, D], kv [n, 2, Hkv, D]) -> [n, H, D]
+
+
+@dataclass(frozen=True)
+class PrefillContext:
+    """What a strategy may use to build a prefill's attention; fixed for a runner's life."""
+    backend: AttentionBackend          # the local kernel: (q, k, v, causal, scale) -> (out, lse)
+    scale: float                       # head_dim ** -0.5
+    ring: RingCommunicator | None      # the K/V ring; None with one worker or replicated K/V
+    overlap: bool                      # ring exchanges overlap compute (--no-overlap: they do not)
+    data_group: object = None          # the workers' data-plane process group (None: the default group)
+    num_heads: int = 0                 # the model's query heads (auto: ulysses needs W to divide them)
+    auto_ulysses_max_tokens: int = 0   # auto: the longest prompt that takes ulysses
+
+
+class PrefillStrategy:
+    name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
+    replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
+    times_exchanges = False    # its attention offers time_exchanges_alone (the ring's yardstick for overlap)
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def shards(self, num_tokens: int) -> list[Shard]:
+        """The prompt's positions cut into shards, one per rank (zigzag: chunks r and 2W-1-r)."""
+        return zigzag_shards(num_tokens, self.world_size)
+
+    def shard_of(self, shards: list[Shard], rank: int) -> Shard:
+        """The shard whose tokens this rank runs through the model (and keeps the K/V of)."""
+        return shards[rank]
+
+    def tokens_per_rank(self, shards: list[Shard]) -> list[int]:
+        """Prompt tokens each worker stores in its KV cache, by rank."""
+        return [s.length for s in shards]
+
+    @property
+    def kv_workers(self) -> int:
+        """Workers one sequence's K/V is spread over: the decode all-gather's width, capacity's multiplier."""
+        return 1 if self.replicated_kv else self.world_size
+
+    def kv_share(self, max_model_len: int) -> int:
+        """The most tokens of one sequence a worker holds (zigzag shards differ by at most one token a chunk)."""
+        return max_model_len if self.replicated_kv else -(-max_model_len // self.world_size) + 1
+
+    def for_prompt(self, num_tokens: int, ctx: PrefillContext) -> "PrefillStrategy":
+        """The strategy that prefills a prompt of num_tokens; it must keep self.shards' layout."""
+        return self
+
+    def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
+        """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for one prefill, on this rank."""
+        raise NotImplementedError
+
+    def local_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                      rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+        """This worker's part of the model: (its config, its weights, whether the model all-reduces the
+        partial sums after o_proj and down_proj). All but tp keep the weights whole."""
+        return cfg, weights, False

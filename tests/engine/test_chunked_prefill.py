@@ -1,0 +1,99 @@
+"""Chunked prefill (--max-num-batched-tokens): a prompt prefilled chunk by chunk, each chunk an
+incremental prefill over the ones before it (engine/extend_attention.py), gives transformers'
+logits (<= 1e-4, fp32) and greedy tokens, for 1-4 CPU workers, chunk sizes that do and do not divide
+the prompt and that end inside a page, every strategy; decode steps of other requests run between
+the chunks and those requests still get their solo tokens."""
+import random
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+NUM_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3-gqa"))
+    return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+
+
+def _check(llm, model, prompts):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+        diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+        assert diff <= 1e-4, (len(prompt), diff)
+        assert out.outputs[0].token_ids == ref_tokens, len(prompt)
+
+
+@pytest.mark.parametrize("workers,chunk", [(1, 64), (2, 50), (2, 128), (3, 37), (4, 100)])
+def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk):
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    lengths = [chunk + 1, 2 * chunk, 3 * chunk + 5, 401]      # 2 chunks (the last of 1 token), exact, uneven
+    prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32",
+             max_num_batched_tokens=chunk) as llm:
+        _check(llm, model, prompts)
+        stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
+        assert stats["chunks"] == 4 and stats["strategy"] == "extend" and stats["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto"])
+def test_chunked_prefill_after_every_strategys_first_chunk(checkpoint, strategy):
+    """The first chunk is a prefill by the configured strategy; the rest extend it."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompts = [[random.randrange(vocab) for _ in range(n)] for n in (97, 250)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy,
+             max_num_batched_tokens=40) as llm:
+        _check(llm, model, prompts)
+
+
+def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
+    """Short requests admitted before a long prompt keep decoding while it prefills in chunks, and
+    every request gets the tokens it gets alone."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
+    long = [random.randrange(vocab) for _ in range(600)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32") as llm:
+        solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_num_batched_tokens=64) as llm:
+        outs = llm.generate(short + [long], params)
+        assert [o.outputs[0].token_ids for o in outs] == solo
+        assert outs[-1].metrics.prefill_stats["chunks"] == 10               # 600 tokens in chunks of 64
+        assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
+
+
+def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoint):
+    """A small pool: decode steps between the chunks take the pages the next chunk needs, so the
+    newest running request is preempted (and later completes with its solo tokens); a request
+    aborted while its prompt is half prefilled gives back every page."""
+    from test_paged_decode import _wait_stats
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = [[random.randrange(vocab) for _ in range(n)] for n in (30, 35)]
+    long = [random.randrange(vocab) for _ in range(200)]     # admitted with 5 pages a worker to spare; its 25
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=160,
+             max_num_batched_tokens=8) as llm:                  # chunks let the others grow by ~7 pages a worker
+        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in short + [long]]
+        together = llm.generate(short + [long], params)
+        assert [o.outputs[0].token_ids for o in together] == solo
+        assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]
+        assert llm.stats["num_preemptions"] > 0, llm.stats
+        rid = llm.submit([random.randrange(vocab) for _ in range(250)], params)   # 32 chunks
+        deadline = time.time() + 10
+        while sum(llm.stats["kv_tokens_per_worker"]) == 0 and time.time() < deadline:
+            time.sleep(0.002)
+        held = sum(llm.stats["kv_tokens_per_worker"])
+        llm.abort(rid)
+        assert 0 < held < 250, held                     # aborted with part of the prompt in the cache
+        assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]
+        assert llm.generate(short[0], params)[0].outputs[0].token_ids == solo[0]

@@ -1,0 +1,97 @@
+"""Prefix caching (--enable-prefix-caching): a prompt that extends a finished request's tokens
+prefills only what is new (a copy of the cached prefix on every worker, then an incremental
+prefill), and gives transformers' logits (<= 1e-4, fp32) and greedy tokens and the cold run's:
+hits that end on a page boundary and inside one, the whole prompt cached, the cached sequence
+longer than the new prompt; 1-4 CPU workers and every strategy keeping the zigzag layout. The index
+never reuses a wrong prefix (hash collisions are checked against the tokens), and eviction under a
+small pool keeps every answer right."""
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.cache import prefix_cache
+from engine.cache.prefix_cache import BLOCK, PrefixCache
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+GEN = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3-gqa"))
+    return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+
+
+def _exact(llm, model, prompt, cached_at_least):
+    out = llm.generate(prompt, GREEDY)[0]
+    ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, GEN)
+    assert out.outputs[0].token_ids == ref_tokens, len(prompt)
+    assert out.metrics.prefill_stats.get("cached_tokens", 0) >= cached_at_least, out.metrics.prefill_stats
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_prompts_extending_cached_ones_match_transformers(checkpoint, workers):
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    doc = [random.randrange(vocab) for _ in range(203)]
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", block_size=16,
+             enable_prefix_caching=True) as llm:
+        first = _exact(llm, model, doc, 0)                                   # cold: cached as doc + 9 generated
+        cached = doc + first.outputs[0].token_ids[:-1]
+        question = [random.randrange(vocab) for _ in range(37)]
+        _exact(llm, model, doc + question, len(doc))                         # hit inside a page, beyond the doc
+        _exact(llm, model, cached[:192] + question, 192)                     # hit on a page boundary
+        _exact(llm, model, cached + first.outputs[0].token_ids[-1:], len(cached))   # a conversation's next turn
+        _exact(llm, model, doc, len(doc) - 1)                                # the whole prompt cached
+        _exact(llm, model, doc[:100], 99)                                    # the cached sequence is longer
+        logits = llm.next_token_logits(doc + question)                      # another hit, logits compared
+        ref_logits, _ = hf_next_logits_and_greedy(model, doc + question, 1)
+        assert (logits - ref_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "tp", "auto", "cqs"])
+def test_every_strategy_with_prefix_hits(checkpoint, strategy):
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    doc = [random.randrange(vocab) for _ in range(150)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy,
+             enable_prefix_caching=True, max_num_batched_tokens=64) as llm:
+        _exact(llm, model, doc, 0)
+        _exact(llm, model, doc + [random.randrange(vocab) for _ in range(90)], len(doc))   # the rest in 2 chunks
+
+
+def test_a_hash_collision_never_reuses_a_wrong_prefix(monkeypatch):
+    """Every block hashes alike: the index proposes every entry, the token check keeps the right one."""
+    monkeypatch.setattr(prefix_cache, "hash", lambda x: 7, raising=False)
+    cache = PrefixCache()
+    a = [random.randrange(1000) for _ in range(5 * BLOCK)]
+    b = a[:2 * BLOCK] + [t + 1 for t in a[2 * BLOCK:]]
+    cache.insert(1, a)
+    cache.insert(2, b)                                       # more recent: proposed first
+    assert cache.lookup(a[:4 * BLOCK] + [3]) == (1, 4 * BLOCK)
+    assert cache.lookup(b[:3 * BLOCK + 5] + [10 ** 6]) == (2, 3 * BLOCK + 5)
+    assert cache.lookup([10 ** 6] * 40) is None
+    cache.remove(1)
+    assert cache.lookup(a[:4 * BLOCK] + [3]) == (2, 2 * BLOCK)
+
+
+def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
+    """A pool of 3 prompts' worth: 10 distinct prompts and re-asks evict entries (least recently used
+    first); every answer equals its solo cold answer, hits or not."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompts = [[random.randrange(vocab) for _ in range(random.randrange(40, 70))] for _ in range(10)]
+    prompts += [p + [random.randrange(vocab) for _ in range(random.randrange(1, 30))] for p in prompts]   # extensions
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32") as llm:
+        cold = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=128,
+             enable_prefix_caching=True) as llm:
+        hits = 0
+        for i in list(range(10)) + [random.randrange(20) for _ in range(30)]:
+            out = llm.generate(prompts[i], GREEDY)[0]
+            assert out.outputs[0].token_ids == cold[i], i
+            hits += out.metrics.prefill_stats.get("cached_tokens", 0) > 0
+        assert hits > 0

@@ -1,4 +1,5 @@
-"""`burstserve bench`: prefill-latency sweeps and load tests, against a server or offline.
+"""`burstserve bench`: prefill-latency sweeps, load tests and shared-document (prefix cache) TTFT, against a
+server or offline.
 
     burstserve bench sweep --url http://127.0.0.1:8000 --lengths 4096,8192 --repeats 3 --output-dir out
     burstserve bench sweep --serve "--model llama3-8b --devices cuda --sp-strategy ring-rsa" --label ring-rsa
@@ -8,6 +9,10 @@
     burstserve bench sweep --offline --model llama3-8b --devices cuda --lengths 8192 --output-len 128 --batch 16
     burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers \
         --lengths 8192 --output-len 128 --batch 16
+    burstserve bench shared --serve "--model llama3-8b --devices cuda --enable-prefix-caching" --doc-len 32768 \
+        --question-len 512 --questions 4 --repeats 2
+    burstserve bench shared --offline --model llama3-8b --devices cuda --doc-len 65536 --max-num-batched-tokens 8192
+    burstserve bench shared --url http://127.0.0.1:8000 --turns 6 --doc-len 8192 --question-len 256 --output-len 128
     burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
         --doc docs/benchmarks.md --section llama3-8b --title "llama3-8b, every strategy"
 """
@@ -23,12 +28,15 @@ from kernels.attention import ATTENTION_BACKENDS
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark time to first token (sweep) or a request load")
+    p = sub.add_parser("bench", help="benchmark time to first token (sweep; shared: cold and warm, prefix cache) or "
+                                      "a request load")
     modes = p.add_subparsers(dest="mode", required=True)
     sweep = modes.add_parser("sweep", help="TTFT over prompt lengths (with --output-len, time per output token; "
                                            "with --batch, generated tokens/s)")
     load = modes.add_parser("load", help="many requests at a rate; vllm bench serve's metrics")
-    for m in (sweep, load):
+    shared = modes.add_parser("shared", help="cold and warm TTFT of questions on one long document (prefix cache), "
+                                             "or of a multi-turn conversation (--turns)")
+    for m in (sweep, load, shared):
         m.add_argument("--url", default=None, help="a running server (default: --serve, else http://127.0.0.1:8000)")
         m.add_argument("--serve", default=None, help="start `burstserve serve` with these arguments for this run")
         m.add_argument("--api-key", default=None)
@@ -47,20 +55,29 @@ def add_parser(sub) -> None:
     sweep.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                        help="prompts of the same length sent together: offline one generate call with B prompts, "
                             "over HTTP B concurrent streams (default 1). Every request's TTFT and TPOT is a sample")
-    sweep.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
-    sweep.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                       help="offline: the local attention kernel (the rows record the one chosen)")
-    sweep.add_argument("--model", default="tiny", help="offline: model directory or preset")
-    sweep.add_argument("--devices", default=None,
-                       help="offline, or added to --serve's arguments: devices as torch names them: cpu, cuda, "
-                            "cuda:1, cuda:0,2 (default: every visible GPU, else cpu)")
-    sweep.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
-                       help="offline, or added to --serve's arguments: worker processes (default: every named GPU; "
-                            "on CPU, 1)")
-    sweep.add_argument("--dtype", default=None, help="offline: dtype")
-    sweep.add_argument("--sp-strategy", default="burst",
-                       help="offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
-    sweep.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
+    _add_offline_args(sweep, "offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
+    shared.add_argument("--doc-len", type=_positive_int, default=32768, metavar="L",
+                        help="tokens of the document (random ids, fresh each repeat); multi-turn: of the first turn's "
+                             "context")
+    shared.add_argument("--question-len", type=_positive_int, default=512, metavar="Q",
+                        help="new tokens of each question (multi-turn: of each turn)")
+    shared.add_argument("--questions", type=_at_least(2), default=4,
+                        help="questions on each document: the first is cold, the others warm")
+    shared.add_argument("--turns", type=_turns, default=0, metavar="T",
+                        help="0 (default): document mode; T >= 2: a conversation of T turns, each turn's prompt the "
+                             "previous prompt, its answer and --question-len new tokens")
+    shared.add_argument("--output-len", type=_positive_int, default=None, metavar="N",
+                        help="tokens each request generates, exactly (ignore_eos): the answer of a turn. Default: 1 "
+                             "in document mode, 128 in multi-turn mode")
+    shared.add_argument("--repeats", type=_positive_int, default=2,
+                        help="measured documents (conversations), each fresh")
+    shared.add_argument("--warmup", type=int, default=1,
+                        help="unmeasured documents (conversations) first: the first prefill of a length and the first "
+                             "cached prefill build kernel plans; recorded apart")
+    shared.add_argument("--seed", type=int, default=0, help="of the random token ids")
+    shared.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+                        help="offline: chunked prefill in chunks of N tokens (over HTTP: give it to the server)")
+    _add_offline_args(shared, "offline: prefill strategy")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--input-len", type=int, default=1024)
     load.add_argument("--output-len", type=int, default=128)
@@ -76,6 +93,39 @@ def add_parser(sub) -> None:
     merge.add_argument("--title", default="Time to first token")
     merge.add_argument("--scaling-length", type=int, default=65536,
                        help="the prompt length of the scaling table (configurations by device count); 0: none")
+
+
+def _add_offline_args(m, strategy_help: str) -> None:
+    """A mode's flags of an offline run (the LLM in this process) and of the devices --serve is given."""
+    m.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
+    m.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="offline: the local attention kernel (the rows record the one chosen)")
+    m.add_argument("--model", default="tiny", help="offline: model directory or preset")
+    m.add_argument("--devices", default=None,
+                   help="offline, or added to --serve's arguments: devices as torch names them: cpu, cuda, "
+                        "cuda:1, cuda:0,2 (default: every visible GPU, else cpu)")
+    m.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
+                   help="offline, or added to --serve's arguments: worker processes (default: every named GPU; "
+                        "on CPU, 1)")
+    m.add_argument("--dtype", default=None, help="offline: dtype")
+    m.add_argument("--sp-strategy", default="burst", help=strategy_help)
+    m.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+    return parse
+
+
+def _turns(text: str) -> int:
+    value = int(text)
+    if value != 0 and value < 2:
+        raise argparse.ArgumentTypeError(f"0 (document mode) or at least 2, not {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -115,11 +165,8 @@ def _run(args) -> None:
     with _server(args) as url:
         if args.mode == "sweep":
             lengths = [int(x) for x in args.lengths.split(",")]
-            meta = {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-                    "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
-                    "machine": report.this_machine() if args.offline or args.serve else None,
-                    "repeats": args.repeats, "warmup": args.warmup, "output_len": args.output_len,
-                    "batch": args.batch}
+            meta = {**_run_meta(args, url), "repeats": args.repeats, "warmup": args.warmup,
+                    "output_len": args.output_len, "batch": args.batch}
             rows = []
             with tqdm(total=len(lengths) * (args.repeats + args.warmup), desc="sweep", file=sys.stderr) as bar:
                 # written as it goes, with the length being measured marked: a killed run keeps its rows
@@ -131,6 +178,9 @@ def _run(args) -> None:
                     report.write_sweep(args.output_dir, rows + pending, meta)
             report.write_sweep(args.output_dir, rows, meta)
             print(report.sweep_table(rows, meta) + report.decode_table(rows))
+        elif args.mode == "shared":
+            from clients.shared import run_shared
+            run_shared(args, url, _run_meta(args, url))
         else:
             from clients.load import run_load
             from clients.sweep import server_info
@@ -151,19 +201,20 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
         from clients.hf_baseline import sweep_transformers
         return sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
                                   args.label, bar, args.context_parallel_size, args.output_len, args.batch)
-    from clients.sweep import sweep_http, sweep_offline
+    from clients.sweep import offline_llm_args, sweep_http, sweep_offline
     if args.offline:
-        # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
-        # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
-        # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
-        llm_args = dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
-                        dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
-                        overlap=not args.no_overlap, max_model_len=max(lengths) + args.output_len,
-                        max_num_seqs=max(64, args.batch))
+        llm_args = offline_llm_args(args, max(lengths) + args.output_len, max(64, args.batch))
         return sweep_offline(llm_args, lengths, args.repeats, args.warmup, args.output_len, args.label, bar,
                              args.batch)
     return sweep_http(url, lengths, args.repeats, args.warmup, args.output_len, args.label, args.api_key, bar,
                       args.batch)
+
+
+def _run_meta(args, url: str | None) -> dict:
+    """What results.json records of every run: the command, where it measured, the date and the machine."""
+    return {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+            "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
+            "machine": report.this_machine() if args.offline or args.serve else None}
 
 
 def _device_args(args) -> list[str]:

@@ -6,6 +6,7 @@ that length together (default 1: one request at a time); every request generates
 tokens (ignore_eos; default 1: TTFT only). Over HTTP, times are taken on the client (the SSE chunk carrying
 each token) and the server's own prefill time is read from its Prometheus counters before and after each
 batch; offline, from the engine's RequestMetrics (token times as worker 0 stamped them)."""
+import contextlib
 import itertools
 import random
 import statistics
@@ -49,6 +50,16 @@ def device_fields(devices: list[str]) -> dict:
 
 def default_label(base: str, batch: int) -> str:
     return base + (f", batch {batch}" if batch > 1 else "")
+
+
+def config_label(fields: dict, offline: bool) -> str:
+    """A configuration's default name in tables: its strategy and worker count ('burst, 2 device(s)')."""
+    return f"{fields['strategy']}, {fields['context_parallel_size']} device(s)" + (", offline" if offline else "")
+
+
+def random_prompt(vocab: int, n: int, rng=random) -> list[int]:
+    """n random token ids below vocab: a prompt of exactly n tokens that no cache has seen."""
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def make_row(label: str, fields: dict, n: int, batches: list[list[RequestTiming]], error: str | None,
@@ -105,7 +116,7 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
     over a batch is shared equally among its requests."""
     info = server_info(url, api_key)
     fields = config_fields(info)
-    label = label or default_label(f"{fields['strategy']}, {fields['context_parallel_size']} device(s)", batch)
+    label = label or default_label(config_label(fields, offline=False), batch)
     vocab = info.get("vocab_size", 1000)
 
     def send() -> list[RequestTiming]:
@@ -122,23 +133,42 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
         yield make_row(label, fields, n, timed, error, warm, output_len=output_len, batch=batch)
 
 
+def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) -> dict:
+    """The LLM arguments of an offline run from its command line (--model, --devices, -cp, --dtype,
+    --sp-strategy, --attention-backend, --no-overlap), with `extra` ones added."""
+    # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
+    # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
+    # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
+    return dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
+                dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
+                overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **extra)
+
+
+@contextlib.contextmanager
+def offline_llm(llm_args: dict):
+    """An offline run's LLM, warmed up by one short request -> (the LLM, its configuration as a row's fields:
+    strategy, devices, kernel)."""
+    from engine import LLM, SamplingParams
+    with LLM(**llm_args) as llm:
+        fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
+                  **device_fields(llm.engine.devices), "kernel": llm.kernel}
+        llm.generate(random_prompt(llm.model_config.vocab_size, 16), SamplingParams(max_tokens=1))   # warm-up
+        yield llm, fields
+
+
 def sweep_offline(llm_args: dict, lengths: list[int], repeats: int, warmup: int, output_len: int,
                   label: str | None, progress, batch: int = 1):
     """Yields one row per prompt length: the same sweep through the LLM API in this process, a batch being
     one llm.generate call with `batch` prompts. An error (an OOM kills the engine) ends this configuration:
     longer prompts are not tried."""
-    from engine import LLM, SamplingParams
-    with LLM(**llm_args) as llm:
-        devices = llm.engine.devices
-        fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
-                  **device_fields(devices), "kernel": llm.kernel}
-        label = label or default_label(f"{fields['strategy']}, {len(devices)} device(s), offline", batch)
+    from engine import SamplingParams
+    with offline_llm(llm_args) as (llm, fields):
+        label = label or default_label(config_label(fields, offline=True), batch)
         vocab = llm.model_config.vocab_size
-        llm.generate([random.randrange(vocab) for _ in range(16)], SamplingParams(max_tokens=1))   # warm-up
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
         def send() -> list:
-            prompts = [[random.randrange(vocab) for _ in range(n)] for _ in range(batch)]
+            prompts = [random_prompt(vocab, n) for _ in range(batch)]
             outputs = llm.generate(prompts, params)
             for out in outputs:
                 check_generated(len(out.outputs[0].token_ids), output_len)

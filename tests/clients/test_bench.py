@@ -263,3 +263,105 @@ def test_transformers_peer_decodes_on_cpu(tmp_path):
     assert r["tpot_ms_samples"][0] == r["tpot_ms_samples"][1] and r["ttft_ms_samples"][0] == r["ttft_ms_samples"][1]
     for j, decode in enumerate(r["decode_tokens_per_s_samples"]):
         assert decode == pytest.approx(2 / (r["tpot_ms_samples"][2 * j] / 1e3))
+
+
+# ---- shared: cold and warm TTFT on one document (prefix cache), multi-turn ------------------------------------
+def check_shared(out_dir, per_run: int, repeats: int) -> dict:
+    """results.json: every run's cold request first with nothing cached, its figures the table's; results.md:
+    the table, a line per repeat (and one over all of them)."""
+    data = json.load(open(os.path.join(out_dir, "results.json")))
+    assert data["mode"] == "shared" and not data["error"] and not data["warnings"]
+    assert len(data["runs"]) == repeats and len(data["warmup_runs"]) == 1
+    for run in data["runs"] + data["warmup_runs"]:
+        assert [x["index"] for x in run] == list(range(1, per_run + 1))
+        assert run[0]["cached_tokens"] == 0 and not run[0]["warm"] and all(x["warm"] for x in run[1:])
+        assert all(x["ttft_ms"] > 0 and 0 < x["server_prefill_ms"] for x in run)
+    s = data["summary"]
+    warm = [x for run in data["runs"] for x in run[1:]]
+    assert s["mean_warm_ttft_ms"] == pytest.approx(statistics.fmean(x["ttft_ms"] for x in warm))
+    assert s["max_warm_ttft_ms"] == pytest.approx(max(x["ttft_ms"] for x in warm))
+    assert s["speedup"] == pytest.approx(s["mean_cold_ttft_ms"] / s["mean_warm_ttft_ms"])
+    table = open(os.path.join(out_dir, "results.md")).read()
+    assert ("| cold TTFT s | warm TTFT s mean | warm p50 | warm max | cached tokens (warm) | speed-up cold/warm |"
+            in table)
+    first = data["runs"][0]
+    assert f"| 1 | {first[0]['ttft_ms'] / 1e3:.3f} | " in table and f"{s['speedup']:.2f}x |" in table
+    return data
+
+
+def test_shared_document_offline_hits_the_cached_document(tmp_path):
+    out = tmp_path / "shared"
+    printed = bench("shared", "--offline", "--model", "tiny", "--devices", "cpu", "--doc-len", "200", "--question-len",
+                    "20", "--questions", "3", "--repeats", "1", "--output-dir", str(out))
+    data = check_shared(str(out), 3, 1)
+    assert data["kind"] == "document" and data["label"] == "burst, 1 device(s), offline" and data["output_len"] == 1
+    run = data["runs"][0]
+    assert [x["prompt_tokens"] for x in run] == [220] * 3
+    assert all(x["cached_tokens"] >= 200 for x in run[1:])
+    assert data["summary"]["min_warm_cached_tokens"] >= 200 and data["summary"]["warm_without_cache_hit"] == 0
+    assert "| document | cold TTFT s |" in printed and "| 1 | " in printed
+    with open(out / "results.csv") as f:
+        assert [int(r["cached_tokens"]) >= 200 for r in csv.DictReader(f) if r["repeat"] == "1"] == [False, True, True]
+
+
+def test_shared_multi_turn_offline_caches_each_previous_turn(tmp_path):
+    out = tmp_path / "turns"
+    bench("shared", "--offline", "--model", "tiny", "--devices", "cpu", "--turns", "3", "--output-len", "4",
+          "--question-len", "10", "--doc-len", "100", "--repeats", "2", "--max-num-batched-tokens", "48",
+          "--output-dir", str(out))
+    data = check_shared(str(out), 3, 2)
+    assert data["kind"] == "multi-turn" and data["max_num_batched_tokens"] == 48
+    for run in data["runs"]:
+        # turn t: turn t-1's prompt, its 4-token answer, 10 new tokens; all but the answer's last token cached
+        assert [x["prompt_tokens"] for x in run] == [110, 124, 138]
+        for before, turn in zip(run, run[1:]):
+            assert turn["expected_cached_tokens"] == before["prompt_tokens"] + 4 - 1
+            assert turn["cached_tokens"] >= turn["expected_cached_tokens"] >= before["prompt_tokens"]
+    assert [t["prompt_tokens"] for t in data["per_turn"]] == [110, 124, 138]
+    table = open(out / "results.md").read()
+    assert "| turn | prompt tokens | cached tokens | TTFT s mean | TTFT s max |" in table and "| 3 | 138 | " in table
+
+
+def test_shared_over_http_hits_the_servers_prefix_cache(tmp_path):
+    out = tmp_path / "http"
+    bench("shared", "--serve", "--model tiny --devices cpu --enable-prefix-caching", "--doc-len", "96",
+          "--question-len", "8", "--questions", "3", "--repeats", "2", "--output-dir", str(out))
+    data = check_shared(str(out), 3, 2)
+    assert data["url"] and data["server"]["id"] and data["label"] == "burst, 1 device(s)"
+    assert all(x["cached_tokens"] >= 96 for run in data["runs"] for x in run[1:])
+    # multi-turn: the answers come back as token ids (logprobs), so the next turn extends the cached one
+    bench("shared", "--serve", "--model tiny --devices cpu --enable-prefix-caching", "--turns", "3", "--doc-len", "40",
+          "--question-len", "6", "--output-len", "5", "--repeats", "1", "--output-dir", str(tmp_path / "turns"))
+    data = check_shared(str(tmp_path / "turns"), 3, 1)
+    run = data["runs"][0]
+    assert [x["prompt_tokens"] for x in run] == [46, 57, 68]
+    assert run[1]["cached_tokens"] >= 46 + 5 - 1 and run[2]["cached_tokens"] >= 57 + 5 - 1
+
+
+def test_shared_over_http_warns_without_a_prefix_cache(tmp_path):
+    """A server without --enable-prefix-caching: every warm request reports 0 cached tokens, loudly."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "shared", "--serve",
+                           "--model tiny --devices cpu", "--doc-len", "48", "--question-len", "4", "--repeats", "1",
+                           "--warmup", "0", "--turns", "2", "--output-len", "3", "--output-dir", str(tmp_path / "no")],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NO cache hit" in proc.stderr and "--enable-prefix-caching" in proc.stderr
+    data = json.load(open(tmp_path / "no" / "results.json"))
+    assert data["summary"]["warm_without_cache_hit"] == 1 and len(data["warnings"]) == 1
+    assert "**Warning**" in open(tmp_path / "no" / "results.md").read()
+
+
+def test_shared_flags():
+    import argparse
+    from clients.bench import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    shared = lambda *a: parser.parse_args(["bench", "shared", *a])   # noqa: E731
+    a = shared()
+    assert (a.doc_len, a.question_len, a.questions, a.turns, a.output_len, a.repeats, a.max_num_batched_tokens) == \
+        (32768, 512, 4, 0, None, 2, None)
+    assert shared("--turns", "5").turns == 5
+    for bad in (["--turns", "1"], ["--questions", "1"], ["--doc-len", "0"], ["--max-num-batched-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            shared(*bad)

@@ -22,7 +22,7 @@ from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_stacked
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import guarded_table, paged_attention
 
 
 class ExtendAttention:
@@ -36,8 +36,11 @@ class ExtendAttention:
         self.world_size = 1 if replicated else len(new_shards)
         device = pool.device
         pages = pool.pages[seq_id][:-(-cached_local // pool.block_size)] if cached_local else []
-        self.table = torch.tensor([pages or [0]], dtype=torch.int32, device=device)          # [1, pages]
+        self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))   # [1, pages]
         self.cached = torch.tensor([cached_local], dtype=torch.int32, device=device)          # [1]
+        queries = sum(s.length for s in new_shards) if not replicated else new_shards[0].length
+        self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                  # built once, not per layer
+                   for m in {queries, new_shards[0 if replicated else rank].length}}
         self.ring_attention = None if replicated else BurstAttention(ring, backend, new_shards, rank, scale, overlap)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -56,10 +59,8 @@ class ExtendAttention:
 
     def _cached_partial(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Queries q [m, H, D] against every cached token this worker holds -> [(out fp32, lse)]."""
-        m = q.shape[0]
-        cu = torch.tensor([0, m], dtype=torch.int32, device=q.device)
-        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, cu, self.cached,
-                                   self.scale, causal=False)
+        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
+                                   self.cached, self.scale, causal=False)
         return [(out.float(), lse)]
 
     def _cached_partials_of_mine(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

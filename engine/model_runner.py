@@ -21,7 +21,7 @@ from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import owner_of_position, zigzag_shards
+from engine.parallel.sharding import balanced_shards, owner_of_position
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights
@@ -129,7 +129,7 @@ class ModelRunner:
         self._sync()
         start_time = time.perf_counter()
         n = token_ids.shape[0]
-        shards = self._extend_shards(n)
+        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = shard.positions()                                   # [n_w], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
@@ -154,18 +154,46 @@ class ModelRunner:
             result["logits"] = logits.cpu()
         return result
 
-    def _extend_shards(self, num_tokens: int):
-        """How an incremental prefill's new tokens spread: zigzag over the workers holding K/V shards
-        (whatever the prompt's layout: the cached part is attended by passing queries, in any order),
-        or the strategy's one shard under replicated K/V."""
-        return self.strategy.shards(num_tokens) if self.strategy.replicated_kv else zigzag_shards(num_tokens, self.world_size)
+    def _extend_shards(self, held: list[int], num_tokens: int):
+        """How an incremental prefill's new tokens spread over workers holding `held` tokens of the
+        sequence: in zigzag order, sized to level the workers' totals (the cached part is attended by
+        passing queries, in any layout); under replicated K/V, the strategy's one shard."""
+        return self.strategy.shards(num_tokens) if self.strategy.replicated_kv else balanced_shards(num_tokens, held)
 
     def chunk_pages(self, seq_id: int | None, num_tokens: int) -> list[int]:
         """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
         its first chunk, a prefill)."""
         if seq_id is None:
             return self.prefill_pages(num_tokens)
-        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(self._extend_shards(num_tokens)))
+        held = self.ledger.seqs[seq_id].tokens
+        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(self._extend_shards(held, num_tokens)))
+
+    def plan_pages(self, held: list[int], num_tokens: int, chunk: int | None) -> list[int]:
+        """Pages each worker holds once a sequence holding `held` tokens by rank is extended by
+        num_tokens in chunks of `chunk` (None: one extend), chunk after chunk as `extend` places them."""
+        held = list(held)
+        while num_tokens > 0:
+            n = min(chunk or num_tokens, num_tokens)
+            take = self.strategy.tokens_per_rank(self._extend_shards(held, n))
+            held = [h + t for h, t in zip(held, take)]
+            num_tokens -= n
+        return [pages_for(h, self.block_size) for h in held]
+
+    def chunked_prefill_pages(self, num_tokens: int, chunk: int) -> list[int]:
+        """Pages each worker takes to prefill a prompt of num_tokens in chunks of `chunk` (the first a prefill)."""
+        first = min(chunk, num_tokens)
+        held = self.strategy.tokens_per_rank(self.strategy.shards(first))
+        return self.plan_pages(held, num_tokens - first, chunk)
+
+    def adopt_pages(self, source_id: int, position: int, num_tokens: int, chunk: int | None) -> list[int]:
+        """Pages each worker takes to adopt the source's tokens before `position` and then extend them by
+        num_tokens in chunks of `chunk` (the scheduler checks this before `adopt`)."""
+        source = self.ledger.seqs[source_id]
+        return self.plan_pages([source.held_before(r, position) for r in range(self.world_size)], num_tokens, chunk)
+
+    def fork_pages(self, source_id: int) -> list[int]:
+        """Pages each worker takes to fork the source's prompt (the scheduler checks this before `fork`)."""
+        return [pages_for(n, self.block_size) for n in self.ledger.prompt_tokens(source_id)]
 
     def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
         """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets

@@ -128,7 +128,7 @@ def rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -
     chosen = logp.gather(1, tokens.view(-1, 1))[:, 0].tolist()
     kmax = max(tops, default=0)
     values, ids = (torch.topk(logp, kmax, dim=-1) if kmax > 0 else (logp[:, :0], logp[:, :0].long()))
-    values, ids = values.tolist(), ids.tolist()
+    values, ids, tokens = values.tolist(), ids.tolist(), tokens.tolist()       # one host copy each
     out = []
     for r, top in enumerate(tops):
         entry = {int(i): float(lp) for i, lp in zip(ids[r][:top], values[r][:top])}

@@ -90,7 +90,7 @@ class Scheduler:
                     self._decode()
             elif self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
                 self._resume(self.preempted.popleft())
-            elif not self.preempted and self.waiting and self._can_admit(len(self.waiting[0].prompt_token_ids)):
+            elif not self.preempted and self.waiting and self._can_admit_request(self.waiting[0]):
                 self._prefill(self.waiting.popleft())
             elif self.running:
                 self._decode()
@@ -105,12 +105,30 @@ class Scheduler:
         keep = self.watermark if self.running else 0
         return self._fits([n + keep for n in self.kv.prefill_pages(num_tokens)])
 
-    def _fits(self, need: list[int]) -> bool:
-        """Do `need` pages fit on every worker, after evicting prefix-cache entries (oldest first) if needed?"""
-        while not all(n <= free for n, free in zip(need, self.ledger.free_pages())):
-            if not self.prefix_cache:
-                return False
-            self._evict(self.prefix_cache.oldest())
+    def _can_admit_request(self, request: Request) -> bool:
+        """_can_admit for a new request's prompt, chunked or not (a chunked prompt's pages as its chunks place them)."""
+        n = len(request.prompt_token_ids)
+        if not self._chunked(request):
+            return self._can_admit(n)
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        keep = self.watermark if self.running else 0
+        return self._fits([p + keep for p in self.kv.chunked_prefill_pages(n, self.chunk_tokens)])
+
+    def _fits(self, need: list[int], keep_entry: int | None = None) -> bool:
+        """Do `need` pages fit on every worker, after evicting prefix-cache entries (least recently used
+        first, never `keep_entry`)? Evicts nothing when even evicting every entry would not do."""
+        free = self.ledger.free_pages()
+        if all(n <= f for n, f in zip(need, free)):
+            return True
+        entries = [e for e in (self.prefix_cache.entries if self.prefix_cache else ()) if e != keep_entry]
+        evictable = [sum(self.ledger.pages_of(e, r) for e in entries) for r in range(len(free))]
+        if not all(n <= f + e for n, f, e in zip(need, free, evictable)):
+            return False
+        for entry in entries:                          # least recently used first
+            if all(n <= f for n, f in zip(need, self.ledger.free_pages())):
+                break
+            self._evict(entry)
         return True
 
     def _evict(self, seq_id: int) -> None:
@@ -181,6 +199,8 @@ class Scheduler:
         seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
+        if twin is not None and not self._fits(self.kv.fork_pages(twin.seq_id)):
+            twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
         if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
             cached = self._adopt_cached_prefix(seq)
@@ -209,10 +229,14 @@ class Scheduler:
 
     def _adopt_cached_prefix(self, seq: RunningSequence) -> int:
         """The new sequence starts from a copy of the longest cached prefix of its prompt -> its length (0: none)."""
-        hit = self.prefix_cache.lookup(seq.request.prompt_token_ids)
+        ids = seq.request.prompt_token_ids
+        hit = self.prefix_cache.lookup(ids)
         if hit is None:
             return 0
         source, length = hit
+        chunk = self.chunk_tokens if seq.request.params.prompt_logprobs is None else None
+        if not self._fits(self.kv.adopt_pages(source, length, len(ids) - length, chunk), keep_entry=source):
+            return 0                                     # the copy and its extension do not fit: a prefill, as admitted
         self.call("adopt", source, seq.seq_id, length)
         return length
 
@@ -222,7 +246,8 @@ class Scheduler:
         job = self.prefilling
         ids = job.seq.request.prompt_token_ids
         n = min(self.chunk_tokens or len(ids), len(ids) - job.done)
-        self._make_room_for_chunk(job, n)
+        if not self._make_room_for_chunk(job, n):
+            return
         chunk = torch.tensor(ids[job.done:job.done + n], dtype=torch.int64)
         called = time.perf_counter()
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
@@ -242,17 +267,24 @@ class Scheduler:
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
 
-    def _make_room_for_chunk(self, job: "ChunkedPrefill", n: int) -> None:
-        """Preempts the newest running sequences until the chunk's pages fit on every worker (admission
-        checked that the whole prompt fits an empty cache; decode steps since may have taken pages)."""
-        while True:
-            if self._fits(self.kv.chunk_pages(job.seq.seq_id if job.done else None, n)):
-                return
-            if not self.running:
-                raise RuntimeError(f"a prompt chunk of {n} tokens does not fit in an otherwise empty KV cache")
-            victim = max(self.running, key=lambda s: (s.request.arrival_time, s.seq_id))
-            self.running.remove(victim)
-            self._preempt(victim)
+    def _make_room_for_chunk(self, job: "ChunkedPrefill", n: int) -> bool:
+        """Do the chunk's pages fit on every worker (prefix-cache entries evicted if needed)? If not, the
+        running sequences took them since admission: the prompt, the newest request, gives way (its pages
+        freed, back at the head of the queue: first come, first served) -> False."""
+        if self._fits(self.kv.chunk_pages(job.seq.seq_id if job.done else None, n)):
+            return True
+        if not self.running:       # admission planned every chunk's pages on an otherwise empty cache
+            raise RuntimeError(f"a prompt chunk of {n} tokens does not fit in an otherwise empty KV cache")
+        self._requeue_prefilling()
+        return False
+
+    def _requeue_prefilling(self) -> None:
+        job, self.prefilling = self.prefilling, None
+        self._free([job.seq])
+        self.waiting.appendleft(job.seq.request)
+        self.num_preemptions += 1
+        log.info("request %s preempted (KV cache full) after %d of its %d prompt tokens; it will be prefilled again",
+                 job.seq.request.request_id, job.done, len(job.seq.request.prompt_token_ids))
 
     def _grammar(self, request: Request) -> SequenceGrammar | None:
         """A fresh matcher for a constrained request (each of n choices has its own); the grammar is
@@ -305,6 +337,9 @@ class Scheduler:
         while batch:
             if self._fits(self.ledger.step_new_pages([s.seq_id for s in batch])):
                 return batch
+            if self.prefilling is not None:   # the newest request: it gives way first
+                self._requeue_prefilling()
+                continue
             if len(batch) == 1:   # alone and out of pages: larger than the cache, which check_fits refuses
                 raise RuntimeError(f"sequence {batch[0].seq_id} cannot grow in an otherwise empty KV cache")
             victim = max(batch, key=lambda s: (s.request.arrival_time, s.seq_id))
@@ -337,8 +372,10 @@ class Scheduler:
         if sample_logits is None and seq.grammar is not None:
             sample_logits = mask_logits(logits.unsqueeze(0).clone(), [seq.grammar])[0]
         rule = seq.sampling()
-        token = sample_rows((logits if sample_logits is None else sample_logits)[None], [rule])
-        logprobs = rows_logprobs(logits[None], token, [params.logprobs])[0] if params.logprobs is not None else None
+        # on worker 0's device, as decode steps sample: a seeded request's noise is the same whichever draws it
+        source = (logits if sample_logits is None else sample_logits).to(self.kv.device)
+        token = sample_rows(source[None], [rule])
+        logprobs = rows_logprobs(logits[None], token.cpu(), [params.logprobs])[0] if params.logprobs is not None else None
         token = int(token[0])
         self._commit(seq, token, logprobs, prefill=prefill, logits=logits.clone() if keep_logits else None,
                      prompt_logprobs=prompt_logprobs)

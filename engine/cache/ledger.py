@@ -123,6 +123,9 @@ class KVLedger:
                 totals[r] += n
         return totals
 
+    def pages_of(self, seq_id: int, rank: int) -> int:
+        return pages_for(self.seqs[seq_id].tokens[rank], self.block_size)
+
     def tokens(self, seq_id: int, rank: int) -> int:
         return self.seqs[seq_id].tokens[rank]
 

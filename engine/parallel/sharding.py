@@ -52,3 +52,37 @@ def owner_of_position(shards: list[Shard], position: int) -> tuple[int, int]:
         if s.second[0] <= position < s.second[1]:
             return s.rank, s.len_first + position - s.second[0]
     raise IndexError(f"position {position} is outside the prompt")
+
+
+def level_counts(held: list[int], num_tokens: int) -> list[int]:
+    """How many of num_tokens new tokens each worker takes so that held + new is as level as possible
+    (water-filling: the workers holding fewest first, the lowest rank first among equals)."""
+    w = len(held)
+    order = sorted(range(w), key=lambda r: (held[r], r))
+    remaining = num_tokens
+    for k in range(1, w + 1):                  # the k lowest, raised together to the next one's level
+        level = held[order[k - 1]]
+        room = (held[order[k]] - level) * k if k < w else None
+        if room is None or remaining <= room:
+            base, extra = divmod(remaining, k)
+            take = [0] * w
+            for i in range(k):
+                take[order[i]] = level - held[order[i]] + base + (1 if i < extra else 0)
+            return take
+        remaining -= room
+    raise AssertionError("unreachable")
+
+
+def balanced_shards(num_tokens: int, held: list[int]) -> list[Shard]:
+    """Shards of num_tokens new positions (0-based) that level the workers' totals (level_counts), in
+    zigzag order: rank r's first chunk is the r-th, its second the (2W-1-r)-th, so BurstAttention's
+    causal rules hold whatever the sizes. A chunked prefill's chunks, placed so, never pile up on the
+    same workers (zigzag_shards gives a chunk's leftover tokens to the low ranks every time)."""
+    w = len(held)
+    take = level_counts(held, num_tokens)
+    sizes = [take[r] // 2 for r in range(w)] + [take[r] - take[r] // 2 for r in reversed(range(w))]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return [Shard(r, bounds[r], bounds[2 * w - 1 - r]) for r in range(w)]

@@ -97,3 +97,31 @@ def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoi
         assert 0 < held < 250, held                     # aborted with part of the prompt in the cache
         assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]
         assert llm.generate(short[0], params)[0].outputs[0].token_ids == solo[0]
+
+
+def test_many_small_chunks_stay_level_across_workers(checkpoint):
+    """Chunks of 7 over 3 workers: each chunk's zigzag would give its leftover tokens to the same
+    workers (43% of the prompt on worker 0, past its share of max_model_len); placed level, a prompt
+    near max_model_len prefills and answers as transformers."""
+    path, model = checkpoint
+    prompt = [random.randrange(model.config.vocab_size) for _ in range(585)]     # + 12 generated <= 600
+    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", max_model_len=600,
+             max_num_batched_tokens=7) as llm:
+        _check(llm, model, [prompt])
+
+
+def test_a_prefilling_prompt_gives_way_to_a_running_request(checkpoint):
+    """One worker, 8 pages of 4 tokens: a running request grows while a 20-token prompt prefills one
+    token a chunk; when pages run out the prompt (the newer) is freed and prefilled again later,
+    never the older request, and nothing raises. Both answer as alone."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    a = [random.randrange(vocab) for _ in range(4)]
+    b = [random.randrange(vocab) for _ in range(20)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    with LLM(path, devices="cpu", dtype="float32", block_size=4, kv_cache_tokens=32,
+             max_num_batched_tokens=1) as llm:
+        solo = [llm.generate(p, q)[0].outputs[0].token_ids for p, q in zip((a, b), params)]
+        together = llm.generate([a, b], params)
+        assert [o.outputs[0].token_ids for o in together] == solo

@@ -95,3 +95,20 @@ def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
             assert out.outputs[0].token_ids == cold[i], i
             hits += out.metrics.prefill_stats.get("cached_tokens", 0) > 0
         assert hits > 0
+
+
+def test_a_hit_whose_prefix_sits_unevenly_extends_without_passing_a_workers_share(checkpoint):
+    """A 1024-token prompt at max_model_len 1024 on 2 workers, then its first 768 tokens and 256 new:
+    worker 1 holds 512 of the cached 768, so the new tokens go to worker 0 (level placement), and a
+    copy that would not fit is never started."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompt = [random.randrange(vocab) for _ in range(1024)]
+    second = prompt[:768] + [random.randrange(vocab) for _ in range(255)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=16, max_model_len=1024,
+             enable_prefix_caching=True) as llm:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+        out = llm.generate(second, SamplingParams(temperature=0, max_tokens=1))[0]
+        assert out.metrics.prefill_stats["cached_tokens"] >= 768
+        _, ref_tokens = hf_next_logits_and_greedy(model, second, 1)
+        assert out.outputs[0].token_ids == ref_tokens

@@ -149,9 +149,10 @@ class Scheduler:
 
     def _publish_stats(self) -> None:
         """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""
-        kv = self.ledger.tokens_per_worker()
-        waiting = len(self.waiting) + len(self.preempted) + (self.prefilling is not None)
         cache = self.prefix_cache
+        entries = set(cache.entries) if cache else set()
+        kv = self.ledger.tokens_per_worker(skip=entries)         # in use; prefix-cache entries count as free (vLLM)
+        waiting = len(self.waiting) + len(self.preempted) + (self.prefilling is not None)
         state = (len(self.running), waiting, tuple(kv), self.num_preemptions,
                  cache.queries if cache else 0, cache.hits if cache else 0)
         now = time.monotonic()
@@ -162,7 +163,8 @@ class Scheduler:
         self.outputs.put(("stats", {"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
                                     "kv_capacity_per_worker": self.kv_capacity_per_worker,
                                     "kv_pages_free": self.ledger.free_pages(), "num_preemptions": state[3],
-                                    "prefix_cache_queries": state[4], "prefix_cache_hits": state[5]}))
+                                    "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
+                                    "kv_tokens_cached_per_worker": self.ledger.tokens_per_worker(only=entries)}))
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""

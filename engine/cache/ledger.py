@@ -116,9 +116,12 @@ class KVLedger:
     def free_pages(self) -> list[int]:
         return [self.num_pages - used for used in self.pages_used]
 
-    def tokens_per_worker(self) -> list[int]:
+    def tokens_per_worker(self, skip: set[int] = frozenset(), only: set[int] | None = None) -> list[int]:
+        """Tokens held on each worker by every sequence, but those in `skip` (or only those in `only`)."""
         totals = [0] * self.world_size
-        for seq in self.seqs.values():
+        for seq_id, seq in self.seqs.items():
+            if seq_id in skip or (only is not None and seq_id not in only):
+                continue
             for r, n in enumerate(seq.tokens):
                 totals[r] += n
         return totals

@@ -112,3 +112,18 @@ def test_a_hit_whose_prefix_sits_unevenly_extends_without_passing_a_workers_shar
         assert out.metrics.prefill_stats["cached_tokens"] >= 768
         _, ref_tokens = hf_next_logits_and_greedy(model, second, 1)
         assert out.outputs[0].token_ids == ref_tokens
+
+
+def test_cached_entries_count_as_free_in_the_usage_figures(checkpoint):
+    """After a request finishes, its entry holds pages (kv_pages_free below full) but the in-use
+    tokens (the KV usage gauge's source) return to 0 and the cached ones are reported apart."""
+    from test_paged_decode import _wait_stats
+    path, model = checkpoint
+    prompt = [random.randrange(model.config.vocab_size) for _ in range(120)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=16,
+             enable_prefix_caching=True) as llm:
+        llm.generate(prompt, GREEDY)
+        assert _wait_stats(llm, "kv_tokens_per_worker", [0, 0]) == [0, 0]
+        cached = llm.stats["kv_tokens_cached_per_worker"]
+        assert sum(cached) == len(prompt) + GEN - 1, cached
+        assert all(free < llm.worker_info[0]["kv_pages_per_worker"] for free in llm.stats["kv_pages_free"])

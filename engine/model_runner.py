@@ -91,13 +91,7 @@ class ModelRunner:
             return attention(q, torch.stack([k, v], dim=1))             # the ring's message: [n, 2, Hkv, D]
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
-        owner, row = owner_of_position(shards, token_ids.shape[0] - 1)  # tp: worker 0 (all hold every row)
-        if self.rank == owner:
-            logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
-        else:
-            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        if owner != 0:
-            dist.broadcast(logits, src=owner, group=self.data_group)
+        logits = self._last_logits(hidden, shards, token_ids.shape[0])  # [V], on every worker
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         end = time.perf_counter()
@@ -139,13 +133,7 @@ class ModelRunner:
                                  self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
         hidden = self.model.forward(token_ids[positions].to(self.device), (positions + start).to(self.device),
                                     attend)                                                  # [n_w, hidden]
-        owner, row = owner_of_position(shards, n - 1)
-        if self.rank == owner:
-            logits = self.model.logits(hidden[row:row + 1])[0]           # [V]
-        else:
-            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        if owner != 0:
-            dist.broadcast(logits, src=owner, group=self.data_group)
+        logits = self._last_logits(hidden, shards, n)                   # [V], on every worker
         if self.ring is not None:
             self.ring.collect_stats()                                    # not reported: a chunk's ring is short
         self._sync()
@@ -153,6 +141,18 @@ class ModelRunner:
         if self.rank == 0:
             result["logits"] = logits.cpu()
         return result
+
+    def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:
+        """The logits [V] of the last of num_tokens sharded so (hidden [n_w, hidden]: this worker's rows),
+        computed by the worker holding it (tp: worker 0, all hold every row) and broadcast from there."""
+        owner, row = owner_of_position(shards, num_tokens - 1)
+        if self.rank == owner:
+            logits = self.model.logits(hidden[row:row + 1])[0]
+        else:
+            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if owner != 0:
+            dist.broadcast(logits, src=owner, group=self.data_group)
+        return logits
 
     def _extend_shards(self, held: list[int], num_tokens: int):
         """How an incremental prefill's new tokens spread over workers holding `held` tokens of the

@@ -1,14 +1,10 @@
 """kernels.fused: the torch path against transformers' LLaMA pieces, and the Triton kernels (run on
 CPU through Triton's interpreter, in a fresh process) against the torch path. Fresh random inputs."""
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import fused
+from triton_interpreter import run_interpreted
 
 
 def test_rms_norm_matches_transformers_with_and_without_residual():
@@ -106,13 +102,4 @@ def _triton_interpreted_checks():
 
 
 def test_fused_triton_kernels_interpreted():
-    import importlib.util
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("no triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", "import test_fused as t; t._triton_interpreted_checks()"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    run_interpreted("test_fused")

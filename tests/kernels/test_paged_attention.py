@@ -1,7 +1,6 @@
 """paged_attention against a plain dense reference written here: fp32 softmax over each sequence's
 gathered keys with the end-aligned causal mask. Fresh random inputs each run."""
 import random
-import sys
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch
 import kernels.paged_attention as pa
 from kernels.merge import merge_stacked
 from kernels.paged_attention import choose_num_chunks, paged_attention
+from triton_interpreter import run_interpreted
 
 
 def make_case(q_lens, k_lens, h, hkv, d, bs, dtype=torch.float32, device="cpu", spare_blocks=3):
@@ -312,15 +312,4 @@ def _triton_interpreted_checks():
 
 
 def test_triton_split_kernels_interpreted():
-    import importlib.util
-    import os
-    import subprocess
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("no triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", "import test_paged_attention as t; t._triton_interpreted_checks()"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    run_interpreted("test_paged_attention")

@@ -52,7 +52,8 @@ class LLM:
                  sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 itl_target_ms: float | None = 50.0):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -67,6 +68,9 @@ class LLM:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
                                       "max_num_batched_tokens")
+        if itl_target_ms is not None and not itl_target_ms > 0:
+            raise InvalidRequestError(f"itl_target_ms must be positive (or None: no target), not {itl_target_ms}",
+                                      "itl_target_ms")
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
@@ -76,7 +80,7 @@ class LLM:
                                    kv_cache_tokens=kv_cache_tokens,
                                    gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
                                    cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching,
+                                   enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None

@@ -23,6 +23,7 @@ import torch
 
 from engine.outputs import Request, StepOutput
 from engine.cache.prefix_cache import PrefixCache
+from engine.chunk_sizer import ChunkSizer, attention_flop_ratio
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
@@ -52,6 +53,8 @@ class ChunkedPrefill:
     chunks: int = 0
     prefill_seconds: float = 0.0  # the workers' time over all chunks
     call_seconds: float = 0.0
+    smallest: int = 0             # its smallest and largest chunk, in tokens
+    largest: int = 0
 
 
 class Scheduler:
@@ -74,6 +77,11 @@ class Scheduler:
         self.aborted: set[str] = set()
         self.next_seq_id = 0
         self.chunk_tokens = kv.engine.max_num_batched_tokens    # None: a prompt is prefilled in one call
+        target = kv.engine.itl_target_ms
+        self.sizer = ChunkSizer(self.chunk_tokens, target / 1e3 if target else None, attention_flop_ratio(kv.cfg),
+                                self.ledger.block_size) if self.chunk_tokens else None
+        self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
+        self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
         self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
         self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
@@ -85,7 +93,12 @@ class Scheduler:
                 return
             self._drop_aborted()
             if self.prefilling is not None:           # a long prompt's next chunk, then a step of the others
-                self._prefill_chunk()
+                if not self.short_went_first and self._short_head_goes_first():
+                    self._prefill(self.waiting.popleft())
+                    self.short_went_first = True       # then a chunk: short requests cannot starve the long one
+                else:
+                    self._prefill_chunk()
+                    self.short_went_first = False
                 if self.running:
                     self._decode()
             elif self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
@@ -105,6 +118,33 @@ class Scheduler:
         keep = self.watermark if self.running else 0
         return self._fits([n + keep for n in self.kv.prefill_pages(num_tokens)])
 
+    def _short_head_goes_first(self) -> bool:
+        """While a long prompt prefills in chunks, may the first waiting request be prefilled before its
+        next chunk? Yes when it is one chunk's worth (not chunked itself) and fits beside the pages the
+        long prompt's remaining chunks will take: a short request is not stuck behind a long one."""
+        if self.preempted or not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        request = self.waiting[0]
+        if self._chunked(request):
+            return False
+        keep = self.watermark if self.running else 0
+        need = self.kv.prefill_pages(len(request.prompt_token_ids))
+        return self._fits([n + keep + r for n, r in zip(need, self._prefilling_reserve())])
+
+    def _prefilling_reserve(self) -> list[int]:
+        """Pages per worker the prompt being prefilled in chunks still takes (zeros when none): what a
+        request admitted beside it must leave free. One page more than planned: its chunks' sizes adapt."""
+        job = self.prefilling
+        if job is None:
+            return [0] * self.ledger.world_size
+        held = [self.ledger.tokens(job.seq.seq_id, r) for r in range(self.ledger.world_size)]
+        final = self.kv.plan_pages(held, len(job.seq.request.prompt_token_ids) - job.done, self.chunk_tokens)
+        return [max(0, f + 1 - self.ledger.pages_of(job.seq.seq_id, r)) for r, f in enumerate(final)]
+
+    def _fits_beside(self, need: list[int], keep_entry: int | None = None) -> bool:
+        """_fits for a request admitted while a long prompt prefills: the pages it still needs stay free."""
+        return self._fits([n + r for n, r in zip(need, self._prefilling_reserve())], keep_entry)
+
     def _can_admit_request(self, request: Request) -> bool:
         """_can_admit for a new request's prompt, chunked or not (a chunked prompt's pages as its chunks place them)."""
         n = len(request.prompt_token_ids)
@@ -113,6 +153,8 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         keep = self.watermark if self.running else 0
+        # planned with chunks of chunk_tokens; adapted sizes end as level (every worker within one token of
+        # N / workers), so on a cache with no running sequences the plan's largest share always fits
         return self._fits([p + keep for p in self.kv.chunked_prefill_pages(n, self.chunk_tokens)])
 
     def _fits(self, need: list[int], keep_entry: int | None = None) -> bool:
@@ -201,14 +243,18 @@ class Scheduler:
         seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
-        if twin is not None and not self._fits(self.kv.fork_pages(twin.seq_id)):
+        if twin is not None and not self._fits_beside(self.kv.fork_pages(twin.seq_id)):
             twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
         if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
             cached = self._adopt_cached_prefix(seq)
         if twin is None and (cached or self._chunked(request)):   # prefilled by extending what is cached
-            self.prefilling = ChunkedPrefill(seq, done=cached, cached=cached)
-            self._prefill_chunk()
+            job = ChunkedPrefill(seq, done=cached, cached=cached)
+            if self.prefilling is None:
+                self.prefilling = job
+                self._prefill_chunk()
+            else:           # a short prompt beside a long one (_short_head_goes_first): its rest in one call
+                self._advance(job, len(request.prompt_token_ids) - cached)
             return
         if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
             self.call("fork", twin.seq_id, seq.seq_id)
@@ -218,10 +264,16 @@ class Scheduler:
             result = self.call("prefill", seq.seq_id, torch.tensor(request.prompt_token_ids, dtype=torch.int64),
                                request.params.prompt_logprobs)
             result["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
+            self._observe(len(request.prompt_token_ids), 0, result)
             logits = result.pop("logits")
         seq.prompt_logits = logits
         self._emit(seq, logits, prefill=result, keep_logits=request.return_logits,
                    prompt_logprobs=result.pop("prompt_logprobs", None))
+
+    def _observe(self, new_tokens: int, context: int, result: dict) -> None:
+        """A prefill or extend call's time, for the chunk sizer's cost model."""
+        if self.sizer is not None:
+            self.sizer.observe(new_tokens, context, result["prefill_seconds"])
 
     def _chunked(self, request: Request) -> bool:
         """Is this prompt prefilled in chunks of chunk_tokens (--max-num-batched-tokens)? Not one that
@@ -237,19 +289,27 @@ class Scheduler:
             return 0
         source, length = hit
         chunk = self.chunk_tokens if seq.request.params.prompt_logprobs is None else None
-        if not self._fits(self.kv.adopt_pages(source, length, len(ids) - length, chunk), keep_entry=source):
+        if not self._fits_beside(self.kv.adopt_pages(source, length, len(ids) - length, chunk), keep_entry=source):
             return 0                                     # the copy and its extension do not fit: a prefill, as admitted
         self.call("adopt", source, seq.seq_id, length)
         return length
 
     def _prefill_chunk(self) -> None:
-        """The next chunk of the prompt being prefilled: the first as a prefill, the others as an
-        incremental prefill over the chunks before it; after the last, its first token."""
+        """The next chunk of the prompt being prefilled, sized by the chunk sizer (engine/chunk_sizer.py);
+        after the last, its first token."""
         job = self.prefilling
-        ids = job.seq.request.prompt_token_ids
-        n = min(self.chunk_tokens or len(ids), len(ids) - job.done)
+        remaining = len(job.seq.request.prompt_token_ids) - job.done
+        busy = bool(self.running or self.waiting or self.preempted)
+        n = self.sizer.size(job.done, remaining, busy, self.step_seconds) if self.sizer else remaining
         if not self._make_room_for_chunk(job, n):
             return
+        if self._advance(job, n):
+            self.prefilling = None
+
+    def _advance(self, job: ChunkedPrefill, n: int) -> bool:
+        """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
+        incremental prefill over the tokens before them; after the last, samples its first token -> done?"""
+        ids = job.seq.request.prompt_token_ids
         chunk = torch.tensor(ids[job.done:job.done + n], dtype=torch.int64)
         called = time.perf_counter()
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
@@ -257,17 +317,19 @@ class Scheduler:
         else:
             result = self.call("extend", job.seq.seq_id, chunk, job.done)
         job.call_seconds += time.perf_counter() - called
+        self._observe(n, job.done, result)
         job.prefill_seconds += result["prefill_seconds"]
         job.done += n
         job.chunks += 1
+        job.smallest, job.largest = min(job.smallest or n, n), max(job.largest, n)
         if job.done < len(ids):
-            return
-        self.prefilling = None
+            return False
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
-                      cached_tokens=job.cached)
+                      cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest)
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
+        return True
 
     def _make_room_for_chunk(self, job: "ChunkedPrefill", n: int) -> bool:
         """Do the chunk's pages fit on every worker (prefix-cache entries evicted if needed)? If not, the
@@ -318,8 +380,10 @@ class Scheduler:
         sampling = [s.sampling() for s in batch]
         if all(r.greedy and r.logprobs is None for r in sampling):
             sampling = None                                                # argmax only
+        called = time.perf_counter()
         sampled, logits, logprobs = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling,
                                               host_rows)
+        self.step_seconds = time.perf_counter() - called
         masked = {}
         if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
             rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])
@@ -363,6 +427,7 @@ class Scheduler:
         """Recomputes a preempted sequence's cache (prompt + generated) and samples its next token."""
         ids = seq.request.prompt_token_ids + seq.generated
         result = self.call("prefill", seq.seq_id, torch.tensor(ids, dtype=torch.int64), None)
+        self._observe(len(ids), 0, result)
         self._emit(seq, result.pop("logits"))
 
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,

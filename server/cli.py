@@ -36,12 +36,18 @@ def serve_parser(sub) -> None:
                    help="share of each GPU's memory for weights, activations and the paged KV cache (0-1]")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: 128 on GPUs, 16 on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished requests' KV in the cache (evicted least recently used first) and prefill "
-                        "only what a new prompt adds to the longest cached prefix")
+                        "only what a new prompt adds to the longest cached prefix (default: on; "
+                        "--no-enable-prefix-caching: every prompt prefilled whole)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="prefill a longer prompt in chunks of N tokens, decoding the running requests between "
-                        "chunks (default: every prompt in one prefill)")
+                   help="prefill a longer prompt in chunks of at most N tokens, decoding the running requests "
+                        "between chunks and prefilling short new prompts before the next chunk (default: every "
+                        "prompt in one prefill)")
+    p.add_argument("--itl-target-ms", type=float, default=50.0, metavar="MS",
+                   help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
+                        "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
+                        "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
                    help="how prefill attention spans the workers (decoding is the same for all); "
                         "auto: ulysses for short prompts, burst for long ones")
@@ -72,7 +78,7 @@ def serve(args) -> None:
                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None)
     except BurstServeError as e:
         log.error("%s", e)
         sys.exit(2)

@@ -339,10 +339,10 @@ def test_shared_over_http_hits_the_servers_prefix_cache(tmp_path):
 
 
 def test_shared_over_http_warns_without_a_prefix_cache(tmp_path):
-    """A server without --enable-prefix-caching: every warm request reports 0 cached tokens, loudly."""
+    """A server run with --no-enable-prefix-caching: every warm request reports 0 cached tokens, loudly."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "shared", "--serve",
-                           "--model tiny --devices cpu", "--doc-len", "48", "--question-len", "4", "--repeats", "1",
+                           "--model tiny --devices cpu --no-enable-prefix-caching", "--doc-len", "48", "--question-len", "4", "--repeats", "1",
                            "--warmup", "0", "--turns", "2", "--output-len", "3", "--output-dir", str(tmp_path / "no")],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,8 @@
 incremental prefill over the ones before it (engine/extend_attention.py), gives transformers'
 logits (<= 1e-4, fp32) and greedy tokens, for 1-4 CPU workers, chunk sizes that do and do not divide
 the prompt and that end inside a page, every strategy; decode steps of other requests run between
-the chunks and those requests still get their solo tokens."""
+the chunks and those requests still get their solo tokens. The prefix cache is off here (these
+tests send a prompt again and count its chunks); chunks after a cached prefix: test_prefix_cache.py."""
 import random
 import time
 
@@ -35,7 +36,7 @@ def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk):
     vocab = model.config.vocab_size
     lengths = [chunk + 1, 2 * chunk, 3 * chunk + 5, 401]      # 2 chunks (the last of 1 token), exact, uneven
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
-    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32",
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
              max_num_batched_tokens=chunk) as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
@@ -48,7 +49,7 @@ def test_chunked_prefill_after_every_strategys_first_chunk(checkpoint, strategy)
     path, model = checkpoint
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in (97, 250)]
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy,
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", sp_strategy=strategy,
              max_num_batched_tokens=40) as llm:
         _check(llm, model, prompts)
 
@@ -61,9 +62,9 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
     short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
     long = [random.randrange(vocab) for _ in range(600)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32") as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32") as llm:
         solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_num_batched_tokens=64) as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=64) as llm:
         outs = llm.generate(short + [long], params)
         assert [o.outputs[0].token_ids for o in outs] == solo
         assert outs[-1].metrics.prefill_stats["chunks"] == 10               # 600 tokens in chunks of 64
@@ -80,7 +81,7 @@ def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoi
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     short = [[random.randrange(vocab) for _ in range(n)] for n in (30, 35)]
     long = [random.randrange(vocab) for _ in range(200)]     # admitted with 5 pages a worker to spare; its 25
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=160,
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=160,
              max_num_batched_tokens=8) as llm:                  # chunks let the others grow by ~7 pages a worker
         pages = llm.worker_info[0]["kv_pages_per_worker"]
         solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in short + [long]]
@@ -105,7 +106,7 @@ def test_many_small_chunks_stay_level_across_workers(checkpoint):
     near max_model_len prefills and answers as transformers."""
     path, model = checkpoint
     prompt = [random.randrange(model.config.vocab_size) for _ in range(585)]     # + 12 generated <= 600
-    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", max_model_len=600,
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=3, dtype="float32", max_model_len=600,
              max_num_batched_tokens=7) as llm:
         _check(llm, model, [prompt])
 
@@ -120,8 +121,50 @@ def test_a_prefilling_prompt_gives_way_to_a_running_request(checkpoint):
     b = [random.randrange(vocab) for _ in range(20)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
-    with LLM(path, devices="cpu", dtype="float32", block_size=4, kv_cache_tokens=32,
+    with LLM(path, devices="cpu", enable_prefix_caching=False, dtype="float32", block_size=4, kv_cache_tokens=32,
              max_num_batched_tokens=1) as llm:
         solo = [llm.generate(p, q)[0].outputs[0].token_ids for p, q in zip((a, b), params)]
         together = llm.generate([a, b], params)
         assert [o.outputs[0].token_ids for o in together] == solo
+
+
+def test_a_short_request_goes_before_the_next_chunk_of_a_long_prompt(checkpoint):
+    """A long prompt prefilling in chunks does not hold back a short request that arrives with it: the
+    short one is prefilled between two chunks and has its first token long before the long prompt has
+    its own; both get the tokens they get alone."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    long = [random.randrange(vocab) for _ in range(600)]
+    short = [random.randrange(vocab) for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=16) as llm:
+        solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in (long, short)]
+        outs = llm.generate([long, short], params)              # the long one first in the queue
+        assert [o.outputs[0].token_ids for o in outs] == solo
+        long_metrics, short_metrics = outs[0].metrics, outs[1].metrics
+        assert long_metrics.prefill_stats["chunks"] == 38      # 600 in chunks of 16 (the floor is the largest)
+        assert short_metrics.first_token_time < long_metrics.first_token_time
+        assert short_metrics.finished_time < long_metrics.first_token_time   # its 8 tokens during the chunks
+
+
+def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
+    """An unreachable --itl-target-ms: while a request decodes, the long prompt's chunks are the floor
+    (engine.chunk_sizer.MIN_CHUNK); alone, the largest. Chunks of any size give transformers' tokens."""
+    from engine.chunk_sizer import MIN_CHUNK
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    long = [random.randrange(vocab) for _ in range(3 * MIN_CHUNK + 100)]
+    short = [random.randrange(vocab) for _ in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    busy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=2 * MIN_CHUNK,
+             itl_target_ms=0.001) as llm:
+        llm.generate(short, SamplingParams(max_tokens=1))             # a measured prefill for the cost model
+        alone = llm.generate(long, params)[0]
+        assert alone.metrics.prefill_stats["smallest_chunk"] == 100 + MIN_CHUNK          # 512 + 356
+        assert alone.metrics.prefill_stats["largest_chunk"] == 2 * MIN_CHUNK
+        outs = llm.generate([short, long], [busy, params])
+        stats = outs[1].metrics.prefill_stats
+        assert stats["largest_chunk"] == MIN_CHUNK and stats["chunks"] == 4, stats
+        ref_logits, ref_tokens = hf_next_logits_and_greedy(model, long, NUM_TOKENS)
+        assert outs[1].outputs[0].token_ids == ref_tokens == alone.outputs[0].token_ids

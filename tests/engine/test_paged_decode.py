@@ -60,7 +60,7 @@ def _assert_same(batched, solo, what):
 def test_mixed_batch_gives_solo_tokens_and_logprobs_and_transformers_greedy(checkpoint, workers):
     path, model = checkpoint
     prompts, params = _mixed_requests(model.config.vocab_size, 12)
-    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", block_size=4) as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32", block_size=4) as llm:
         together = llm.generate(prompts, params)
         for prompt, p, out in zip(prompts, params, together):
             solo = llm.generate(prompt, p)[0]
@@ -80,7 +80,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(che
     params = [SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=random.randrange(1 << 20), max_tokens=GEN, ignore_eos=True)
               for i in range(8)]
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=64) as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=64) as llm:
         assert llm.worker_info[0]["kv_pages_per_worker"] == 16
         together = llm.generate(prompts, params)
         preemptions = _wait_stats(llm, "running", 0) is not None and llm.stats["num_preemptions"]
@@ -94,7 +94,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(che
 
 
 def test_aborted_requests_return_every_page():
-    with LLM("tiny", devices="cpu", context_parallel_size=2, block_size=8, kv_cache_tokens=4096) as llm:
+    with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=2, block_size=8, kv_cache_tokens=4096) as llm:
         pages = llm.worker_info[0]["kv_pages_per_worker"]
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         ids = [llm.submit([random.randrange(256) for _ in range(random.randrange(1, 300))], params)
@@ -112,7 +112,7 @@ def test_aborted_requests_return_every_page():
 
 def test_a_request_larger_than_the_pool_is_refused_naming_both_numbers():
     from engine import InvalidRequestError
-    with LLM("tiny", devices="cpu", context_parallel_size=2, block_size=16, kv_cache_tokens=160) as llm:
+    with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=2, block_size=16, kv_cache_tokens=160) as llm:
         assert llm.kv_capacity_tokens == 320
         with pytest.raises(InvalidRequestError, match="prompt of 300 tokens plus max_tokens 50.*capacity of 320"):
             llm.generate([1] * 300, SamplingParams(max_tokens=50))
@@ -123,7 +123,7 @@ def test_a_request_larger_than_the_pool_is_refused_naming_both_numbers():
 def test_choices_of_a_one_token_prompt_fork_on_workers_that_hold_none_of_it():
     """A 1-token prompt on 3 workers: two hold no prompt token; its n copies fork (nothing to copy there)
     and each decodes as it would alone. Found by the schema fuzz (worker 1 died on an empty page list)."""
-    with LLM("tiny", devices="cpu", context_parallel_size=3, block_size=4) as llm:
+    with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=3, block_size=4) as llm:
         params = [SamplingParams(temperature=1.0, seed=s, max_tokens=9, ignore_eos=True) for s in (1, 2, 3)]
         together = llm.generate([[7]] * 3, params)
         assert [bool(o.metrics.prefill_stats.get("shared_prefill")) for o in together] == [False, True, True]

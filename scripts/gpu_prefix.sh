@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 12 on one GPU (llama3-8b preset, bf16): the prefix cache's warm TTFT (`burstserve bench shared`,
+# a 512-token question after a cached 32K and 128K document), and what a 128K prompt's prefill does to
+# 8 decoding streams and to a 1K request arriving 0.5 s into it (`burstserve bench interference`), on a
+# server with chunked prefill (--max-num-batched-tokens 8192, --itl-target-ms 50) and on one without
+# (the long prompt prefilled in one call: its unchunked TTFT, the streams' stall). Two back-to-back
+# device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
+#   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
+#   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
+# PARTS="shared interference" picks parts. Results: $OUT/results.tgz (one directory per configuration).
+set -uo pipefail
+bash .fa4b/install.sh || exit 3
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+trap pack EXIT
+{ date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; python3 -c "import torch, flash_attn.cute as c; print('torch', torch.__version__)"; } 2>&1 | tee "$out/env.txt"
+PARTS=${PARTS:-shared interference}
+LONG=${LONG:-131072}
+
+# run NAME LIMIT ARGS...: one bench in its own process, its table printed
+run() {
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  mkdir -p "$out/$name"
+  timeout "$limit" python3 -m server.cli bench "$@" --output-dir "$out/$name" \
+      > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
+  local rc=$?
+  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
+  grep -E "^\|" "$out/$name/stdout.log" | tail -8
+  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -8
+}
+offline="--offline --model llama3-8b --devices cuda -cp 1"
+serve="--model llama3-8b --devices cuda -cp 1"
+if [[ " $PARTS " == *" shared "* ]]; then
+  run shared-32K 150 shared $offline --doc-len 32768 --question-len 512 --questions 4 --repeats 2 --warmup 1
+  run shared-128K 200 shared $offline --doc-len "$LONG" --question-len 512 --questions 3 --repeats 1 --warmup 1
+fi
+if [[ " $PARTS " == *" interference "* ]]; then
+  common="--streams 8 --stream-len 1024 --long-len $LONG --short-len 1024 --short-delay 0.5 --warmup 1 --repeats 1"
+  run interference-chunked 230 interference --serve "$serve --max-num-batched-tokens 8192" $common \
+      --label "chunked 8192, itl target 50 ms"
+  run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"
+fi

@@ -41,6 +41,7 @@ class Sample:
     ttft: float                 # seconds
     server_prefill: float       # seconds the server (its workers) spent prefilling it
     answer: list[int]           # the generated token ids (over HTTP: only when asked for)
+    adopt: float = 0.0          # offline: seconds finding the cached prefix and copying it (0 over HTTP)
 
 
 # ---- one request, offline or over HTTP -------------------------------------------------------------------
@@ -55,7 +56,7 @@ def offline_sender(llm, output_len: int):
         check_generated(len(answer), output_len)
         m = out.metrics
         return Sample(len(prompt), m.prefill_stats.get("cached_tokens", 0), engine_timing(m).ttft,
-                      m.prefill_seconds or 0.0, answer)
+                      m.prefill_seconds or 0.0, answer, m.prefill_stats.get("adopt_seconds", 0.0))
     return send
 
 
@@ -147,7 +148,8 @@ def conversation_run(send, vocab: int, doc_len: int, question_len: int, turns: i
 
 def _record(index: int, s: Sample, expected: int) -> dict:
     return {"index": index, "warm": index > 1, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-            "expected_cached_tokens": expected, "ttft_ms": s.ttft * 1e3, "server_prefill_ms": s.server_prefill * 1e3}
+            "expected_cached_tokens": expected, "ttft_ms": s.ttft * 1e3, "server_prefill_ms": s.server_prefill * 1e3,
+            "adopt_ms": s.adopt * 1e3}
 
 
 # ---- summaries -------------------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ def table(result: dict) -> str:
 
 
 CSV_COLUMNS = ["repeat", "index", "warm", "prompt_tokens", "cached_tokens", "expected_cached_tokens", "ttft_ms",
-               "server_prefill_ms"]
+               "server_prefill_ms", "adopt_ms"]
 
 
 def write_results(output_dir: str, result: dict) -> None:

@@ -55,6 +55,7 @@ class ChunkedPrefill:
     call_seconds: float = 0.0
     smallest: int = 0             # its smallest and largest chunk, in tokens
     largest: int = 0
+    adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
 
 
 class Scheduler:
@@ -246,10 +247,11 @@ class Scheduler:
         if twin is not None and not self._fits_beside(self.kv.fork_pages(twin.seq_id)):
             twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
+        looked_up = time.perf_counter()
         if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
             cached = self._adopt_cached_prefix(seq)
         if twin is None and (cached or self._chunked(request)):   # prefilled by extending what is cached
-            job = ChunkedPrefill(seq, done=cached, cached=cached)
+            job = ChunkedPrefill(seq, done=cached, cached=cached, adopt_seconds=time.perf_counter() - looked_up)
             if self.prefilling is None:
                 self.prefilling = job
                 self._prefill_chunk()
@@ -326,7 +328,8 @@ class Scheduler:
             return False
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
-                      cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest)
+                      cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
+                      adopt_seconds=job.adopt_seconds)
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
         return True

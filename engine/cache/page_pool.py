@@ -15,6 +15,7 @@ import torch
 from kernels.fused import store_kv
 
 SCRATCH_PAGE = 0
+COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 
 
 class OutOfPagesError(RuntimeError):
@@ -91,8 +92,12 @@ class PagePool:
             return
         src = torch.tensor(self.pages[source_id][:n], dtype=torch.long, device=self.device)
         dst = torch.tensor(self.pages[seq_id], dtype=torch.long, device=self.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        page_bytes = self.k[0, 0].numel() * self.k.element_size()
+        step = max(1, COPY_BYTES // page_bytes)    # a layer's pages at a time, a bounded batch of them: a 1M-token
+        for cache in (self.k, self.v):             # prefix would otherwise gather 64 GB at once
+            for layer in cache:
+                for i in range(0, n, step):
+                    layer[dst[i:i + step]] = layer[src[i:i + step]]
 
     def retire(self, seq_id: int) -> None:
         """The sequence stops decoding but keeps its pages (a prefix-cache entry): its table row is given back."""

@@ -127,3 +127,20 @@ def test_cached_entries_count_as_free_in_the_usage_figures(checkpoint):
         cached = llm.stats["kv_tokens_cached_per_worker"]
         assert sum(cached) == len(prompt) + GEN - 1, cached
         assert all(free < llm.worker_info[0]["kv_pages_per_worker"] for free in llm.stats["kv_pages_free"])
+
+
+def test_a_prefix_copy_in_bounded_batches_copies_every_page(monkeypatch):
+    """PagePool.copy_prefix gathers at most COPY_BYTES at a time: with room for 3 pages a batch, a
+    10-page prefix (the last page partly used) is copied exactly, every layer, K and V."""
+    import torch
+    from engine.cache import page_pool
+    pool = page_pool.PagePool(num_layers=3, num_pages=40, block_size=4, num_kv_heads=2, head_dim=8,
+                              dtype=torch.float32, device=torch.device("cpu"), max_seqs=4, max_pages_per_seq=16)
+    monkeypatch.setattr(page_pool, "COPY_BYTES", 3 * 4 * 2 * 8 * 4)       # 3 pages of one layer
+    pool.k.normal_()
+    pool.v.normal_()
+    pool.add(1, 38)                                                       # 10 pages, 38 tokens
+    pool.copy_prefix(1, 2, 38)
+    src, dst = pool.pages[1], pool.pages[2]
+    assert len(dst) == 10 and not set(src) & set(dst)
+    assert torch.equal(pool.k[:, dst], pool.k[:, src]) and torch.equal(pool.v[:, dst], pool.v[:, src])

@@ -61,8 +61,8 @@ def check_token_ids(ctx: ServerContext, ids: list[int]) -> list[int]:
     vocab = ctx.llm.model_config.vocab_size
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
+    if min(ids) < 0 or max(ids) >= vocab:       # builtins first: a 128K-token prompt in 3 ms
+        bad = next(t for t in ids if not 0 <= t < vocab)
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
     return ids
 

@@ -127,6 +127,16 @@ class CompletionRequest(SamplingFields):
     max_tokens: Number(int, ge=0) | None = Field(16, description="0 with echo scores the prompt only")
     suffix: str | None = Field(None, max_length=0, description="not supported")
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_at_once(cls, value, handler):
+        """A prompt of token ids, checked in one pass over C-level builtins: the per-element validators
+        cost about 60 ms a 128K-token prompt on the request's path to its first token. Anything else
+        (text, several prompts, a bad id) takes the full validation and its error messages."""
+        if type(value) is list and value and set(map(type, value)) == {int} and min(value) >= 0:
+            return value
+        return handler(value)
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value):

@@ -77,6 +77,8 @@ BAD_REQUESTS = [
     Bad("token id over the vocabulary", C, {"prompt": [1, 2, 100000]}, param="prompt"),
     Bad("negative token id", C, {"prompt": [1, -1]}, param="prompt"),
     Bad("mixed token list", C, {"prompt": [1, "a"]}, param="prompt"),
+    Bad("a boolean among token ids", C, {"prompt": [1, True, 2]}, param="prompt"),
+    Bad("a float among token ids", C, {"prompt": [1, 2.5]}, param="prompt"),
     Bad("prompt over the context", C, {"prompt": "x" * 300, "max_tokens": 1}, param="prompt",
         code="context_length_exceeded"),
     Bad("prompt + max_tokens over the context", C, {"prompt": [1, 2, 3], "max_tokens": 1000},

@@ -7,14 +7,15 @@
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
-# PARTS="shared interference" picks parts. Results: $OUT/results.tgz (one directory per configuration).
+# PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
+# against --offline at 8K and 128K, same engine, same run). Results: $OUT/results.tgz (one directory per configuration).
 set -uo pipefail
 bash .fa4b/install.sh || exit 3
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 trap pack EXIT
 { date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; python3 -c "import torch, flash_attn.cute as c; print('torch', torch.__version__)"; } 2>&1 | tee "$out/env.txt"
-PARTS=${PARTS:-shared interference}
+PARTS=${PARTS:-shared interference http}
 LONG=${LONG:-131072}
 
 # run NAME LIMIT ARGS...: one bench in its own process, its table printed
@@ -40,4 +41,9 @@ if [[ " $PARTS " == *" interference "* ]]; then
   run interference-chunked 230 interference --serve "$serve --max-num-batched-tokens 8192" $common \
       --label "chunked 8192, itl target 50 ms"
   run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"
+fi
+if [[ " $PARTS " == *" http "* ]]; then
+  sweep="--lengths 8192,$LONG --repeats 2 --warmup 1"
+  run sweep-offline 150 sweep $offline $sweep --label "offline"
+  run sweep-http 170 sweep --serve "$serve" $sweep --label "HTTP"
 fi

@@ -42,6 +42,8 @@ class Sample:
     server_prefill: float       # seconds the server (its workers) spent prefilling it
     answer: list[int]           # the generated token ids (over HTTP: only when asked for)
     adopt: float = 0.0          # offline: seconds finding the cached prefix and copying it (0 over HTTP)
+    queued: float = 0.0         # offline: seconds from submitting it to the scheduler taking it up
+    call: float = 0.0           # offline: seconds of the workers' prefill calls as the scheduler saw them
 
 
 # ---- one request, offline or over HTTP -------------------------------------------------------------------
@@ -56,7 +58,8 @@ def offline_sender(llm, output_len: int):
         check_generated(len(answer), output_len)
         m = out.metrics
         return Sample(len(prompt), m.prefill_stats.get("cached_tokens", 0), engine_timing(m).ttft,
-                      m.prefill_seconds or 0.0, answer, m.prefill_stats.get("adopt_seconds", 0.0))
+                      m.prefill_seconds or 0.0, answer, m.prefill_stats.get("adopt_seconds", 0.0),
+                      m.prefill_stats.get("queued_seconds", 0.0), m.prefill_stats.get("call_seconds", 0.0))
     return send
 
 
@@ -149,7 +152,7 @@ def conversation_run(send, vocab: int, doc_len: int, question_len: int, turns: i
 def _record(index: int, s: Sample, expected: int) -> dict:
     return {"index": index, "warm": index > 1, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
             "expected_cached_tokens": expected, "ttft_ms": s.ttft * 1e3, "server_prefill_ms": s.server_prefill * 1e3,
-            "adopt_ms": s.adopt * 1e3}
+            "adopt_ms": s.adopt * 1e3, "queued_ms": s.queued * 1e3, "call_ms": s.call * 1e3}
 
 
 # ---- summaries -------------------------------------------------------------------------------------------
@@ -243,7 +246,7 @@ def table(result: dict) -> str:
 
 
 CSV_COLUMNS = ["repeat", "index", "warm", "prompt_tokens", "cached_tokens", "expected_cached_tokens", "ttft_ms",
-               "server_prefill_ms", "adopt_ms"]
+               "server_prefill_ms", "adopt_ms", "queued_ms", "call_ms"]
 
 
 def write_results(output_dir: str, result: dict) -> None:

@@ -62,6 +62,7 @@ class ChunkedPrefill:
     smallest: int = 0             # its smallest and largest chunk, in tokens
     largest: int = 0
     adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
+    queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
 
 
 class Scheduler:
@@ -247,6 +248,7 @@ class Scheduler:
         self.aborted.clear()
 
     def _prefill(self, request: Request) -> None:
+        queued = time.time() - request.arrival_time
         seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
@@ -257,7 +259,8 @@ class Scheduler:
         if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
             cached = self._adopt_cached_prefix(seq)
         if twin is None and (cached or self._chunked(request)):   # prefilled by extending what is cached
-            job = ChunkedPrefill(seq, done=cached, cached=cached, adopt_seconds=time.perf_counter() - looked_up)
+            job = ChunkedPrefill(seq, done=cached, cached=cached, adopt_seconds=time.perf_counter() - looked_up,
+                                 queued_seconds=queued)
             if self.prefilling is None:
                 self.prefilling = job
                 self._prefill_chunk()
@@ -272,6 +275,7 @@ class Scheduler:
             result = self.call("prefill", seq.seq_id, token_tensor(request.prompt_token_ids),
                                request.params.prompt_logprobs)
             result["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
+            result["queued_seconds"] = queued
             self._observe(len(request.prompt_token_ids), 0, result)
             logits = result.pop("logits")
         seq.prompt_logits = logits
@@ -335,7 +339,7 @@ class Scheduler:
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
-                      adopt_seconds=job.adopt_seconds)
+                      adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds)
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
         return True

@@ -16,6 +16,19 @@ from kernels.fused import store_kv
 
 SCRATCH_PAGE = 0
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
+MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
+
+
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first source page, first destination page, pages) of the maximal runs in which both page lists
+    go up one by one (a prompt's pages mostly come off the free stack in order)."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class OutOfPagesError(RuntimeError):
@@ -90,8 +103,15 @@ class PagePool:
         n = len(self.pages[seq_id])
         if n == 0:                       # this worker holds none of the prompt (fewer tokens than workers)
             return
-        src = torch.tensor(self.pages[source_id][:n], dtype=torch.long, device=self.device)
-        dst = torch.tensor(self.pages[seq_id], dtype=torch.long, device=self.device)
+        src, dst = self.pages[source_id][:n], self.pages[seq_id]
+        runs = page_runs(src, dst)
+        if len(runs) <= MAX_RUN_COPIES:        # a slice copy per run, every layer at once: one read, one write
+            for s, d, length in runs:
+                self.k[:, d:d + length] = self.k[:, s:s + length]
+                self.v[:, d:d + length] = self.v[:, s:s + length]
+            return
+        src = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst, dtype=torch.long, device=self.device)
         page_bytes = self.k[0, 0].numel() * self.k.element_size()
         step = max(1, COPY_BYTES // page_bytes)    # a layer's pages at a time, a bounded batch of them: a 1M-token
         for cache in (self.k, self.v):             # prefix would otherwise gather 64 GB at once

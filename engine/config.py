@@ -147,6 +147,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True      # finished sequences stay in the KV cache; a prompt reuses their prefix
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
                                                 # tokens (decode steps run between them); None: in one call
+    quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)
 

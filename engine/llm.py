@@ -27,6 +27,7 @@ from engine.parallel.tensor_parallel import tp_check
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
 from engine.tokenizer import load_tokenizer
+from kernels.fp8 import QUANTIZATIONS, quantization_refusal
 from engine.weights import weight_files
 from engine.worker import worker_main
 from kernels.attention import ATTENTION_BACKENDS, backend_refusal
@@ -53,7 +54,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0):
+                 itl_target_ms: float | None = 50.0, quantization: str = "none"):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -74,6 +75,10 @@ class LLM:
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
+        refusal = quantization_refusal(quantization, device_list, dtype)
+        if refusal:
+            raise DeviceSpecError(refusal) if quantization in QUANTIZATIONS else InvalidRequestError(refusal,
+                                                                                                     "quantization")
         self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
                                    seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
@@ -81,6 +86,7 @@ class LLM:
                                    gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
                                    cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
+                                   quantization=quantization,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None

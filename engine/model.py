@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.rope import inverse_frequencies, rope_cos_sin
-from kernels import fused
+from kernels import fp8, fused
+from kernels.fp8 import Fp8Weight
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -20,11 +21,11 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor              # [(H + 2 Hkv) D, hidden]
-    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
-    o: torch.Tensor                # [hidden, H D]
-    gate_up: torch.Tensor          # [2 I, hidden]
-    down: torch.Tensor             # [hidden, I]
+    qkv: "torch.Tensor | Fp8Weight"        # [(H + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None          # [(H + 2 Hkv) D]
+    o: "torch.Tensor | Fp8Weight"          # [hidden, H D]
+    gate_up: "torch.Tensor | Fp8Weight"    # [2 I, hidden]
+    down: "torch.Tensor | Fp8Weight"       # [hidden, I]
     input_norm: torch.Tensor       # [hidden]
     post_norm: torch.Tensor        # [hidden]
 
@@ -55,7 +56,8 @@ class LlamaModel:
     """Weights and the forward pass; replicated on every worker."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none"):
+        """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py)."""
         self.cfg = cfg
         self.device = device
         self.reduce = reduce or (lambda x: x)   # tensor parallelism: all-reduce of partial sums
@@ -63,21 +65,22 @@ class LlamaModel:
         self.norm = weights.pop("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
         self.dtype = self.embed.dtype
-        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.layers = [self._layer(weights, i, quantization) for i in range(cfg.num_layers)]
         self.inv_freq = inverse_frequencies(cfg).to(device)
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _layer(self, w: dict[str, torch.Tensor], i: int, quantization: str) -> LayerWeights:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         bias = None
         if self.cfg.qkv_bias:
             bias = torch.cat([w.pop(a + f"{x}_proj.bias") for x in "qkv"])
+        linear = fp8.quantize_weight if quantization == "fp8" else (lambda t: t)
         return LayerWeights(
-            qkv=torch.cat([w.pop(a + f"{x}_proj.weight") for x in "qkv"]),
+            qkv=linear(torch.cat([w.pop(a + f"{x}_proj.weight") for x in "qkv"])),
             qkv_bias=bias,
-            o=w.pop(a + "o_proj.weight"),
-            gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]),
-            down=w.pop(p + "mlp.down_proj.weight"),
+            o=linear(w.pop(a + "o_proj.weight")),
+            gate_up=linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+            down=linear(w.pop(p + "mlp.down_proj.weight")),
             input_norm=w.pop(p + "input_layernorm.weight"),
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
         )
@@ -91,12 +94,12 @@ class LlamaModel:
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
         x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)                # [S, (H + 2 Hkv) D]
+            qkv = fp8.linear(x, layer.qkv, layer.qkv_bias)              # [S, (H + 2 Hkv) D]
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]
             attn = attend(i, q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d))     # [S, H, D]
-            delta = self.reduce(F.linear(attn.reshape(attn.shape[0], h * d), layer.o))
+            delta = self.reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             x, residual = fused.rms_norm(delta, layer.post_norm, eps, residual)
             delta = self.reduce(self.mlp(x, layer))
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
@@ -104,7 +107,7 @@ class LlamaModel:
         return x if self.layers else fused.rms_norm(residual, self.norm, eps)
 
     def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        return F.linear(fused.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        return fp8.linear(fused.silu_and_mul(fp8.linear(x, layer.gate_up)), layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] fp32."""

@@ -44,7 +44,8 @@ class ModelRunner:
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype)
         local, weights, partial_sums = self.strategy.local_weights(cfg, weights, rank)   # tp: this worker's slice
-        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None)
+        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None,
+                                quantization=engine.quantization)
         self.backend = select_backend(device, dtype, local.num_heads, local.num_kv_heads, cfg.head_dim, engine.kernel)
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)

@@ -44,6 +44,10 @@ def serve_parser(sub) -> None:
                    help="prefill a longer prompt in chunks of at most N tokens, decoding the running requests "
                         "between chunks and prefilling short new prompts before the next chunk (default: every "
                         "prompt in one prefill)")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: the linear layers' weights quantized to FP8 at load (per-channel scales) and their "
+                        "inputs per token, GEMMs on FP8 tensor cores (compute capability 8.9+); attention, norms, "
+                        "embeddings and the LM head stay bfloat16")
     p.add_argument("--itl-target-ms", type=float, default=50.0, metavar="MS",
                    help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
                         "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
@@ -78,7 +82,8 @@ def serve(args) -> None:
                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None)
+                  enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None,
+                  quantization=args.quantization)
     except BurstServeError as e:
         log.error("%s", e)
         sys.exit(2)

@@ -225,3 +225,32 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
                 if a != b:
                     assert margins[i] < 0.1, (strategy, len(prompt), i, margins[i])
                     break
+
+
+def test_fp8_engine_on_one_gpu_stays_close_to_transformers_and_decodes_in_graphs(hf_bf16_checkpoint):
+    """--quantization fp8 on one GPU: the linears' weights are FP8, the first token's logits stay
+    within 10% (relative, centered) of transformers' bf16 ones, and decode runs (CUDA graphs when
+    flash-attn-4 is here) with greedy tokens equal to the eager FP8 decode's up to near-ties."""
+    from engine import LLM, SamplingParams
+    path, model = hf_bf16_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 8191)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    runs = {}
+    for graphs in (True, False):
+        with LLM(path, devices="cuda:0", dtype="bfloat16", quantization="fp8", cuda_graphs=graphs) as llm:
+            runs[graphs] = [o.outputs[0] for o in llm.generate(prompts, params)]
+            if graphs:
+                for prompt in prompts:
+                    ref_logits = _hf_greedy(model, prompt, 1)[0]
+                    logits = llm.next_token_logits(prompt)
+                    centered = (ref_logits - ref_logits.mean()).norm()
+                    rel = ((logits - ref_logits).norm() / centered).item()
+                    print(f"fp8 prompt {len(prompt)}: logits' relative error against transformers bf16 {rel:.4f}")
+                    assert rel < 0.1, (len(prompt), rel)
+    for prompt, g, e in zip(prompts, runs[True], runs[False]):
+        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b), len(g.token_ids))
+        print(f"fp8 graphs vs eager, prompt {len(prompt)}: {same} of 32 tokens identical")
+        for i in range(same):
+            t = g.token_ids[i]
+            assert abs(g.logprobs[i][t] - e.logprobs[i][t]) < 0.1, (len(prompt), i)
+        assert same == 32 or abs(g.logprobs[same][g.token_ids[same]] - e.logprobs[same][g.token_ids[same]]) < 0.2

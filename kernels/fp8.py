@@ -1,0 +1,76 @@
+"""FP8 linear layers (`--quantization fp8`, vLLM's meaning): weights quantized once at load to
+float8_e4m3fn with one scale per output channel, activations quantized on the fly with one scale per
+token, both scales applied by the GEMM itself (torch._scaled_mm's row-wise scaling, fp32 accumulate,
+bf16 out). Attention, norms, embeddings and the LM head stay in bf16.
+
+    w_fp8[n, k] = w[n, k] / s_w[n],   s_w[n] = max_k |w[n, k]| / 448
+    x_fp8[m, k] = x[m, k] / s_x[m],   s_x[m] = max_k |x[m, k]| / 448
+    y[m, n] = s_x[m] s_w[n] sum_k x_fp8[m, k] w_fp8[n, k]   (+ bias[n])
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
+MIN_SCALE = 1e-12                  # an all-zero row's scale (its values stay 0)
+QUANTIZATIONS = ("none", "fp8")
+
+
+@dataclass
+class Fp8Weight:
+    """A linear weight [N, K] in FP8 and its per-output-channel scales."""
+    weight: torch.Tensor           # [N, K] float8_e4m3fn, row-major (its .t() is the column-major operand)
+    scale: torch.Tensor            # [1, N] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def quantize_weight(w: torch.Tensor) -> Fp8Weight:
+    """w [N, K] (bf16/fp32) -> its FP8 copy and scales."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)          # [N]
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q.contiguous(), scale[None, :].contiguous())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scales [M, 1] fp32): one scale per token, from its largest value. In
+    x's dtype (a 128K-token prefill's MLP input in fp32 would be 7.5 GB more): x times 448 / amax rounded
+    to x's dtype lands within 0.4% of 448, under 464 where float8_e4m3fn would overflow, and the scale
+    returned is that rounded factor's exact inverse."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=MIN_SCALE * FP8_MAX)      # [M, 1]
+    inverse = (FP8_MAX / amax).to(x.dtype)                                                # [M, 1]
+    return (x * inverse).to(FP8), 1.0 / inverse.float()
+
+
+def linear(x: torch.Tensor, w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a bf16 weight; for an Fp8Weight, x [..., K] quantized per token and one scaled GEMM
+    -> [..., N] in x's dtype."""
+    if not isinstance(w, Fp8Weight):
+        return F.linear(x, w, bias)
+    rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
+    xq, xs = quantize_rows(rows)
+    out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], w.weight.shape[0])
+
+
+def quantization_refusal(quantization: str, devices: list[str], dtype: str) -> str | None:
+    """Why this quantization cannot run on these devices in this dtype, or None."""
+    if quantization not in QUANTIZATIONS:
+        return f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+    if quantization == "none":
+        return None
+    if not all(d.startswith("cuda") for d in devices):
+        return ("--quantization fp8 needs CUDA GPUs with FP8 tensor cores (compute capability 8.9 or newer: "
+                f"Ada, Hopper, Blackwell); the devices are {', '.join(devices)}")
+    if dtype != "bfloat16":
+        return f"--quantization fp8 computes in bfloat16 (its GEMMs' output); --dtype {dtype} cannot be used with it"
+    for d in devices:
+        major, minor = torch.cuda.get_device_capability(torch.device(d))
+        if (major, minor) < (8, 9):
+            return (f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9 or newer); {d} is "
+                    f"{torch.cuda.get_device_name(torch.device(d))}, capability {major}.{minor}")
+    return None

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Issue 13 item 4 on one GPU: the FP8 GPU test (tests/gpu/test_gpu.py -k fp8), then scripts/gpu_fp8.py
+# (llama3-8b preset, bf16 vs --quantization fp8: logits over every position and the forward pass's
+# time, same weights, same run). Two back-to-back device calls, as scripts/gpu_decode.sh.
+set -uo pipefail
+bash .fa4b/install.sh || exit 3
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+trap pack EXIT
+{ date -u; nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)"; } 2>&1 | tee "$out/env.txt"
+[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+    tests/gpu/test_gpu.py -k fp8 2>&1 | grep -v -i warn | tail -20 | tee "$out/pytest.log"
+OUT=$out timeout 200 python3 scripts/gpu_fp8.py ${FP8_LENGTHS:-8192 16384} 2>&1 | grep -v -i warn | tail -8 | tee "$out/fp8.log"

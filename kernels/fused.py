@@ -5,6 +5,7 @@
     rope_(qkv, cos, sin, num_heads, num_kv_heads)                    rotates q and k inside qkv, in place
     store_kv(k_cache, v_cache, slots, k, v)                          k, v rows into a paged layer cache
     silu_and_mul(gate_up) -> silu(gate) * up
+    quantize_fp8_rows(x) -> (x_fp8, scales) or None                 kernels/fp8.py's per-token quantization
 
 A decode step of an 8B model spends as much GPU time on these as on its weights' GEMMs when each is
 a chain of torch ops (measured on an H200, llama3-8b, 8K context: 41 kernels a layer, 2.0 of 6.7 ms
@@ -96,6 +97,26 @@ def _rope_torch(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def quantize_fp8_rows(x: torch.Tensor):
+    """x [M, K] -> (x / s as float8_e4m3fn [M, K], s [M, 1] fp32), s = max |x[m]| / 448, in one kernel
+    (one read of x, one write: the torch ops read it three times and write two temporaries); None where
+    there is no Triton kernel (the caller uses its torch ops)."""
+    kern = _kernels(x.device)
+    if kern is None or x.shape[0] == 0:
+        return None
+    try:
+        x = _rows(x)
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        block = _pow2(k)
+        kern["quantize_fp8"][(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+        return q, scale
+    except Exception as e:
+        _failed(e)
+        return None
+
+
 # ---------------------------------------------------------------- Triton
 
 def _failed(e: Exception) -> None:
@@ -185,12 +206,24 @@ def _build() -> dict:
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + s * inter + cols, (a * u).to(dt), mask=mask)
 
+    def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, k, x_stride, BLOCK: tl.constexpr):
+        """Program = one row of k values: s = max |x| / 448 (at least 1e-12), q = x / s in float8_e4m3fn."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < k
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 448.0 * 1e-12)
+        q = tl.clamp(x * (448.0 / amax), -448.0, 448.0)
+        tl.store(q_ptr + row * k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, amax / 448.0)
+
     # sizes and strides unspecialized: one compile per dtype and constexpr combination
     return {
         "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
         "rope": triton.jit(rope_kernel, do_not_specialize=["row_stride", "cs_stride", "num_rot"]),
         "store_kv": triton.jit(store_kv_kernel, do_not_specialize=["k_stride", "v_stride", "n"]),
         "silu_and_mul": triton.jit(silu_and_mul_kernel, do_not_specialize=["inter", "x_stride"]),
+        "quantize_fp8": triton.jit(quantize_fp8_kernel, do_not_specialize=["k", "x_stride"]),
     }
 
 

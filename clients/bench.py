@@ -13,6 +13,8 @@ server or offline.
         --question-len 512 --questions 4 --repeats 2
     burstserve bench shared --offline --model llama3-8b --devices cuda --doc-len 65536 --max-num-batched-tokens 8192
     burstserve bench shared --url http://127.0.0.1:8000 --turns 6 --doc-len 8192 --question-len 256 --output-len 128
+    burstserve bench interference --serve "--model llama3-8b --devices cuda --max-num-batched-tokens 8192" \
+        --streams 8 --long-len 131072 --short-len 1024
     burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
         --doc docs/benchmarks.md --section llama3-8b --title "llama3-8b, every strategy"
 """
@@ -36,7 +38,9 @@ def add_parser(sub) -> None:
     load = modes.add_parser("load", help="many requests at a rate; vllm bench serve's metrics")
     shared = modes.add_parser("shared", help="cold and warm TTFT of questions on one long document (prefix cache), "
                                              "or of a multi-turn conversation (--turns)")
-    for m in (sweep, load, shared):
+    interference = modes.add_parser("interference", help="what a long prompt's prefill does to decoding streams "
+                                                         "and to a short request arriving during it (HTTP)")
+    for m in (sweep, load, shared, interference):
         m.add_argument("--url", default=None, help="a running server (default: --serve, else http://127.0.0.1:8000)")
         m.add_argument("--serve", default=None, help="start `burstserve serve` with these arguments for this run")
         m.add_argument("--api-key", default=None)
@@ -78,6 +82,7 @@ def add_parser(sub) -> None:
     shared.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
                         help="offline: chunked prefill in chunks of N tokens (over HTTP: give it to the server)")
     _add_offline_args(shared, "offline: prefill strategy")
+    _add_interference_args(interference)
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--input-len", type=int, default=1024)
     load.add_argument("--output-len", type=int, default=128)
@@ -93,6 +98,26 @@ def add_parser(sub) -> None:
     merge.add_argument("--title", default="Time to first token")
     merge.add_argument("--scaling-length", type=int, default=65536,
                        help="the prompt length of the scaling table (configurations by device count); 0: none")
+
+
+def _add_interference_args(m) -> None:
+    m.set_defaults(offline=False)
+    m.add_argument("--streams", type=_positive_int, default=8, help="background streams decoding meanwhile")
+    m.add_argument("--stream-len", type=_positive_int, default=1024, help="prompt tokens of each stream")
+    m.add_argument("--stream-output-len", type=_positive_int, default=100000,
+                   help="tokens each stream may generate (ignore_eos); it must outlast the measurement, which "
+                        "cancels the streams at its end")
+    m.add_argument("--long-len", type=_positive_int, default=131072, help="tokens of the long prompt (1 output token)")
+    m.add_argument("--short-len", type=int, default=1024,
+                   help="tokens of the short request sent --short-delay after the long one (0: none)")
+    m.add_argument("--short-delay", type=float, default=0.5, help="seconds after the long prompt")
+    m.add_argument("--settle", type=float, default=1.0,
+                   help="seconds the streams decode after each has its first token, before the long prompt")
+    m.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                   help="each round first sends the long prompt alone on the idle server (its TTFT alone)")
+    m.add_argument("--warmup", type=int, default=1, help="unmeasured long prompts alone first (kernel plans)")
+    m.add_argument("--repeats", type=_positive_int, default=1, help="measured rounds")
+    m.add_argument("--seed", type=int, default=0, help="of the random token ids")
 
 
 def _add_offline_args(m, strategy_help: str) -> None:
@@ -181,6 +206,9 @@ def _run(args) -> None:
         elif args.mode == "shared":
             from clients.shared import run_shared
             run_shared(args, url, _run_meta(args, url))
+        elif args.mode == "interference":
+            from clients.prefill_interference import run_interference
+            run_interference(args, url, _run_meta(args, url))
         else:
             from clients.load import run_load
             from clients.sweep import server_info

@@ -1,0 +1,47 @@
+"""`burstserve bench interference`: the streams' gaps split around the long prompt's prefill, and a live
+run against a CPU server with chunked prefill (the short request's first token before the long one's)."""
+import json
+import os
+
+import pytest
+
+from clients.prefill_interference import Stream, round_summary, split_gaps
+from test_bench import bench
+
+
+def test_gaps_split_at_the_window_and_a_straddling_gap_counts_as_during():
+    times = [0.0, 0.1, 0.2, 0.95, 1.05, 1.1, 3.0, 3.02]        # window [1.0, 2.5]: 0.95 -> 1.05 straddles it
+    before, during = split_gaps(times, (1.0, 2.5))
+    assert before == pytest.approx([0.1, 0.1, 0.75])
+    assert during == pytest.approx([0.1, 0.05, 1.9])            # 1.1 -> 3.0 spans the window's end
+    assert split_gaps(times, (5.0, 6.0)) == (pytest.approx([0.1, 0.1, 0.75, 0.1, 0.05, 1.9, 0.02]), [])
+
+
+def test_round_summary_counts_stalls_and_ratios():
+    streams = [Stream(0.0, [0.0, 0.1, 0.2, 1.6, 1.7]), Stream(0.0, [0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 1.52])]
+    r = round_summary(0.8, long_sent=0.3, long_first=1.5, short_sent=0.8, short_first=1.0, streams=streams)
+    assert r["long_ttft_under_load_s"] == pytest.approx(1.2) and r["ratio"] == pytest.approx(1.5)
+    assert r["short_ttft_s"] == pytest.approx(0.2)
+    assert r["stalled_streams"] == 1                            # 0.2 -> 1.6 (1.4 s); 0.55 -> 1.52 is 0.97 s
+    assert r["max_itl_during_ms"] == pytest.approx(1400)
+    assert r["itl_before_count"] == 4 and r["itl_during_count"] == 5    # 1.6 -> 1.7 is after: in neither
+    assert r["streams_tokens_per_s_during"] == pytest.approx(3 / 1.2)   # 0.35, 0.45, 0.55 in (0.3, 1.5]
+    r = round_summary(None, 0.3, 1.5, None, None, streams)
+    assert r["ratio"] is None and r["short_ttft_s"] is None
+
+
+def test_a_live_round_against_a_chunked_cpu_server(tmp_path):
+    out = tmp_path / "intf"
+    table = bench("interference", "--serve", "--model tiny --devices cpu --max-num-batched-tokens 32",
+                  "--streams", "2", "--stream-len", "16", "--stream-output-len", "20000", "--long-len", "1000",
+                  "--short-len", "16", "--short-delay", "0.05", "--settle", "0.2", "--warmup", "1", "--repeats", "1",
+                  "--output-dir", str(out))
+    data = json.load(open(out / "results.json"))
+    assert data["error"] is None and len(data["rounds"]) == 1 and "| 1 |" in table
+    r = data["rounds"][0]
+    assert r["long_ttft_alone_s"] > 0 and r["long_ttft_under_load_s"] > 0 and r["short_ttft_s"] > 0
+    assert r["itl_before_count"] > 0 and r["itl_during_count"] > 0
+    raw = r["raw"]
+    assert raw["short_first"] < raw["long_first"]               # not stuck behind the long prompt's chunks
+    assert all(times[-1] > raw["long_first"] for times in raw["streams"])   # every stream outlived the window
+    assert os.path.exists(out / "results.csv") and "Interference" in open(out / "results.md").read()

@@ -38,8 +38,11 @@ if [[ " $PARTS " == *" shared "* ]]; then
 fi
 if [[ " $PARTS " == *" interference "* ]]; then
   common="--streams 8 --stream-len 1024 --long-len $LONG --short-len 1024 --short-delay 0.5 --warmup 1 --repeats 1"
-  run interference-chunked 260 interference --serve "$serve --max-num-batched-tokens 8192" $common \
-      --label "chunked 8192, itl target 50 ms"
+  for target in ${ITL_TARGETS:-50}; do
+    run "interference-chunked-itl$target" 260 interference --serve "$serve --max-num-batched-tokens 8192 --itl-target-ms $target" \
+        $common --label "chunked 8192, itl target $target ms"
+  done
+  [ "${UNCHUNKED:-1}" = 0 ] || \
   run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"
 fi
 if [[ " $PARTS " == *" http "* ]]; then

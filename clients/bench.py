@@ -135,6 +135,8 @@ def _add_offline_args(m, strategy_help: str) -> None:
     m.add_argument("--dtype", default=None, help="offline: dtype")
     m.add_argument("--sp-strategy", default="burst", help=strategy_help)
     m.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
+    m.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="offline: fp8 linears (serve's --quantization; over HTTP give it in --serve's arguments)")
 
 
 def _at_least(low: int):
@@ -255,11 +257,26 @@ def _device_args(args) -> list[str]:
 def _check_offline_devices(args) -> None:
     """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
     from engine.devices import resolve_devices
+    from engine.errors import InvalidRequestError
     if args.sp_strategy == "transformers":
+        if getattr(args, "quantization", "none") != "none":
+            raise InvalidRequestError("--quantization is the engine's: --sp-strategy transformers runs "
+                                      "transformers' model as a user would, in --dtype", "quantization")
         from clients.hf_baseline import baseline_device
         baseline_device(args.devices, args.context_parallel_size)
     else:
-        resolve_devices(args.devices, args.context_parallel_size)
+        devices = resolve_devices(args.devices, args.context_parallel_size)
+        _check_quantization(args, devices)
+
+
+def _check_quantization(args, devices: list[str]) -> None:
+    """--quantization that cannot run on these devices: refused before any file is written."""
+    from engine.errors import DeviceSpecError
+    from kernels.fp8 import quantization_refusal
+    dtype = args.dtype or ("bfloat16" if devices[0].startswith("cuda") else "float32")
+    refusal = quantization_refusal(getattr(args, "quantization", "none"), devices, dtype)
+    if refusal:
+        raise DeviceSpecError(refusal)
 
 
 @contextlib.contextmanager

@@ -141,7 +141,8 @@ def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) 
     # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
     return dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                 dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
-                overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **extra)
+                overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                quantization=getattr(args, "quantization", "none"), **extra)
 
 
 @contextlib.contextmanager
@@ -150,7 +151,8 @@ def offline_llm(llm_args: dict):
     strategy, devices, kernel)."""
     from engine import LLM, SamplingParams
     with LLM(**llm_args) as llm:
-        fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap"),
+        fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap")
+                  + ("" if llm.engine.quantization == "none" else f", {llm.engine.quantization}"),
                   **device_fields(llm.engine.devices), "kernel": llm.kernel}
         llm.generate(random_prompt(llm.model_config.vocab_size, 16), SamplingParams(max_tokens=1))   # warm-up
         yield llm, fields

@@ -365,3 +365,16 @@ def test_shared_flags():
     for bad in (["--turns", "1"], ["--questions", "1"], ["--doc-len", "0"], ["--max-num-batched-tokens", "0"]):
         with pytest.raises(SystemExit):
             shared(*bad)
+
+
+def test_quantization_refused_before_any_file_where_it_cannot_run(tmp_path):
+    """--quantization fp8 on CPU devices, and with the transformers peer: exit 2, one line, no results."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for extra, words in ((["--devices", "cpu"], "needs CUDA GPUs with FP8 tensor cores"),
+                         (["--sp-strategy", "transformers"], "--quantization is the engine's")):
+        out = tmp_path / extra[-1]
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "sweep", "--offline", "--quantization", "fp8",
+                               "--lengths", "16", "--output-dir", str(out), *extra], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=300)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+        assert not out.exists()

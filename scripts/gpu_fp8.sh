@@ -11,3 +11,12 @@ trap pack EXIT
 [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
     tests/gpu/test_gpu.py -k fp8 2>&1 | grep -v -i warn | tail -20 | tee "$out/pytest.log"
 OUT=$out timeout 200 python3 scripts/gpu_fp8.py ${FP8_LENGTHS:-8192 16384} 2>&1 | grep -v -i warn | tail -8 | tee "$out/fp8.log"
+# SWEEP=1: the engine's TTFT, bf16 and --quantization fp8, `bench sweep --offline` one after the other
+if [ -n "${SWEEP:-}" ]; then
+  for q in none fp8; do
+    timeout 240 python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp 1 \
+        --lengths "${SWEEP_LENGTHS:-8192,32768,131072}" --repeats 2 --warmup 1 --quantization $q \
+        --output-dir "$out/sweep-$q" > "$out/sweep-$q.log" 2>&1
+    echo "quantization $q: rc=$?"; grep -E "^\|" "$out/sweep-$q.log" | tail -5
+  done
+fi

@@ -76,8 +76,8 @@ def table(result: dict) -> str:
              f"a {result['long_len']}-token prompt arrives, and a {result['short_len']}-token request "
              f"{result['short_delay']} s after it. TTFT in seconds; ITL (the streams' gaps between tokens) in ms, "
              "before the long prompt and during its prefill; stalled: streams with a gap over 1 s during it.", "",
-             "| round | long TTFT alone s | long TTFT under load s | ratio | short TTFT s | ITL before p50 / p99 | "
-             "ITL during p50 / p99 / max | stalled streams |", "|---|" + "---|" * 7]
+             "| round | long TTFT alone s | long TTFT under load s | ratio | short TTFT s | ITL before p50 / p99 ms | "
+             "ITL during p50 / p99 / max ms | stalled streams |", "|---|" + "---|" * 7]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)        # noqa: E731
     for i, r in enumerate(result["rounds"], 1):
         lines.append(f"| {i} | {fmt(r['long_ttft_alone_s'], '.3f')} | {r['long_ttft_under_load_s']:.3f} | "
@@ -163,10 +163,12 @@ async def one_round(url: str, model: str, vocab: int, args, headers: dict, rng: 
             await asyncio.gather(*tasks, return_exceptions=True)
     summary = round_summary(alone_ttft, long.sent, long.token_times[0], short.sent if short_task else None,
                             short.token_times[0] if short_task else None, streams)
-    summary["raw"] = {"long_sent": long.sent, "long_first": long.token_times[0],
-                      "short_sent": short.sent if short_task else None,
-                      "short_first": short.token_times[0] if short_task else None,
-                      "streams": [s.token_times for s in streams]}
+    origin = min(s.sent for s in streams)          # the round's start: its first stream sent (seconds from it)
+    rel = lambda t: None if t is None else t - origin         # noqa: E731
+    summary["raw"] = {"long_sent": rel(long.sent), "long_first": rel(long.token_times[0]),
+                      "short_sent": rel(short.sent) if short_task else None,
+                      "short_first": rel(short.token_times[0]) if short_task else None,
+                      "streams": [[rel(t) for t in s.token_times] for s in streams]}
     return summary
 
 

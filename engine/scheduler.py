@@ -133,11 +133,15 @@ class Scheduler:
         if self.preempted or not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         request = self.waiting[0]
-        if self._chunked(request):
+        if not self._short(request):
             return False
         keep = self.watermark if self.running else 0
         need = self.kv.prefill_pages(len(request.prompt_token_ids))
         return self._fits([n + keep + r for n, r in zip(need, self._prefilling_reserve())])
+
+    def _short(self, request: Request) -> bool:
+        """At most one chunk's worth of tokens (a prompt-logprobs request, never chunked, may be longer)."""
+        return self.chunk_tokens is not None and len(request.prompt_token_ids) <= self.chunk_tokens
 
     def _prefilling_reserve(self) -> list[int]:
         """Pages per worker the prompt being prefilled in chunks still takes (zeros when none): what a
@@ -311,7 +315,7 @@ class Scheduler:
         after the last, its first token."""
         job = self.prefilling
         remaining = len(job.seq.request.prompt_token_ids) - job.done
-        busy = bool(self.running or self.waiting or self.preempted)
+        busy = bool(self.running) or bool(self.waiting and self._short(self.waiting[0]))   # someone to serve soon
         n = self.sizer.size(job.done, remaining, busy, self.step_seconds) if self.sizer else remaining
         if not self._make_room_for_chunk(job, n):
             return

@@ -11,9 +11,7 @@ prefill (a gap overlapping [long sent, long's first token]): p50, p99, max, and 
 stalled (a gap over 1 s) during it. That is the head-of-line blocking chunked prefill removes
 (`--max-num-batched-tokens`, `--itl-target-ms`). HTTP only; times on the client (perf_counter)."""
 import asyncio
-import csv
 import json
-import os
 import random
 import sys
 import time
@@ -21,7 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from clients.stats import percentile, summarize
+from clients.report import write_result_files
+from clients.stats import summarize
 from clients.sweep import config_fields, config_label, server_info
 
 STALL_SECONDS = 1.0
@@ -197,15 +196,8 @@ CSV_COLUMNS = ["round", "long_ttft_alone_s", "long_ttft_under_load_s", "ratio", 
 
 
 def write_results(output_dir: str, result: dict) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(output_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({**r, "round": i} for i, r in enumerate(result["rounds"], 1))
-    with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(table(result))
+    write_result_files(output_dir, result, CSV_COLUMNS, [{**r, "round": i} for i, r in enumerate(result["rounds"], 1)],
+                       table(result))
 
 
 def run_interference(args, url: str, meta: dict) -> dict:

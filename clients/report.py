@@ -18,16 +18,23 @@ SWEEP_COLUMNS = ["label", "strategy", "devices", "num_devices", "context_paralle
 NOT_RUN = "-: not run (a shorter prompt of that configuration had already failed)"
 
 
-def write_sweep(output_dir: str, rows: list[dict], meta: dict) -> None:
+def write_result_files(output_dir: str, data: dict, columns: list[str], csv_rows, table: str) -> None:
+    """Every mode's three files: results.json (data), results.csv (csv_rows, the given columns; other keys
+    left out) and results.md (table)."""
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump({"mode": "sweep", **meta, "rows": rows}, f, indent=1)
+        json.dump(data, f, indent=1)
     with open(os.path.join(output_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, SWEEP_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(csv_rows)
     with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(sweep_table(rows, meta) + decode_table(rows))
+        f.write(table)
+
+
+def write_sweep(output_dir: str, rows: list[dict], meta: dict) -> None:
+    write_result_files(output_dir, {"mode": "sweep", **meta, "rows": rows}, SWEEP_COLUMNS, rows,
+                       sweep_table(rows, meta) + decode_table(rows))
     plot_sweep(rows, os.path.join(output_dir, "ttft.png"))
     if decoded(rows):
         plot_tpot(rows, os.path.join(output_dir, "tpot.png"))
@@ -296,17 +303,11 @@ def plot_tpot(rows: list[dict], path: str) -> None:
 
 
 def write_load(output_dir: str, result: dict) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump({"mode": "load", **result}, f, indent=1)
     scalars = {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
-    with open(os.path.join(output_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, list(scalars))
-        writer.writeheader()
-        writer.writerow(scalars)
-    with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write("| metric | value |\n|---|---|\n" + "".join(
-            f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n" for k, v in scalars.items()))
+    write_result_files(output_dir, {"mode": "load", **result}, list(scalars), [scalars],
+                       "| metric | value |\n|---|---|\n" + "".join(
+                           f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
+                           for k, v in scalars.items()))
     plot_load(result, os.path.join(output_dir, "latency.png"))
 
 

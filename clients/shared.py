@@ -15,9 +15,7 @@ runs without --enable-prefix-caching. TTFT is measured as the sweep measures it:
 the first streamed token chunk (ttft_probe.stream_once); offline from the engine's RequestMetrics."""
 import asyncio
 import contextlib
-import csv
 import json
-import os
 import random
 import statistics
 import sys
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from clients.report import write_result_files
 from clients.stats import summarize
 from clients.sweep import (check_generated, config_fields, config_label, engine_timing, offline_llm, offline_llm_args,
                            prefill_seconds_total, random_prompt, server_info)
@@ -251,17 +250,9 @@ CSV_COLUMNS = ["repeat", "index", "warm", "prompt_tokens", "cached_tokens", "exp
 
 def write_results(output_dir: str, result: dict) -> None:
     """results.json (everything), results.csv (a line per request) and results.md (the table)."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(output_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for name, runs in (("warmup", result["warmup_runs"]), (None, result["runs"])):
-            for j, run in enumerate(runs, 1):
-                writer.writerows({**x, "repeat": name or j} for x in run)
-    with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(table(result))
+    lines = [{**x, "repeat": name or j} for name, runs in (("warmup", result["warmup_runs"]), (None, result["runs"]))
+             for j, run in enumerate(runs, 1) for x in run]
+    write_result_files(output_dir, result, CSV_COLUMNS, lines, table(result))
 
 
 # ---- the mode --------------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""Where a chunk's time goes late in a long prompt, on one GPU (llama3-8b preset, bf16): the cost of an
+incremental prefill (ModelRunner.extend) of n tokens after ~C cached ones against the same tokens' share
+of an unchunked prefill, the paged attention call over the cached part alone (as it is, and with the
+keys split k ways as a batch of k sequences of the same queries), and one extend under torch.profiler.
+Usage: python scripts/gpu_chunk_profile.py [context]   (prints markdown tables)"""
+import sys
+import time
+
+import torch
+
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+from kernels.paged_attention import _fa4_call, guarded_table, paged_attention
+
+ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
+dev = torch.device("cuda:0")
+
+
+def timed(fn, repeats=5):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+# ---- 1. the paged call over the cached keys alone: as it is, and split k ways
+h, hkv, d, bs = 32, 8, 128, 128
+pages = ctx // bs
+k_cache = torch.randn(pages + 1, bs, hkv, d, device=dev, dtype=torch.bfloat16)
+v_cache = torch.randn_like(k_cache)
+table = guarded_table(torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None])
+print(f"## paged attention, non-causal, {ctx} cached keys, H {h} Hkv {hkv} D {d}\n")
+print("| queries | splits | ms | TFLOP/s |\n|---|---|---|---|")
+for m in (256, 512, 1024, 2048, 8192):
+    q = torch.randn(m, h, d, device=dev, dtype=torch.bfloat16)
+    flop = 4 * m * ctx * h * d
+    cu = torch.tensor([0, m], device=dev, dtype=torch.int32)
+    lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
+    t = timed(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.088, causal=False, num_chunks=1))
+    print(f"| {m} | 1 (as is) | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
+    for k in (2, 3, 4, 6, 8):
+        per = pages // k
+        starts = [j * per for j in range(k)]
+        widths = [per] * (k - 1) + [pages - per * (k - 1)]
+        rows = torch.zeros(k, max(widths), dtype=torch.int32, device=dev)
+        for j in range(k):
+            rows[j, :widths[j]] = torch.arange(1 + starts[j], 1 + starts[j] + widths[j], device=dev)
+        rows = guarded_table(rows)
+        cu_k = torch.arange(0, (k + 1) * m, m, device=dev, dtype=torch.int32)
+        used = torch.tensor([w * bs for w in widths], device=dev, dtype=torch.int32)
+
+        def split():
+            qr = q.repeat(k, 1, 1)
+            out, lse = _fa4_call(qr, k_cache, v_cache, rows, cu_k, used, 0.088, False, m)
+            lse = lse.view(k, m, h)
+            w = torch.softmax(lse, dim=0)
+            return (out.view(k, m, h, d).float() * w[..., None]).sum(0).to(q.dtype)
+        t = timed(split)
+        print(f"| {m} | {k} | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
+del k_cache, v_cache
+torch.cuda.empty_cache()
+
+# ---- 2. extend calls late in a long prompt, against the prompt's unchunked prefill
+engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+cfg, max_model_len = resolve_model(engine)
+runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
+prompt = torch.randint(0, 250, (ctx + 32768,))
+runner.prefill(9, prompt[:8192])
+whole = runner.prefill(1, prompt[:ctx])["prefill_seconds"]
+print(f"\n## extend after ~{ctx - 16384} cached tokens (unchunked prefill of {ctx}: {whole:.3f} s)\n")
+done = ctx - 16384
+for start in range(0, done, 8192):
+    runner.prefill(2, prompt[:8192]) if start == 0 else runner.extend(2, prompt[start:start + 8192], start)
+print("| new tokens | context | wall ms | ms per 1K tokens |\n|---|---|---|---|")
+for n in (256, 512, 1024, 2048, 4096):
+    runner.extend(2, prompt[done:done + n], done)          # warm this shape
+    done += n
+    t0 = time.perf_counter()
+    r = runner.extend(2, prompt[done:done + n], done)
+    wall = time.perf_counter() - t0
+    print(f"| {n} | {done} | {wall * 1e3:.1f} | {wall * 1e3 / n * 1024:.1f} |")
+    done += n
+
+# ---- 3. one 512-token extend under the profiler: GPU busy against wall, kernels by GPU time
+from torch.profiler import ProfilerActivity, profile
+
+n = 512
+with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    t0 = time.perf_counter()
+    runner.extend(2, prompt[done:done + n], done)
+    wall = time.perf_counter() - t0
+events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+busy = sum(e.device_time for e in events) / 1e3
+print(f"\n## one extend of {n} after {done}: wall {wall * 1e3:.1f} ms, GPU busy {busy:.1f} ms, kernels {len(events)}\n")
+groups = {}
+for e in events:
+    g = groups.setdefault(e.name[:80], [0, 0.0])
+    g[0] += 1
+    g[1] += e.device_time / 1e3
+print("| kernel | calls | ms |\n|---|---|---|")
+for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:25]:
+    print(f"| {name} | {calls} | {ms:.2f} |")

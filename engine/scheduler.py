@@ -333,6 +333,9 @@ class Scheduler:
         else:
             result = self.call("extend", job.seq.seq_id, chunk, job.done)
         job.call_seconds += time.perf_counter() - called
+        if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
+            log.debug("chunk of %d tokens after %d: %.1f ms (predicted %.1f), last decode step %.1f ms", n, job.done,
+                      result["prefill_seconds"] * 1e3, self.sizer.predict(n, job.done) * 1e3, self.step_seconds * 1e3)
         self._observe(n, job.done, result)
         job.prefill_seconds += result["prefill_seconds"]
         job.done += n

@@ -7,6 +7,7 @@
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
+# SERVE_EXTRA: more server arguments (say "--log-level debug": each chunk's size and time in stderr.log).
 # PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
 # against --offline at 8K and 128K, same engine, same run). Results: $OUT/results.tgz (one directory per configuration).
 set -uo pipefail
@@ -31,7 +32,7 @@ run() {
   [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -8
 }
 offline="--offline --model llama3-8b --devices cuda -cp 1"
-serve="--model llama3-8b --devices cuda -cp 1"
+serve="--model llama3-8b --devices cuda -cp 1 ${SERVE_EXTRA:-}"
 if [[ " $PARTS " == *" shared "* ]]; then
   run shared-32K 150 shared $offline --doc-len 32768 --question-len 512 --questions 4 --repeats 2 --warmup 1
   run shared-128K 200 shared $offline --doc-len "$LONG" --question-len 512 --questions 3 --repeats 1 --warmup 1

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
-from kernels.paged_attention import _fa4_call, guarded_table, paged_attention
+from kernels.paged_attention import _fa4_call, _fa4_key_split, guarded_table, paged_attention
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
 dev = torch.device("cuda:0")
@@ -34,13 +34,19 @@ v_cache = torch.randn_like(k_cache)
 table = guarded_table(torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None])
 print(f"## paged attention, non-causal, {ctx} cached keys, H {h} Hkv {hkv} D {d}\n")
 print("| queries | splits | ms | TFLOP/s |\n|---|---|---|---|")
-for m in (256, 512, 1024, 2048, 8192):
+for m in (128, 256, 512, 1024):
     q = torch.randn(m, h, d, device=dev, dtype=torch.bfloat16)
     flop = 4 * m * ctx * h * d
     cu = torch.tensor([0, m], device=dev, dtype=torch.int32)
     lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
     t = timed(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.088, causal=False, num_chunks=1))
-    print(f"| {m} | 1 (as is) | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
+    print(f"| {m} | 1 (num_chunks=1) | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
+    t = timed(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.088, causal=False))
+    print(f"| {m} | auto | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
+    for k in (2, 4):
+        for msq in (None, m):
+            t = timed(lambda: _fa4_key_split(q, k_cache, v_cache, table, cu, lens, 0.088, k, msq))
+            print(f"| {m} | _fa4_key_split {k}, max_seqlen_q {msq} | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
     for k in (2, 3, 4, 6, 8):
         per = pages // k
         starts = [j * per for j in range(k)]

@@ -1,6 +1,7 @@
 """The `burstserve` command: `burstserve serve [--model PATH|PRESET] [--devices ...] ...`."""
 import argparse
 import logging
+import os
 import sys
 
 import uvicorn
@@ -73,6 +74,7 @@ def serve(args) -> None:
     from engine import LLM, BurstServeError
     from server.app import build_app
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("BURSTSERVE_LOG_LEVEL", args.log_level.upper())   # the worker processes' level too
     try:
         llm = LLM(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                   dtype=args.dtype, max_model_len=args.max_model_len,

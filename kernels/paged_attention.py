@@ -50,6 +50,7 @@ MIN_CHUNK_KEYS = 512      # a split chunk covers at least this many keys (fewer:
 MAX_CHUNKS = 64
 MIN_SPLIT_KEYS = 4096     # a key split of a many-row call covers at least this many keys
 MAX_KEY_SPLITS = 8
+_KEY_SPLIT = os.environ.get("BURSTSERVE_KEY_SPLIT", "1") != "0"   # 0: never split a many-row call (A/B runs)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale: float,
@@ -218,7 +219,7 @@ def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, caus
                              scale, False, 1)
         return _zero_empty_rows(out, lse, seq_lens_k)
     cu_seqlens_q = cu_seqlens_q.to(torch.int32)
-    if num_chunks == 1 and auto and not causal:
+    if num_chunks == 1 and auto and not causal and _KEY_SPLIT:
         splits = choose_key_splits(total_q, q.shape[1] // hkv, hkv, max_blocks * bs, _num_sms(q.device))
         if splits > 1:
             return _fa4_key_split(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, splits,

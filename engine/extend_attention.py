@@ -10,9 +10,13 @@ positions L + ...), and each worker's queries see two kinds of keys:
   all-gather brings every worker all n queries, each attends them to the cached K/V it holds with
   one paged_attention call (no mask: the cache is all before the new tokens), and one all-to-all
   returns each worker the partials of its own queries.
-The partials merge in fp32 by LSE. With replicated K/V (tp) every worker holds the whole cache for
-its heads and the new tokens whole: one paged call and one causal kernel call, nothing exchanged.
-The new tokens' K/V are written into the worker's pages after the cached ones.
+The partials merge in fp32 by LSE. The new tokens' K/V are written into the worker's pages after the
+cached ones. On one worker, and with replicated K/V (tp: every worker holds the whole cache for its
+heads and the new tokens whole), the new K/V go into the pages first and one causal paged_attention
+call over all of the sequence's pages does the rest (causal aligned to the end: new token i sees the
+cached tokens and new tokens 0..i), nothing exchanged or merged. A chunk late in a long prompt is
+bound by the host's launches (a 256-token chunk after 60K cached tokens: 37 ms whatever the context,
+one H200), so one kernel call and no merge per layer is what counts there.
 """
 import torch
 import torch.distributed as dist
@@ -35,39 +39,39 @@ class ExtendAttention:
         self.slots, self.shards, self.replicated = slots, new_shards, replicated
         self.world_size = 1 if replicated else len(new_shards)
         device = pool.device
-        pages = pool.pages[seq_id][:-(-cached_local // pool.block_size)] if cached_local else []
-        self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))   # [1, pages]
-        self.cached = torch.tensor([cached_local], dtype=torch.int32, device=device)          # [1]
-        queries = sum(s.length for s in new_shards) if not replicated else new_shards[0].length
-        self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                  # built once, not per layer
-                   for m in {queries, new_shards[0 if replicated else rank].length}}
-        self.ring_attention = None if replicated else BurstAttention(ring, backend, new_shards, rank, scale, overlap)
+        mine = new_shards[0 if replicated else rank].length
+        keys = cached_local + mine if self.world_size == 1 else cached_local      # one worker: its new keys too
+        pages = pool.pages[seq_id][:-(-keys // pool.block_size)] if keys else []
+        self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
+        self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
+        queries = sum(s.length for s in new_shards) if not replicated else mine
+        self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
+                   for m in {queries, mine}}
+        self.ring_attention = (None if self.world_size == 1 else
+                               BurstAttention(ring, backend, new_shards, rank, scale, overlap))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n_w, H, D], k and v [n_w, Hkv, D] (this worker's new tokens) -> out [n_w, H, D]."""
-        if self.replicated:
-            new = self.backend(q, k, v, True, self.scale)                                     # causal over the new tokens
-            cached = self._cached_partial(layer, q)
-        else:
-            new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
-            cached = self._cached_partials_of_mine(layer, q) if self.world_size > 1 else self._cached_partial(layer, q)
+        if self.world_size == 1:                                                             # one call, causal
+            self.pool.write(layer, self.slots, k, v)
+            out, _ = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
+                                     self.keys, self.scale, causal=True)
+            return out
+        new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
+        cached = self._cached_partials_of_mine(layer, q)
         self.pool.write(layer, self.slots, k, v)
         outs = torch.stack([new[0].float()] + [o for o, _ in cached])                         # [P, n_w, H, D]
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
         out, _ = merge_stacked(outs, lses)
         return out.to(q.dtype)
 
-    def _cached_partial(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Queries q [m, H, D] against every cached token this worker holds -> [(out fp32, lse)]."""
-        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
-                                   self.cached, self.scale, causal=False)
-        return [(out.float(), lse)]
-
     def _cached_partials_of_mine(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """pass-Q: every worker's queries against this worker's cache, and back -> one partial per worker."""
         lengths = [s.length for s in self.shards]
         everyone = _all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
-        out, lse = self._cached_partial(layer, everyone)[0]
+        out, lse = paged_attention(everyone, self.pool.k[layer], self.pool.v[layer], self.table,
+                                   self.cu[everyone.shape[0]], self.keys, self.scale, causal=False)   # my cached K/V
+        out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
         mine = lengths[self.rank]
         recv = torch.empty((self.world_size * mine,) + packed.shape[1:], dtype=packed.dtype, device=q.device)

@@ -25,9 +25,7 @@ Backends, chosen by device:
   rows to fill the GPU (few long sequences: SM90 has no split-KV), each row's keys are split into
   chunks (widths from the row's own length, on the device) run as one batch with the query repeated,
   and the chunks are merged by LSE (a Triton kernel for the repeat + chunk lengths and tables and one
-  for the merge where Triton works, else plain torch ops). A non-causal call of many rows that still
-  leaves SMs idle (a chunk of 256 new tokens against a long cached prefix: 64 CTAs) splits each
-  sequence's keys instead: the sequence's queries repeated per run of pages (choose_key_splits).
+  for the merge where Triton works, else plain torch ops).
   flash-attn-4 reads whole pages: slots past seq_lens_k in a sequence's last page must be finite;
   it also reads the int32 before a keyless row's table row, so tables go through guarded_table.
   CUDA graphs: run each shape once eagerly before capturing it (flash-attn-4 and Triton compile on
@@ -48,9 +46,6 @@ log = logging.getLogger(__name__)
 
 MIN_CHUNK_KEYS = 512      # a split chunk covers at least this many keys (fewer: launch-bound)
 MAX_CHUNKS = 64
-MIN_SPLIT_KEYS = 4096     # a key split of a many-row call covers at least this many keys
-MAX_KEY_SPLITS = 8
-_KEY_SPLIT = os.environ.get("BURSTSERVE_KEY_SPLIT", "1") != "0"   # 0: never split a many-row call (A/B runs)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale: float,
@@ -164,16 +159,6 @@ def choose_num_chunks(rows: int, num_kv_heads: int, max_keys: int, num_sms: int)
     return max(1, min(by_sms, by_keys, MAX_CHUNKS))
 
 
-def choose_key_splits(rows: int, q_per_kv: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
-    """Key splits for a call of many query rows that still leaves SMs idle: the kernel runs about one CTA
-    per 128 rows of packed GQA heads per kv head, so 256 new tokens of llama3-8b (8 kv heads) make 64
-    CTAs on 132 SMs, and a chunk late in a long prompt ran its attention to the cached keys at half the
-    rate of 512 (341 against 678 TFLOP/s over 128K keys, one H200, 2026-11-23): the keys split 2 ways
-    ran 594. Each split keeps at least MIN_SPLIT_KEYS keys; at most MAX_KEY_SPLITS."""
-    ctas = -(-rows * q_per_kv // 128) * num_kv_heads
-    return max(1, min(num_sms // max(ctas, 1), max_keys // MIN_SPLIT_KEYS, MAX_KEY_SPLITS))
-
-
 def _fa4_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, causal, max_seqlen_q):
     from flash_attn.cute import flash_attn_varlen_func
     page_table = guarded_table(page_table)
@@ -208,7 +193,6 @@ def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, caus
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     b, max_blocks = block_table.shape
     seq_lens_k = seq_lens_k.to(torch.int32)                                          # no-op when int32
-    auto = num_chunks is None
     if num_chunks is None:
         num_chunks = choose_num_chunks(total_q, hkv, max_blocks * bs, _num_sms(q.device))
     if max_seqlen_q == 1 and total_q == b:
@@ -219,11 +203,6 @@ def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, caus
                              scale, False, 1)
         return _zero_empty_rows(out, lse, seq_lens_k)
     cu_seqlens_q = cu_seqlens_q.to(torch.int32)
-    if num_chunks == 1 and auto and not causal and _KEY_SPLIT:
-        splits = choose_key_splits(total_q, q.shape[1] // hkv, hkv, max_blocks * bs, _num_sms(q.device))
-        if splits > 1:
-            return _fa4_key_split(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, splits,
-                                  max_seqlen_q)
     seq, visible = _row_visible_keys(cu_seqlens_q, seq_lens_k, total_q, causal)     # [R], [R]
     if num_chunks > 1:   # the split's merge already gives rows without keys 0 / -inf
         return _fa4_split(q, k_cache, v_cache, block_table.index_select(0, seq), visible.to(torch.int32),
@@ -231,34 +210,6 @@ def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, caus
     out, lse = _fa4_call(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
                          max_seqlen_q)
     return _zero_empty_rows(out, lse, visible)
-
-
-def _fa4_key_split(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens_k, scale, c, max_seqlen_q=None):
-    """Non-causal, queries of B sequences (cu_seqlens_q [B + 1]) against their keys, each sequence's keys
-    cut into c runs of whole pages: one call over c x B "sequences" (run j of sequence b: all of b's
-    queries, pages [j*p_b, (j+1)*p_b) of its table, p_b = ceil(pages_b / c)), the queries repeated c
-    times, the runs merged by LSE (empty runs weigh 0). Device ops only, no host sync.
-    table [B, max_blocks] int32, seq_lens_k [B] int32 -> (out [R, H, D] in q's dtype, lse [R, H] fp32)."""
-    total_q, h, d = q.shape
-    bs = k_cache.shape[1]
-    b, max_blocks = table.shape
-    width = -(-max_blocks // c)
-    j = torch.arange(c, device=q.device)                                                 # [c]
-    n = seq_lens_k.long()[None]                                                          # [1, B]
-    per_run = (n + bs - 1).div(bs, rounding_mode="floor").add(c - 1).div(c, rounding_mode="floor")   # p_b [1, B]
-    used = (n - j[:, None] * per_run * bs).clamp(min=0).minimum(per_run * bs).to(torch.int32)       # [c, B]
-    src = j[:, None, None] * per_run[:, :, None] + torch.arange(width, device=q.device)             # [c, B, W]
-    pages = table.long()[None].expand(c, b, max_blocks).gather(2, src.clamp(max=max_blocks - 1))
-    pages = pages.masked_fill_(src >= max_blocks, 0).to(torch.int32).view(c * b, width)
-    cu = cu_seqlens_q.long()
-    cu_rep = torch.cat([(cu[:-1][None] + j[:, None] * total_q).view(-1), cu.new_full((1,), c * total_q)])
-    out, lse = _fa4_call(q.repeat(c, 1, 1), k_cache, v_cache, guarded_table(pages), cu_rep.to(torch.int32),
-                         used.view(-1), scale, False, max_seqlen_q)               # [c*R, H, D], [c*R, H]
-    rows = torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype)
-    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), rows, right=True)          # [R]
-    valid = (used[:, seq] > 0)[..., None]                                               # [c, R, 1]
-    o, l = merge_stacked_masked(out.view(c, total_q, h, -1), lse.view(c, total_q, h), valid, dim=0)
-    return o.to(q.dtype), l
 
 
 def _zero_empty_rows(out, lse, visible):

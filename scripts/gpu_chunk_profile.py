@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
-from kernels.paged_attention import _fa4_call, _fa4_key_split, guarded_table, paged_attention
+from kernels.paged_attention import _fa4_call, guarded_table, paged_attention
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
 dev = torch.device("cuda:0")
@@ -34,20 +34,14 @@ v_cache = torch.randn_like(k_cache)
 table = guarded_table(torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None])
 print(f"## paged attention, non-causal, {ctx} cached keys, H {h} Hkv {hkv} D {d}\n")
 print("| queries | splits | ms | TFLOP/s |\n|---|---|---|---|")
-for m in (128, 256, 512, 1024):
+for m in (256, 512):
     q = torch.randn(m, h, d, device=dev, dtype=torch.bfloat16)
     flop = 4 * m * ctx * h * d
     cu = torch.tensor([0, m], device=dev, dtype=torch.int32)
     lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
     t = timed(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.088, causal=False, num_chunks=1))
     print(f"| {m} | 1 (num_chunks=1) | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
-    t = timed(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.088, causal=False))
-    print(f"| {m} | auto | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
     for k in (2, 4):
-        for msq in (None, m):
-            t = timed(lambda: _fa4_key_split(q, k_cache, v_cache, table, cu, lens, 0.088, k, msq))
-            print(f"| {m} | _fa4_key_split {k}, max_seqlen_q {msq} | {t * 1e3:.2f} | {flop / t / 1e12:.0f} |")
-    for k in (2, 3, 4, 6, 8):
         per = pages // k
         starts = [j * per for j in range(k)]
         widths = [per] * (k - 1) + [pages - per * (k - 1)]
@@ -76,24 +70,29 @@ runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
 prompt = torch.randint(0, 250, (ctx + 32768,))
 runner.prefill(9, prompt[:8192])
 whole = runner.prefill(1, prompt[:ctx])["prefill_seconds"]
-print(f"\n## extend after ~{ctx - 16384} cached tokens (unchunked prefill of {ctx}: {whole:.3f} s)\n")
-done = ctx - 16384
-for start in range(0, done, 8192):
-    runner.prefill(2, prompt[:8192]) if start == 0 else runner.extend(2, prompt[start:start + 8192], start)
+print(f"\n## extend calls (unchunked prefill of {ctx}: {whole:.3f} s)\n")
 print("| new tokens | context | wall ms | ms per 1K tokens |\n|---|---|---|---|")
-for n in (256, 512, 1024, 2048, 4096):
-    runner.extend(2, prompt[done:done + n], done)          # warm this shape
-    done += n
-    t0 = time.perf_counter()
-    r = runner.extend(2, prompt[done:done + n], done)
-    wall = time.perf_counter() - t0
-    print(f"| {n} | {done} | {wall * 1e3:.1f} | {wall * 1e3 / n * 1024:.1f} |")
-    done += n
+done = 0
+for stop in (16384, 65536, ctx - 16384):
+    while done < stop:
+        if done == 0:
+            runner.prefill(2, prompt[:8192])
+        else:
+            runner.extend(2, prompt[done:done + 8192], done)
+        done += 8192
+    for n in (256, 512, 1024):
+        runner.extend(2, prompt[done:done + n], done)          # warm this shape
+        done += n
+        t0 = time.perf_counter()
+        runner.extend(2, prompt[done:done + n], done)
+        wall = time.perf_counter() - t0
+        print(f"| {n} | {done} | {wall * 1e3:.1f} | {wall * 1e3 / n * 1024:.1f} |")
+        done += n
 
-# ---- 3. one 512-token extend under the profiler: GPU busy against wall, kernels by GPU time
+# ---- 3. one 256-token extend under the profiler: GPU busy against wall, kernels by GPU time, host ops
 from torch.profiler import ProfilerActivity, profile
 
-n = 512
+n = 256
 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
     t0 = time.perf_counter()
     runner.extend(2, prompt[done:done + n], done)
@@ -107,5 +106,7 @@ for e in events:
     g[0] += 1
     g[1] += e.device_time / 1e3
 print("| kernel | calls | ms |\n|---|---|---|")
-for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:25]:
+for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]:
     print(f"| {name} | {calls} | {ms:.2f} |")
+print("\n## host: operators by self CPU time\n")
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -151,6 +151,23 @@ def test_engine_bf16_on_one_gpu_matches_transformers_with_each_backend(hf_bf16_c
                     break
 
 
+def test_chunks_and_prefix_extensions_on_one_gpu_match_transformers(hf_bf16_checkpoint):
+    """Incremental prefills on one GPU (one causal paged call per layer over the cached and new keys):
+    a 5000-token prompt in chunks of 1024, then prompts that extend it (cache hit inside a page, on a page
+    boundary) give transformers' next-token logits (bf16 noise)."""
+    from engine import LLM
+    path, model = hf_bf16_checkpoint
+    prompt = [random.randrange(2000) for _ in range(5000)]
+    extended = [prompt + [random.randrange(2000) for _ in range(n)] for n in (700, 3)]
+    with LLM(path, devices="cuda:0", dtype="bfloat16", max_num_batched_tokens=1024) as llm:
+        for p in [prompt] + extended + [prompt[:4096] + [7] * 300]:
+            logits = llm.next_token_logits(p)
+            ref = model(torch.tensor([p], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
+            diff = (logits - ref).abs().max().item()
+            print(f"extend on one GPU, prompt {len(p)}: max |logit diff| {diff:.4f}")
+            assert diff <= 0.1 * max(ref.abs().max().item(), 1.0), len(p)
+
+
 def test_decode_in_cuda_graphs_matches_eager_decode_and_transformers(hf_bf16_checkpoint):
     """A mixed batch (1 to 3000 tokens, page boundaries crossed in prompts and while decoding) decoded
     from CUDA graphs gives the eager decode's tokens and logprobs (bf16 noise) and transformers'

@@ -83,32 +83,6 @@ def test_paged_fa4_matches_cpu_reference(bs, case, num_chunks):
         _check(_gpu_case(q_lens, k_lens, bs), causal, backend="fa4", num_chunks=num_chunks)
 
 
-@needs_fa4
-@pytest.mark.parametrize("bs", [16, 128])
-@pytest.mark.parametrize("splits", [2, 3])
-def test_paged_fa4_key_split_of_many_rows(bs, splits):
-    """The key split of a non-causal many-row call (a chunk's queries against the cached keys)."""
-    for q_lens, k_lens in (([256], [20000]), ([40, 3, 0, 5], [5000, 300, 9, 0])):
-        case = cpu_cases.make_case(q_lens, k_lens, 32, 8, 128, bs, dtype=torch.bfloat16, device=DEV)
-        out, lse = pa._fa4_key_split(*case, 128 ** -0.5, splits)
-        ref_out, ref_lse = cpu_cases.dense_reference(*[t.cpu() for t in case], 128 ** -0.5, False)
-        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
-        fin = torch.isfinite(ref_lse)
-        assert (out.float().cpu() - ref_out).abs().max() < 2e-2
-        assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 2e-3
-
-
-@needs_fa4
-def test_paged_fa4_key_split_chosen_for_a_late_chunk(monkeypatch):
-    """256 queries against 40K cached keys (llama3-8b heads): the split is taken, and exact."""
-    taken = []
-    real = pa._fa4_key_split
-    monkeypatch.setattr(pa, "_fa4_key_split", lambda *a: taken.append(a[7]) or real(*a))
-    case = cpu_cases.make_case([256], [40000], 32, 8, 128, 128, dtype=torch.bfloat16, device=DEV)
-    _check(case, False, backend="fa4")
-    assert taken == [2]
-
-
 @pytest.mark.parametrize("bs", [1, 16, 128])
 @pytest.mark.parametrize("case", ["decode-mixed", "chunks", "no-keys"])
 def test_paged_dense_fallback_matches_cpu_reference(bs, case):

@@ -113,57 +113,6 @@ def test_fa4_path_split_and_merge(monkeypatch, num_chunks, causal):
     check(make_case(q_lens, k_lens, 8, 2, 16, 16), 0.25, causal, backend="fa4", num_chunks=num_chunks)
 
 
-def _fake_fa4_call_garbage_when_empty(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, causal,
-                                      max_seqlen_q):
-    """As _fake_fa4_call, but NaN in the rows of sequences without keys (the kernel leaves them undefined)."""
-    out, lse = _fake_fa4_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, causal, max_seqlen_q)
-    cu = cu_seqlens_q.tolist()
-    for b, n in enumerate(seqused_k.tolist()):
-        if n == 0:
-            out[cu[b]:cu[b + 1]], lse[cu[b]:cu[b + 1]] = float("nan"), float("nan")
-    return out, lse
-
-
-@pytest.mark.parametrize("splits", [2, 3, 5])
-def test_fa4_key_split_of_many_rows(monkeypatch, splits):
-    """Non-causal queries of several sequences, each sequence's keys cut into runs of pages (runs past a
-    short sequence's end are empty and must weigh nothing; a sequence without keys gives 0 / -inf)."""
-    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call_garbage_when_empty)
-    q_lens, k_lens = [5, 3, 0, 4, 2], [700, 30, 9, 0, 257]
-    case = make_case(q_lens, k_lens, 8, 2, 16, 16)
-    out, lse = pa._fa4_key_split(*case, 0.25, splits)
-    ref_out, ref_lse = dense_reference(*case, 0.25, causal=False)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and torch.isneginf(lse[8:12]).all()
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)
-
-
-def test_fa4_many_rows_split_chosen_from_the_shapes(monkeypatch):
-    """paged_attention(fa4, non-causal, num_chunks None) takes the key split when the rows leave SMs idle;
-    a causal call or one with num_chunks=1 does not."""
-    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call_garbage_when_empty)
-    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(pa, "MIN_SPLIT_KEYS", 64)
-    taken = []
-    real = pa._fa4_key_split
-    monkeypatch.setattr(pa, "_fa4_key_split", lambda *a: taken.append(a[7]) or real(*a))
-    case = make_case([40, 3], [600, 300], 8, 2, 16, 16)                 # 43 rows x 4 q heads per kv: 4 CTAs
-    check(case, 0.25, False, backend="fa4")
-    assert taken == [8]                                                # min(132 // 4, 608 // 64, 8)
-    check(case, 0.25, True, backend="fa4")
-    check(case, 0.25, False, backend="fa4", num_chunks=1)
-    assert taken == [8]
-
-
-def test_key_splits_from_shapes():
-    assert pa.choose_key_splits(256, 4, 8, 131072, 132) == 2     # 64 CTAs: measured 341 -> 594 TFLOP/s split
-    assert pa.choose_key_splits(512, 4, 8, 131072, 132) == 1     # 128 CTAs already
-    assert pa.choose_key_splits(128, 4, 8, 131072, 132) == 4
-    assert pa.choose_key_splits(256, 4, 8, 4096, 132) == 1       # too few keys to split
-    assert pa.choose_key_splits(1, 4, 8, 1 << 20, 132) == 8      # at most MAX_KEY_SPLITS
-
-
 def test_num_chunks_from_shapes():
     assert choose_num_chunks(1, 8, 128 * 1024, 132) == 16       # one 128K decode: fill the SMs
     assert choose_num_chunks(1, 8, 8192, 132) == 16

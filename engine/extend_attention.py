@@ -44,6 +44,7 @@ class ExtendAttention:
         pages = pool.pages[seq_id][:-(-keys // pool.block_size)] if keys else []
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
+        self.has_cache = keys > 0
         queries = sum(s.length for s in new_shards) if not replicated else mine
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
                    for m in {queries, mine}}
@@ -55,7 +56,7 @@ class ExtendAttention:
         if self.world_size == 1:                                                             # one call, causal
             self.pool.write(layer, self.slots, k, v)
             out, _ = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
-                                     self.keys, self.scale, causal=True)
+                                     self.keys, self.scale, causal=True, rows_see_keys=True)
             return out
         new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
         cached = self._cached_partials_of_mine(layer, q)
@@ -70,7 +71,8 @@ class ExtendAttention:
         lengths = [s.length for s in self.shards]
         everyone = _all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, self.pool.k[layer], self.pool.v[layer], self.table,
-                                   self.cu[everyone.shape[0]], self.keys, self.scale, causal=False)   # my cached K/V
+                                   self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
+                                   rows_see_keys=self.has_cache)                              # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
         mine = lengths[self.rank]

@@ -113,6 +113,17 @@ def test_fa4_path_split_and_merge(monkeypatch, num_chunks, causal):
     check(make_case(q_lens, k_lens, 8, 2, 16, 16), 0.25, causal, backend="fa4", num_chunks=num_chunks)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa4_rows_see_keys_skips_the_empty_row_pass(monkeypatch, causal):
+    """rows_see_keys=True (every row sees a key): the kernel's result as it is, no row lookup; same values."""
+    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
+    case = make_case([1, 4, 2], [700, 30, 2], 8, 2, 16, 16)
+    expected = check(case, 0.25, causal, backend="fa4", num_chunks=1)
+    monkeypatch.setattr(pa, "_row_visible_keys", _no_row_lookup)
+    out, lse = check(case, 0.25, causal, backend="fa4", num_chunks=1, rows_see_keys=True)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
 def test_num_chunks_from_shapes():
     assert choose_num_chunks(1, 8, 128 * 1024, 132) == 16       # one 128K decode: fill the SMs
     assert choose_num_chunks(1, 8, 8192, 132) == 16

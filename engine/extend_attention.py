@@ -26,7 +26,8 @@ from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_stacked
-from kernels.paged_attention import guarded_table, paged_attention
+from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, paged_attention, prefix_run_count,
+                                     prefix_runs, split_prefix_attention)
 
 
 class ExtendAttention:
@@ -42,6 +43,7 @@ class ExtendAttention:
         mine = new_shards[0 if replicated else rank].length
         keys = cached_local + mine if self.world_size == 1 else cached_local      # one worker: its new keys too
         pages = pool.pages[seq_id][:-(-keys // pool.block_size)] if keys else []
+        self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
         self.has_cache = keys > 0
@@ -53,6 +55,10 @@ class ExtendAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n_w, H, D], k and v [n_w, Hkv, D] (this worker's new tokens) -> out [n_w, H, D]."""
+        if self.world_size == 1 and self._prefix_runs(layer, q) is not None:                 # the cache split in runs
+            self.pool.write(layer, self.slots, k, v)
+            return split_prefix_attention(q, k, v, self.pool.k[layer], self.pool.v[layer], self.runs, self.scale,
+                                          self.backend)
         if self.world_size == 1:                                                             # one call, causal
             self.pool.write(layer, self.slots, k, v)
             out, _ = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
@@ -65,6 +71,22 @@ class ExtendAttention:
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
         out, _ = merge_stacked(outs, lses)
         return out.to(q.dtype)
+
+    def _prefix_runs(self, layer: int, q: torch.Tensor) -> PrefixRuns | None:
+        """On one worker with flash-attn-4, a chunk too small to fill the GPU against a long cached prefix
+        has the prefix's keys cut into runs (kernels.paged_attention.prefix_run_count), decided and built
+        at the first layer, the same for all."""
+        if layer == 0:
+            self.runs = None
+            device = self.pool.device
+            if self.cached_local and device.type == "cuda" and fa4_available(device):
+                hkv = self.pool.k.shape[3]
+                count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local,
+                                         torch.cuda.get_device_properties(device).multi_processor_count)
+                if count > 1:
+                    self.runs = prefix_runs(self.pages, self.cached_local, self.pool.block_size, q.shape[0],
+                                            count, device)
+        return self.runs
 
     def _cached_partials_of_mine(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """pass-Q: every worker's queries against this worker's cache, and back -> one partial per worker."""

@@ -168,6 +168,35 @@ def test_chunks_and_prefix_extensions_on_one_gpu_match_transformers(hf_bf16_chec
             assert diff <= 0.1 * max(ref.abs().max().item(), 1.0), len(p)
 
 
+def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transformers(hf_bf16_checkpoint,
+                                                                                     monkeypatch):
+    """ModelRunner.extend on one GPU, in this process: a 100-token chunk after 4000 cached tokens with the
+    prefix cut into runs (MIN_RUN_KEYS lowered from 32768 so that a short prompt takes the path) gives
+    transformers' next-token logits (bf16 noise), and the split path was taken at every layer."""
+    import engine.extend_attention as ea
+    import kernels.paged_attention as pa
+    from engine.config import EngineConfig, resolve_model
+    from engine.model_runner import ModelRunner
+    if not pa.fa4_available(torch.device("cuda:0")):
+        pytest.skip("the prefix runs need flash-attn-4")
+    path, model = hf_bf16_checkpoint
+    monkeypatch.setattr(pa, "MIN_RUN_KEYS", 1024)
+    taken = []
+    real = ea.split_prefix_attention
+    monkeypatch.setattr(ea, "split_prefix_attention", lambda *a: taken.append(a[5].used.shape[0]) or real(*a))
+    engine = EngineConfig(model=path, devices=["cuda:0"], dtype="bfloat16")
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
+    ids = [random.randrange(2000) for _ in range(4100)]
+    runner.prefill(0, torch.tensor(ids[:4000]))
+    logits = runner.extend(0, torch.tensor(ids[4000:]), 4000)["logits"]
+    assert taken == [3] * cfg.num_layers                       # min(132 // 8 CTAs, 4000 // 1024, 8)
+    ref = model(torch.tensor([ids], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
+    diff = (logits - ref).abs().max().item()
+    print(f"prefix runs on one GPU: max |logit diff| {diff:.4f}")
+    assert diff <= 0.1 * max(ref.abs().max().item(), 1.0)
+
+
 def test_decode_in_cuda_graphs_matches_eager_decode_and_transformers(hf_bf16_checkpoint):
     """A mixed batch (1 to 3000 tokens, page boundaries crossed in prompts and while decoding) decoded
     from CUDA graphs gives the eager decode's tokens and logprobs (bf16 noise) and transformers'

@@ -124,6 +124,33 @@ def test_fa4_rows_see_keys_skips_the_empty_row_pass(monkeypatch, causal):
     assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
 
 
+@pytest.mark.parametrize("cached,runs", [(700, 2), (700, 3), (64, 4), (129, 5)])
+def test_split_prefix_attention_matches_one_causal_call(monkeypatch, cached, runs):
+    """A chunk of 9 tokens after `cached` ones, its cached keys in runs of whole pages (one run may end
+    inside a page whose rest the chunk's own keys fill): the same as attending causally over all keys."""
+    monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
+    m, bs = 9, 16
+    q, k_cache, v_cache, table, cu, lens = make_case([m], [cached + m], 8, 2, 16, bs)
+    pages = table[0].tolist()
+    slots = torch.arange(cached, cached + m)
+    phys = table[0].long()[slots // bs]
+    k_new, v_new = k_cache[phys, slots % bs], v_cache[phys, slots % bs]               # the chunk's own K/V
+    plan = pa.prefix_runs(pages, cached, bs, m, runs, torch.device("cpu"))
+    assert (plan.used > 0).all() and int(plan.used.sum()) == cached and plan.used.shape[0] <= runs
+    backend = pa.AttentionBackend("reference", pa.reference_attention)
+    out = pa.split_prefix_attention(q, k_new, v_new, k_cache, v_cache, plan, 0.25, backend)
+    ref_out, _ = dense_reference(q, k_cache, v_cache, table, cu, lens, 0.25, causal=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_run_count_from_shapes():
+    assert pa.prefix_run_count(256, 4, 8, 131072, 132) == 2       # 64 CTAs: 2 runs of 64K keys
+    assert pa.prefix_run_count(512, 4, 8, 131072, 132) == 1       # 128 CTAs already
+    assert pa.prefix_run_count(128, 4, 8, 131072, 132) == 4
+    assert pa.prefix_run_count(256, 4, 8, 40000, 132) == 1        # runs of at least MIN_RUN_KEYS
+    assert pa.prefix_run_count(1, 4, 8, 1 << 20, 132) == pa.MAX_RUNS
+
+
 def test_num_chunks_from_shapes():
     assert choose_num_chunks(1, 8, 128 * 1024, 132) == 16       # one 128K decode: fill the SMs
     assert choose_num_chunks(1, 8, 8192, 132) == 16

@@ -54,7 +54,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0, quantization: str = "none"):
+                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = True):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -86,7 +86,7 @@ class LLM:
                                    gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
                                    cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
-                                   quantization=quantization,
+                                   quantization=quantization, mixed_batch=mixed_batch,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None

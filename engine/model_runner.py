@@ -143,6 +143,47 @@ class ModelRunner:
             result["logits"] = logits.cpu()
         return result
 
+    @torch.inference_mode()
+    def extend_and_decode(self, seq_id: int, token_ids: torch.Tensor, start: int, seq_ids: list[int],
+                          decode_tokens: list[int], decode_positions: list[int],
+                          sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None) -> dict:
+        """A chunk of a prompt (as `extend`) and one decode step of other sequences (as `decode`) in one
+        forward pass (Sarathi's mixed batch): each worker's rows are its share of the chunk followed by the
+        B decode tokens, so the weights are read once for both; per layer the chunk's rows attend through
+        ExtendAttention and the decode rows through DecodeAttention, eagerly. Returns `extend`'s result,
+        and on worker 0 under "decode" what `decode` returns."""
+        self._sync()
+        start_time = time.perf_counter()
+        n = token_ids.shape[0]
+        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
+        shard = self.strategy.shard_of(shards, self.rank)
+        positions = shard.positions()                                   # [n_w], within the new tokens
+        cached = self.ledger.tokens(seq_id, self.rank)
+        self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
+        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]
+        chunk = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
+                                self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
+        step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
+        self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
+        m = shard.length
+
+        def attend(layer, q, k, v):                                     # rows: m of the chunk, then B decode
+            return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
+
+        ids = torch.cat([token_ids[positions].to(self.device), step_inputs[0]])
+        hidden = self.model.forward(ids, torch.cat([(positions + start).to(self.device), step_inputs[1]]), attend)
+        logits = self._last_logits(hidden[:m], shards, n)               # [V], on every worker
+        decode_logits = self.model.logits(hidden[m:])                    # [B, V]
+        if self.ring is not None:
+            self.ring.collect_stats()
+        self._sync()
+        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": "extend+decode",
+                  "cached_tokens": start}
+        if self.rank == 0:
+            result["logits"] = logits.cpu()
+            result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
+        return result
+
     def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:
         """The logits [V] of the last of num_tokens sharded so (hidden [n_w, hidden]: this worker's rows),
         computed by the worker holding it (tp: worker 0, all hold every row) and broadcast from there."""
@@ -217,8 +258,10 @@ class ModelRunner:
             logits = self.graphs.run(step_inputs)                            # [B, V] fp32
         else:
             logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
-        if self.rank != 0:
-            return None
+        return self._sampled(logits, seq_ids, sampling, host_rows) if self.rank == 0 else None
+
+    def _sampled(self, logits: torch.Tensor, seq_ids: list[int], sampling, host_rows):
+        """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""
         if sampling is None:
             tokens = logits.argmax(dim=-1)
         else:
@@ -250,6 +293,12 @@ class ModelRunner:
     def decode_forward(self, step_inputs: torch.Tensor, num_pages: int | None = None) -> torch.Tensor:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
+        self._begin_decode_step(step_inputs, num_pages)
+        hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attention)   # [B, hidden]
+        return self.model.logits(hidden)
+
+    def _begin_decode_step(self, step_inputs: torch.Tensor, num_pages: int | None) -> None:
+        """The decode attention's tensors for this step, from step_inputs [5, B] on the device."""
         tokens, positions, slots, lens, rows = step_inputs
         b = tokens.shape[0]
         pages = self.pool.table if num_pages is None else self.pool.table[:, :num_pages]
@@ -259,8 +308,6 @@ class ModelRunner:
         table = torch.index_select(pages, 0, rows, out=buf[1:].view(b, pages.shape[1]))   # [B, pages] int32
         cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
         self.decode_attention.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
-        hidden = self.model.forward(tokens, positions, self.decode_attention)   # [B, hidden]
-        return self.model.logits(hidden)
 
     def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int) -> torch.Tensor:
         return self.decode_forward(step_inputs.to(self.device, non_blocking=True), num_pages)

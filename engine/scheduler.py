@@ -90,6 +90,7 @@ class Scheduler:
                                 self.ledger.block_size) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
+        self.mixed = kv.engine.mixed_batch                      # a chunk and the others' decode step in one call
         self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
         self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
@@ -104,11 +105,14 @@ class Scheduler:
                 if not self.short_went_first and self._short_head_goes_first():
                     self._prefill(self.waiting.popleft())
                     self.short_went_first = True       # then a chunk: short requests cannot starve the long one
+                    if self.running:
+                        self._decode()
                 else:
-                    self._prefill_chunk()
                     self.short_went_first = False
-                if self.running:
-                    self._decode()
+                    if not (self.mixed and self.running and self._chunk_with_decode()):
+                        self._prefill_chunk()
+                        if self.running:
+                            self._decode()
             elif self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
                 self._resume(self.preempted.popleft())
             elif not self.preempted and self.waiting and self._can_admit_request(self.waiting[0]):
@@ -322,16 +326,51 @@ class Scheduler:
         if self._advance(job, n):
             self.prefilling = None
 
-    def _advance(self, job: ChunkedPrefill, n: int) -> bool:
+    def _chunk_with_decode(self) -> bool:
+        """The long prompt's next chunk and a decode step of the running sequences in one forward pass
+        (--mixed-batch, Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
+        one (the first chunk is a prefill by the prompt's strategy), and nothing was done."""
+        job = self.prefilling
+        if job.done == 0:
+            return False
+        batch = self._make_room(list(self.running))      # may requeue the prompt (it gives way first)
+        if self.prefilling is None or not batch:
+            if batch:
+                self._decode_batch(batch)
+            return True
+        remaining = len(job.seq.request.prompt_token_ids) - job.done
+        n = self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining   # the step is one call
+        step = self.ledger.step_new_pages([s.seq_id for s in batch])
+        if not self._fits([c + d for c, d in zip(self.kv.chunk_pages(job.seq.seq_id, n), step)]):
+            self._requeue_prefilling()                  # the running sequences took the pages: it gives way
+            self._decode_batch(batch)
+            return True
+        if self._advance(job, n, decode=batch):
+            self.prefilling = None
+        return True
+
+    def _decode_batch(self, batch: list[RunningSequence]) -> None:
+        args = self._decode_args(batch)
+        called = time.perf_counter()
+        decoded = self.call("decode", *args)
+        self.step_seconds = time.perf_counter() - called
+        self._finish_decode(batch, args[4], *decoded)
+
+    def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> bool:
         """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
-        incremental prefill over the tokens before them; after the last, samples its first token -> done?"""
+        incremental prefill over the tokens before them (with `decode`: and a decode step of those running
+        sequences in the same call); after the last, samples its first token -> done?"""
         ids = job.seq.request.prompt_token_ids
         chunk = token_tensor(ids[job.done:job.done + n])
         called = time.perf_counter()
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
             result = self.call("prefill", job.seq.seq_id, chunk, None)
-        else:
+        elif decode is None:
             result = self.call("extend", job.seq.seq_id, chunk, job.done)
+        else:
+            args = self._decode_args(decode)
+            result = self.call("extend_and_decode", job.seq.seq_id, chunk, job.done, *args)
+            self._finish_decode(decode, args[4], *result.pop("decode"))   # before the prompt joins the running
         job.call_seconds += time.perf_counter() - called
         if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
             log.debug("chunk of %d tokens after %d: %.1f ms (predicted %.1f), last decode step %.1f ms", n, job.done,
@@ -394,16 +433,22 @@ class Scheduler:
         batch = self._make_room(list(self.running))
         if not batch:
             return
+        self._decode_batch(batch)
+
+    @staticmethod
+    def _decode_args(batch: list[RunningSequence]) -> tuple:
+        """(seq ids, last tokens, their positions, sampling rules or None for argmax only, host rows)."""
         tokens = [s.generated[-1] for s in batch]
         positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in batch]
         host_rows = [i for i, s in enumerate(batch) if s.grammar is not None]   # masked on the host
         sampling = [s.sampling() for s in batch]
         if all(r.greedy and r.logprobs is None for r in sampling):
             sampling = None                                                # argmax only
-        called = time.perf_counter()
-        sampled, logits, logprobs = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling,
-                                              host_rows)
-        self.step_seconds = time.perf_counter() - called
+        return [s.seq_id for s in batch], tokens, positions, sampling, host_rows
+
+    def _finish_decode(self, batch: list[RunningSequence], host_rows: list[int], sampled: list[int],
+                       logits: torch.Tensor, logprobs: list | None) -> None:
+        """Commits a decode step's tokens (grammar rows sampled here from their masked logits)."""
         masked = {}
         if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
             rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])

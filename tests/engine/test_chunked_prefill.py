@@ -71,6 +71,32 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
         assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
 
 
+@pytest.mark.parametrize("workers,strategy", [(1, "burst"), (2, "burst"), (3, "burst"), (2, "tp")])
+def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, workers, strategy):
+    """--mixed-batch (the default): a chunk after the first and the running requests' decode step are
+    one forward pass; every request gets its solo tokens and logprobs (fp32, <= 1e-4), and the long
+    prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
+    long = [random.randrange(vocab) for _ in range(600)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    common = dict(devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
+                  sp_strategy=strategy)
+    with LLM(path, **common) as llm:
+        solo = [o.outputs[0] for o in llm.generate(short + [long], params)]
+    for mixed in (True, False):
+        with LLM(path, **common, max_num_batched_tokens=64, mixed_batch=mixed) as llm:
+            outs = llm.generate(short + [long], params)
+        for o, ref in zip(outs, solo):
+            assert o.outputs[0].token_ids == ref.token_ids
+            for got, want in zip(o.outputs[0].logprobs, ref.logprobs):
+                assert got.keys() == want.keys()
+                assert max(abs(got[t] - want[t]) for t in want) <= 1e-4
+        stats = outs[-1].metrics.prefill_stats
+        assert stats["chunks"] == 10 and stats["strategy"] == ("extend+decode" if mixed else "extend")
+
+
 def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoint):
     """A small pool: decode steps between the chunks take the pages the next chunk needs, so the
     newest running request is preempted (and later completes with its solo tokens); a request

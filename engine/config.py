@@ -150,8 +150,9 @@ class EngineConfig:
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)
-    mixed_batch: bool = True                # a chunk after the first and the running sequences' decode step in
-                                            # one forward pass (weights read once); False: one call each
+    mixed_batch: bool = False               # a chunk after the first and the running sequences' decode step in
+                                            # one forward pass (weights read once); off: the eager decode half
+                                            # made a late 256-token chunk host-bound (docs/benchmarks.md)
 
     @property
     def page_size(self) -> int:

@@ -54,7 +54,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = True):
+                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = False):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:

@@ -328,7 +328,7 @@ class Scheduler:
 
     def _chunk_with_decode(self) -> bool:
         """The long prompt's next chunk and a decode step of the running sequences in one forward pass
-        (--mixed-batch, Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
+        (--mixed-batch, off by default; Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
         one (the first chunk is a prefill by the prompt's strategy), and nothing was done."""
         job = self.prefilling
         if job.done == 0:

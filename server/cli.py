@@ -53,10 +53,10 @@ def serve_parser(sub) -> None:
                    help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
                         "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
                         "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always")
-    p.add_argument("--mixed-batch", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--mixed-batch", action=argparse.BooleanOptionalAction, default=False,
                    help="with --max-num-batched-tokens: a chunk after a prompt's first and the running requests' "
-                        "decode step run as one forward pass (the weights read once for both); "
-                        "--no-mixed-batch: a chunk, then a decode step")
+                        "decode step run as one forward pass (the weights read once for both; the decode half "
+                        "runs eagerly, not from its CUDA graph). Default: a chunk, then a decode step")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
                    help="how prefill attention spans the workers (decoding is the same for all); "
                         "auto: ulysses for short prompts, burst for long ones")

@@ -73,7 +73,7 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
 
 @pytest.mark.parametrize("workers,strategy", [(1, "burst"), (2, "burst"), (3, "burst"), (2, "tp")])
 def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, workers, strategy):
-    """--mixed-batch (the default): a chunk after the first and the running requests' decode step are
+    """--mixed-batch: a chunk after the first and the running requests' decode step are
     one forward pass; every request gets its solo tokens and logprobs (fp32, <= 1e-4), and the long
     prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not."""
     path, model = checkpoint

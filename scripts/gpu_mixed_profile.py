@@ -1,0 +1,71 @@
+"""A late chunk with and without the running sequences' decode step in the same forward pass, one GPU
+(llama3-8b preset, bf16): ModelRunner.extend + ModelRunner.decode against ModelRunner.extend_and_decode,
+for chunks of 256 and 512 tokens after ~C cached ones and 8 sequences of 1K decoding; then one mixed call
+under torch.profiler. Usage: python scripts/gpu_mixed_profile.py [context]   (prints markdown tables)"""
+import sys
+import time
+
+import torch
+
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+
+ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 114688
+dev = torch.device("cuda:0")
+engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+cfg, max_model_len = resolve_model(engine)
+runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
+prompt = torch.randint(0, 250, (ctx + 65536,))
+streams = list(range(100, 108))
+for s in streams:
+    runner.prefill(s, prompt[:1024])
+tokens, positions = [5] * 8, [1024] * 8
+done = 0
+while done < ctx:
+    runner.prefill(2, prompt[:8192]) if done == 0 else runner.extend(2, prompt[done:done + 8192], done)
+    done += 8192
+
+
+def separate(n):
+    global done, positions
+    runner.extend(2, prompt[done:done + n], done)
+    runner.decode(streams, tokens, positions)
+    done, positions = done + n, [p + 1 for p in positions]
+
+
+def mixed(n):
+    global done, positions
+    runner.extend_and_decode(2, prompt[done:done + n], done, streams, tokens, positions)
+    done, positions = done + n, [p + 1 for p in positions]
+
+
+print(f"## a chunk after ~{ctx} cached tokens and a decode step of 8 x 1K sequences\n")
+print("| chunk | separate ms | mixed ms |\n|---|---|---|")
+for n in (256, 512, 1024):
+    times = {}
+    for name, fn in (("separate", separate), ("mixed", mixed)):
+        fn(n)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn(n)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) / 3 * 1e3
+    print(f"| {n} (after {done}) | {times['separate']:.1f} | {times['mixed']:.1f} |")
+
+from torch.profiler import ProfilerActivity, profile
+
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    mixed(256)
+    torch.cuda.synchronize()
+events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+print(f"\n## one mixed call of 256 + 8: GPU busy {sum(e.device_time for e in events) / 1e3:.1f} ms, "
+      f"kernels {len(events)}\n")
+groups = {}
+for e in events:
+    g = groups.setdefault(e.name[:80], [0, 0.0])
+    g[0] += 1
+    g[1] += e.device_time / 1e3
+print("| kernel | calls | ms |\n|---|---|---|")
+for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:15]:
+    print(f"| {name} | {calls} | {ms:.2f} |")

@@ -116,6 +116,11 @@ _PRESETS = {
                        num_heads=40, num_kv_heads=40, head_dim=128, rope_theta=10000.0, max_position_embeddings=4096),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    # about 141 GB in bf16: more than one GPU holds; serve with --sp-strategy tp over enough GPUs
+    "llama2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=10000.0, max_position_embeddings=4096),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
 }
 
 

@@ -4,6 +4,7 @@ Every worker runs the same method with the same arguments (worker 0 broadcasts t
 logits come back on worker 0 only.
 """
 import logging
+import os
 import time
 
 import torch
@@ -24,7 +25,7 @@ from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import balanced_shards, owner_of_position
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
-from engine.weights import load_weights, random_weights
+from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,13 @@ class ModelRunner:
         dtype = DTYPES[engine.dtype]
         self.strategy = get_strategy(engine.sp_strategy, self.world_size)   # how a prefill spans the workers
         shapes = hf_weight_shapes(cfg)
+        slices = self.strategy.weight_slices(cfg, rank)                     # tp: this worker's part of each
+        self._check_weights_fit(weight_bytes(shapes, dtype.itemsize, slices), device)
         if engine.is_preset:
-            weights = random_weights(shapes, device, dtype, engine.seed)
+            weights = random_weights(shapes, device, dtype, engine.seed, slices)
         else:
-            weights = load_weights(engine.model, list(shapes), device, dtype)
-        local, weights, partial_sums = self.strategy.local_weights(cfg, weights, rank)   # tp: this worker's slice
+            weights = load_weights(engine.model, list(shapes), device, dtype, slices)
+        local, partial_sums = self.strategy.local_config(cfg, rank)
         self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None,
                                 quantization=engine.quantization)
         self.backend = select_backend(device, dtype, local.num_heads, local.num_kv_heads, cfg.head_dim, engine.kernel)
@@ -401,6 +404,23 @@ class ModelRunner:
         if self.world_size > 1:
             dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
         return int(pages)
+
+    def _check_weights_fit(self, nbytes: int, device: torch.device) -> None:
+        """Refuses, before allocating anything, weights larger than this GPU's share for the model
+        (--gpu-memory-utilization of its memory), or, on CPU, than the host's memory over all its CPU
+        workers, with the numbers."""
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            budget, where = self.engine.gpu_memory_utilization * total, f"{self.engine.gpu_memory_utilization:.2f} x"
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget, where = total / self.world_size, f"1/{self.world_size} of the host's"
+        if nbytes > budget:
+            raise ModelLoadError(
+                f"worker {self.rank} ({device}) would hold {nbytes / 2**30:.1f} GiB of weights with "
+                f"--sp-strategy {self.engine.sp_strategy} over {self.world_size} device(s), more than "
+                f"{where} {total / 2**30:.1f} GiB = {budget / 2**30:.1f} GiB: use --sp-strategy tp over more "
+                f"devices (it splits the weights), or a smaller model")
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

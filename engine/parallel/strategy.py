@@ -9,8 +9,8 @@ answers:
                                         token on every worker, for its own heads (True, tp); this
                                         decides where decoded tokens go, the decode all-gather's
                                         width, the capacity totals and a worker's share of a sequence;
-  local_weights                         the weights hook: tp slices them and needs an all-reduce,
-                                        every other strategy keeps them whole;
+  weight_slices / local_config          the weights: tp reads only its slice of each (and needs an
+                                        all-reduce), every other strategy keeps them whole;
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks).
 Decoding afterwards is the same for every strategy (engine/decode_attention.py).
 """
@@ -76,8 +76,12 @@ class PrefillStrategy:
         """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for one prefill, on this rank."""
         raise NotImplementedError
 
-    def local_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                      rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
-        """This worker's part of the model: (its config, its weights, whether the model all-reduces the
-        partial sums after o_proj and down_proj). All but tp keep the weights whole."""
-        return cfg, weights, False
+    def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
+        """The part of each weight this worker reads: name -> (dim, start, stop); a name not listed is
+        read whole. All but tp keep the weights whole."""
+        return {}
+
+    def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
+        """This worker's model config (its heads and MLP width) and whether the model all-reduces the
+        partial sums after o_proj and down_proj."""
+        return cfg, False

@@ -29,29 +29,33 @@ def local_kv_heads(cfg: ModelConfig, rank: int, world_size: int) -> list[int]:
     return sorted({h // cfg.kv_groups for h in range(rank * per, (rank + 1) * per)})
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
-                  world_size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Slices transformers-named weights in place for this worker; returns the worker's config."""
+def tp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
+    """The Megatron layout of this worker's part: name -> (dim, start, stop). Rows (dim 0) of q/k/v
+    (its query heads and the K/V heads they read: a contiguous run) and of gate/up; columns (dim 1)
+    of o and down. Embedding, norms and LM head are not listed: read whole."""
     d, per_q = cfg.head_dim, cfg.num_heads // world_size
     kv_heads = local_kv_heads(cfg, rank, world_size)
     inter = cfg.intermediate_size // world_size
-    q_rows = slice(rank * per_q * d, (rank + 1) * per_q * d)
-    kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kv_heads])
-    mlp_rows = slice(rank * inter, (rank + 1) * inter)
+    q_rows = (rank * per_q * d, (rank + 1) * per_q * d)
+    kv_rows = (kv_heads[0] * d, (kv_heads[-1] + 1) * d)
+    mlp = (rank * inter, (rank + 1) * inter)
+    slices = {}
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for suffix in ("weight", "bias"):
-            if a + f"q_proj.{suffix}" in weights:
-                weights[a + f"q_proj.{suffix}"] = weights[a + f"q_proj.{suffix}"][q_rows].contiguous()
-                for x in "kv":
-                    weights[a + f"{x}_proj.{suffix}"] = weights[a + f"{x}_proj.{suffix}"][kv_rows.to(
-                        weights[a + f"{x}_proj.{suffix}"].device)].contiguous()
-        weights[a + "o_proj.weight"] = weights[a + "o_proj.weight"][:, q_rows].contiguous()
-        weights[m + "gate_proj.weight"] = weights[m + "gate_proj.weight"][mlp_rows].contiguous()
-        weights[m + "up_proj.weight"] = weights[m + "up_proj.weight"][mlp_rows].contiguous()
-        weights[m + "down_proj.weight"] = weights[m + "down_proj.weight"][:, mlp_rows].contiguous()
-    local = replace(cfg, num_heads=per_q, num_kv_heads=len(kv_heads), intermediate_size=inter)
-    return local, weights
+        suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for suffix in suffixes:
+            slices[a + f"q_proj.{suffix}"] = (0, *q_rows)
+            slices[a + f"k_proj.{suffix}"] = slices[a + f"v_proj.{suffix}"] = (0, *kv_rows)
+        slices[a + "o_proj.weight"] = (1, *q_rows)
+        slices[m + "gate_proj.weight"] = slices[m + "up_proj.weight"] = (0, *mlp)
+        slices[m + "down_proj.weight"] = (1, *mlp)
+    return slices
+
+
+def tp_local_config(cfg: ModelConfig, rank: int, world_size: int) -> ModelConfig:
+    """This worker's config under tp: its query heads, the K/V heads they read, its MLP width."""
+    return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=len(local_kv_heads(cfg, rank, world_size)),
+                   intermediate_size=cfg.intermediate_size // world_size)
 
 
 class TensorParallelStrategy(PrefillStrategy):
@@ -75,9 +79,10 @@ class TensorParallelStrategy(PrefillStrategy):
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         return lambda q, kv: ctx.backend(q, kv[:, 0], kv[:, 1], True, ctx.scale)[0]   # one causal kernel call
 
-    def local_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                      rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+    def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
+        return tp_slices(cfg, rank, self.world_size) if self.replicated_kv else {}
+
+    def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
         if not self.replicated_kv:
-            return cfg, weights, False
-        local, weights = shard_weights(cfg, weights, rank, self.world_size)
-        return local, weights, True                             # all-reduce after o_proj and down_proj
+            return cfg, False
+        return tp_local_config(cfg, rank, self.world_size), True   # all-reduce after o_proj and down_proj

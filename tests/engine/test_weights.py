@@ -1,0 +1,92 @@
+"""Loading a worker's part of the weights (issue 14 item 1): under tp each worker reads only its slice of
+each sharded tensor from the safetensors files (and draws a preset's slice of the same random tensor),
+holds exactly its share of the sharded weights, and the engine over 2 workers still gives transformers'
+logits; weights that cannot fit are refused before anything is allocated, with the numbers."""
+import random
+
+import pytest
+import torch
+
+from dist_harness import run_on_ranks
+from engine import LLM, EngineDeadError
+from engine.config import EngineConfig, resolve_model
+from engine.model import hf_weight_shapes
+from engine.parallel.tensor_parallel import tp_slices
+from engine.weights import load_weights, random_weights, take_slice, weight_bytes
+from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))      # q/k/v biases: sliced with their weights
+    return path, save_checkpoint("qwen2", path, seed=random.randrange(1 << 30))
+
+
+def test_sliced_reads_equal_slices_of_the_whole_tensors(checkpoint):
+    path, model = checkpoint
+    cfg, _ = resolve_model(EngineConfig(model=path, devices=["cpu"]))
+    names = list(hf_weight_shapes(cfg))
+    whole = load_weights(path, names, torch.device("cpu"), torch.float32)
+    for rank in range(2):
+        slices = tp_slices(cfg, rank, 2)
+        part = load_weights(path, names, torch.device("cpu"), torch.float32, slices)
+        assert {n for n in slices if n.endswith("bias")}, "the qwen2 shape has biases to slice"
+        for name in names:
+            want = take_slice(whole[name], slices[name]) if name in slices else whole[name]
+            assert torch.equal(part[name], want), name
+
+
+def test_random_slices_are_slices_of_the_same_random_weights():
+    cfg, _ = resolve_model(EngineConfig(model="tiny", devices=["cpu"]))
+    shapes = hf_weight_shapes(cfg)
+    whole = random_weights(shapes, torch.device("cpu"), torch.float32, seed=7)
+    slices = tp_slices(cfg, 1, 2)
+    part = random_weights(shapes, torch.device("cpu"), torch.float32, seed=7, slices=slices)
+    for name in shapes:
+        want = take_slice(whole[name], slices[name]) if name in slices else whole[name]
+        assert torch.equal(part[name], want), name
+
+
+def _worker_weight_bytes(rank, world_size, path):
+    from engine.model_runner import ModelRunner
+    engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy="tp", dtype="float32")
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)
+    m = runner.model
+    tensors = [m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head])
+    for layer in m.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_each_tp_worker_holds_only_its_share(checkpoint):
+    """Bytes of every tensor each of 2 tp workers holds: the replicated ones (embedding, norms, LM head)
+    plus half of each sharded one, as weight_bytes computes; together less than twice the model."""
+    path, _ = checkpoint
+    cfg, _ = resolve_model(EngineConfig(model=path, devices=["cpu"]))
+    shapes = hf_weight_shapes(cfg)
+    held = run_on_ranks(_worker_weight_bytes, 2, path)
+    whole = weight_bytes(shapes, 4)
+    sharded = {n: s for n, s in shapes.items() if n in tp_slices(cfg, 0, 2)}
+    for rank, nbytes in enumerate(held):
+        assert nbytes == weight_bytes(shapes, 4, tp_slices(cfg, rank, 2))
+        assert nbytes == whole - weight_bytes(sharded, 4) // 2
+    assert sum(held) < 2 * whole
+
+
+def test_tp_over_sliced_weights_matches_transformers(checkpoint):
+    path, model = checkpoint
+    prompt = [random.randrange(model.config.vocab_size) for _ in range(40)]
+    ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 6)
+    from engine import SamplingParams
+    with LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="tp", dtype="float32",
+             enable_prefix_caching=False) as llm:
+        assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == ref_tokens
+
+
+def test_weights_that_do_not_fit_are_refused_with_the_numbers():
+    """A 70B preset on this machine's CPU: refused before any weight is drawn."""
+    with pytest.raises(EngineDeadError, match=r"would hold [\d.]+ GiB of weights .* more than .* use --sp-strategy tp"):
+        LLM("llama3-70b", devices="cpu")

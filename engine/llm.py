@@ -89,7 +89,7 @@ class LLM:
                                    quantization=quantization, mixed_batch=mixed_batch,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
-        reason = tp_check(self.model_config, len(device_list)) if sp_strategy == "tp" else None
+        reason = tp_check(self.model_config, len(device_list)) if sp_strategy in ("tp", "tp-v3") else None
         if reason:
             raise InvalidRequestError(reason, "sp_strategy")
         if sp_strategy == "ulysses" and self.model_config.num_heads % len(device_list):

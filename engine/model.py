@@ -85,23 +85,29 @@ class LlamaModel:
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
         )
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                seq_parallel=None) -> torch.Tensor:
         """token_ids, positions [S] -> final-normed hidden states [S, hidden]. The residual stream's
-        additions ride in the next norm (kernels.fused: one kernel on GPUs)."""
+        additions ride in the next norm (kernels.fused: one kernel on GPUs). seq_parallel (tp-v3's
+        engine.parallel.sequence_parallel.SequenceParallel): token_ids are this worker's rows [S / G] and
+        the hidden states returned too, positions all S; gathered before the column-parallel linears,
+        reduce-scattered after the row-parallel ones."""
         cfg = self.cfg
         h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        gather = seq_parallel.gather if seq_parallel is not None else (lambda t: t)
+        reduce = seq_parallel.scatter if seq_parallel is not None else self.reduce
         residual = F.embedding(token_ids, self.embed)                 # [S, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
         x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
-            qkv = fp8.linear(x, layer.qkv, layer.qkv_bias)              # [S, (H + 2 Hkv) D]
+            qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]
             attn = attend(i, q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d))     # [S, H, D]
-            delta = self.reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
+            delta = reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             x, residual = fused.rms_norm(delta, layer.post_norm, eps, residual)
-            delta = self.reduce(self.mlp(x, layer))
+            delta = reduce(self.mlp(gather(x), layer))
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = fused.rms_norm(delta, next_norm, eps, residual)
         return x if self.layers else fused.rms_norm(residual, self.norm, eps)

@@ -85,17 +85,24 @@ class ModelRunner:
         start = time.perf_counter()
         shard = self.strategy.shard_of(shards, self.rank)
         positions = shard.positions()                                   # [n]
-        local_ids = token_ids[positions].to(self.device)
+        seq_parallel = chosen.sequence_parallel(token_ids.shape[0], self.rank, self.data_group)   # tp-v3
+        local_ids = (seq_parallel.local_ids(token_ids) if seq_parallel else token_ids[positions]).to(self.device)
         self.ledger.add(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, 0))
         self.pool.add(seq_id, shard.length)
         slots = self.pool.slots(seq_id, 0, shard.length)               # [n]
+        n = shard.length
+        if seq_parallel:                                                # every row, the padding's positions too
+            positions = torch.arange(seq_parallel.padded)
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
-            self.pool.write(layer, slots, k, v)
+            self.pool.write(layer, slots, k[:n], v[:n])                 # (tp-v3: not the padding's K/V)
             return attention(q, torch.stack([k, v], dim=1))             # the ring's message: [n, 2, Hkv, D]
 
-        hidden = self.model.forward(local_ids, positions.to(self.device), attend)   # [n, hidden]
-        logits = self._last_logits(hidden, shards, token_ids.shape[0])  # [V], on every worker
+        hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel)   # [n, hidden]
+        if seq_parallel:
+            logits = self._logits_of_row(hidden, *seq_parallel.last_row())
+        else:
+            logits = self._last_logits(hidden, shards, token_ids.shape[0])  # [V], on every worker
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         end = time.perf_counter()
@@ -110,6 +117,8 @@ class ModelRunner:
         if self.rank == 0:
             result["logits"] = logits.cpu()
         if prompt_logprobs is not None:
+            if seq_parallel:                                            # every row on every worker, as tp
+                hidden, positions = seq_parallel.gather(hidden)[:n], positions[:n]
             entries = self._prompt_logprobs(hidden, positions, token_ids, prompt_logprobs)
             if self.rank == 0:
                 result["prompt_logprobs"] = entries
@@ -190,7 +199,10 @@ class ModelRunner:
     def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:
         """The logits [V] of the last of num_tokens sharded so (hidden [n_w, hidden]: this worker's rows),
         computed by the worker holding it (tp: worker 0, all hold every row) and broadcast from there."""
-        owner, row = owner_of_position(shards, num_tokens - 1)
+        return self._logits_of_row(hidden, *owner_of_position(shards, num_tokens - 1))
+
+    def _logits_of_row(self, hidden: torch.Tensor, owner: int, row: int) -> torch.Tensor:
+        """The logits [V] of row `row` of worker `owner`'s hidden states, on every worker."""
         if self.rank == owner:
             logits = self.model.logits(hidden[row:row + 1])[0]
         else:

@@ -10,7 +10,7 @@ from engine.parallel.cqs import CQSStrategy
 from engine.parallel.ring_rsa import RingRSAStrategy
 from engine.parallel.single import SingleStrategy
 from engine.parallel.strategy import PrefillContext, PrefillStrategy
-from engine.parallel.tensor_parallel import TensorParallelStrategy
+from engine.parallel.tensor_parallel import TensorParallelStrategy, TensorParallelV3Strategy
 from engine.parallel.ulysses import UlyssesStrategy
 
 # --sp-strategy name -> its strategy, in the order the CLI lists them
@@ -22,6 +22,7 @@ STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
     UlyssesStrategy,          # ulysses: all-to-all over heads
     CQSStrategy,              # cqs: cyclic quorum sets over contiguous token groups
     TensorParallelStrategy,   # tp: heads and MLP split over the workers, K/V replicated
+    TensorParallelV3Strategy,  # tp-v3: tp with the activations between the linears cut by sequence
     SingleStrategy,           # single: one worker
 )}
 SP_STRATEGIES = tuple(STRATEGIES)

@@ -11,6 +11,8 @@ answers:
                                         width, the capacity totals and a worker's share of a sequence;
   weight_slices / local_config          the weights: tp reads only its slice of each (and needs an
                                         all-reduce), every other strategy keeps them whole;
+  sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
+                                        the parallel linears (engine/parallel/sequence_parallel.py);
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks).
 Decoding afterwards is the same for every strategy (engine/decode_attention.py).
 """
@@ -85,3 +87,8 @@ class PrefillStrategy:
         """This worker's model config (its heads and MLP width) and whether the model all-reduces the
         partial sums after o_proj and down_proj."""
         return cfg, False
+
+    def sequence_parallel(self, num_tokens: int, rank: int, group=None):
+        """A prefill's activations cut by sequence between tp's linears (tp-v3: a SequenceParallel), or
+        None: the model runs this worker's shard whole."""
+        return None

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import ModelConfig
+from engine.parallel.sequence_parallel import SequenceParallel
 from engine.parallel.sharding import Shard, zigzag_shards
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
@@ -86,3 +87,14 @@ class TensorParallelStrategy(PrefillStrategy):
         if not self.replicated_kv:
             return cfg, False
         return tp_local_config(cfg, rank, self.world_size), True   # all-reduce after o_proj and down_proj
+
+
+class TensorParallelV3Strategy(TensorParallelStrategy):
+    """tp-v3 (Megatron V3, the BurstAttention paper's main baseline): tp's weights, K/V and decode, with a
+    prefill's norms and residual adds cut by sequence between the parallel linears (all-gather before
+    the column-parallel ones, reduce-scatter after the row-parallel ones: engine/parallel/sequence_parallel.py)."""
+    name = "tp-v3"
+
+    def sequence_parallel(self, num_tokens: int, rank: int, group=None) -> SequenceParallel | None:
+        return SequenceParallel(num_tokens, rank, self.world_size, group) if self.replicated_kv else None
+

@@ -15,7 +15,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy,workers", [
     ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
-    ("tp", 2), ("tp", 4), ("cqs", 3), ("cqs", 4), ("cqs", 2), ("single", 3), ("burst", 2),
+    ("tp", 2), ("tp", 4), ("tp-v3", 2), ("tp-v3", 4), ("cqs", 3), ("cqs", 4), ("cqs", 2), ("single", 3), ("burst", 2),
 ])
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint

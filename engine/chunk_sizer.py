@@ -27,6 +27,9 @@ from engine.config import ModelConfig
 
 MIN_CHUNK = 256          # smaller chunks read the weights for too little work (and launch as many kernels)
 HISTORY = 48             # calls the model is fitted to (the latest: the GPU's clocks and kernels drift)
+OUTLIER = 2.5            # a call this many times slower than the fit predicts is left out of it (a kernel
+                         # built on first use took 3.0 s where 0.27 s was usual, and the next chunks were
+                         # sized from it: one H200, 2026-11-24)
 
 
 def attention_flop_ratio(cfg: ModelConfig) -> float:
@@ -85,12 +88,26 @@ class ChunkSizer:
         return self._coefficients
 
     def _fit(self) -> tuple[float, float, float]:
-        n = torch.tensor([c[0] for c in self.calls], dtype=torch.float64)
-        ctx = torch.tensor([c[1] for c in self.calls], dtype=torch.float64)
-        t = torch.tensor([c[2] for c in self.calls], dtype=torch.float64)
+        """The fit to the recent calls, refitted without the ones far slower than it predicts (up to 3
+        times: an outlier distorts the first fit)."""
+        calls = list(self.calls)
+        fitted = self._fit_calls(calls)
+        for _ in range(3):
+            t0, a, b = fitted
+            kept = [(n, c, s) for n, c, s in calls if s <= OUTLIER * (t0 + a * n + b * n * (c + n / 2))]
+            if len(kept) == len(calls) or len(kept) < 4:
+                break
+            calls = kept
+            fitted = self._fit_calls(calls)
+        return fitted
+
+    def _fit_calls(self, calls: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+        n = torch.tensor([c[0] for c in calls], dtype=torch.float64)
+        ctx = torch.tensor([c[1] for c in calls], dtype=torch.float64)
+        t = torch.tensor([c[2] for c in calls], dtype=torch.float64)
         pairs = n * (ctx + n / 2)
         spread = (pairs / n).max() / (pairs / n).min().clamp(min=1.0)
-        if len(self.calls) >= 4 and spread > 4:          # contexts far enough apart to tell a from b
+        if len(calls) >= 4 and spread > 4:               # contexts far enough apart to tell a from b
             fitted = _nonnegative_fit([torch.ones_like(n), n, pairs], t)
             if fitted[1] > 0 and fitted[2] > 0:
                 return fitted

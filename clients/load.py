@@ -1,13 +1,13 @@
 """Load mode: many requests at a request rate and concurrency cap, reported with the metric names and
 JSON keys of `vllm bench serve` (TTFT, TPOT, ITL, E2EL: mean/median/std/p99 in ms; throughputs)."""
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from clients.sse import read_stream
 from clients.stats import summarize
 
 
@@ -22,34 +22,11 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestResult:
-    result = RequestResult()
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if result.output_tokens == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                result.output_tokens += 1
-        result.latency = time.perf_counter() - start
-        result.ok = True
-    except httpx.HTTPError as e:
-        result.error = f"{type(e).__name__}: {e}"
-    return result
+    record = await read_stream(client, url, body, headers)
+    t = record.token_times
+    return RequestResult(ok=record.finished, ttft=t[0] - record.sent if t else 0.0,
+                         latency=record.ended - record.sent if record.finished else 0.0, output_tokens=len(t),
+                         itl=[b - a for a, b in zip(t, t[1:])], error=record.error)
 
 
 async def run_load(url: str, model: str, vocab: int, num_prompts: int, input_len: int, output_len: int,

@@ -11,27 +11,18 @@ prefill (a gap overlapping [long sent, long's first token]): p50, p99, max, and 
 stalled (a gap over 1 s) during it. That is the head-of-line blocking chunked prefill removes
 (`--max-num-batched-tokens`, `--itl-target-ms`). HTTP only; times on the client (perf_counter)."""
 import asyncio
-import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
 from clients.report import write_result_files
+from clients.sse import StreamRecord, read_stream
 from clients.stats import summarize
 from clients.sweep import config_fields, config_label, server_info
 
 STALL_SECONDS = 1.0
-
-
-@dataclass
-class Stream:
-    sent: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    finished: bool = False            # ended by the server (not cancelled by us)
-    error: str = ""
 
 
 # ---- pure computations -----------------------------------------------------------------------------------
@@ -48,7 +39,7 @@ def split_gaps(token_times: list[float], window: tuple[float, float]) -> tuple[l
 
 
 def round_summary(alone_ttft: float | None, long_sent: float, long_first: float, short_sent: float | None,
-                  short_first: float | None, streams: list[Stream]) -> dict:
+                  short_first: float | None, streams: list[StreamRecord]) -> dict:
     """One round's figures (seconds in, milliseconds out for the gaps)."""
     window = (long_sent, long_first)
     before, during, stalled, in_window = [], [], 0, 0
@@ -95,28 +86,11 @@ def _body(model: str, ids: list[int], max_tokens: int) -> dict:
             "ignore_eos": True}
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, into: Stream,
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, into: StreamRecord,
                   first: asyncio.Event | None = None) -> None:
-    into.sent = time.perf_counter()
+    """Reads one stream into `into`; `first` is set at its first token (or when it ends without one)."""
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
-            if r.status_code != 200:
-                into.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    into.error = chunk["error"]["message"]
-                    return
-                if chunk.get("choices"):
-                    into.token_times.append(time.perf_counter())
-                    if first is not None:
-                        first.set()
-        into.finished = True
-    except httpx.HTTPError as e:
-        into.error = f"{type(e).__name__}: {e}"
+        await read_stream(client, url, body, headers, into, first.set if first is not None else None)
     finally:
         if first is not None:
             first.set()
@@ -127,11 +101,11 @@ async def one_round(url: str, model: str, vocab: int, args, headers: dict, rng: 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
         alone_ttft = None
         if alone:
-            solo = Stream()
+            solo = StreamRecord()
             await _stream(client, url, _body(model, ids(args.long_len), 1), headers, solo)
             _check([solo], "the long prompt alone")
             alone_ttft = solo.token_times[0] - solo.sent
-        streams = [Stream() for _ in range(args.streams)]
+        streams = [StreamRecord() for _ in range(args.streams)]
         firsts = [asyncio.Event() for _ in streams]
         tasks = [asyncio.create_task(_stream(client, url, _body(model, ids(args.stream_len), args.stream_output_len),
                                              headers, s, e)) for s, e in zip(streams, firsts)]
@@ -140,7 +114,7 @@ async def one_round(url: str, model: str, vocab: int, args, headers: dict, rng: 
                 await e.wait()
             _check([s for s in streams if s.error], "a background stream")
             await asyncio.sleep(args.settle)
-            long, short = Stream(), Stream()
+            long, short = StreamRecord(), StreamRecord()
             long_task = asyncio.create_task(_stream(client, url, _body(model, ids(args.long_len), 1), headers, long))
             short_task = None
             if args.short_len:
@@ -171,7 +145,7 @@ async def one_round(url: str, model: str, vocab: int, args, headers: dict, rng: 
     return summary
 
 
-async def _next_tokens(streams: list[Stream], after: float, limit: float = 60.0) -> None:
+async def _next_tokens(streams: list[StreamRecord], after: float, limit: float = 60.0) -> None:
     """Waits until every stream has a token after `after` (so a stall that spans the window's end is
     measured whole), at most `limit` seconds."""
     deadline = time.perf_counter() + limit
@@ -182,7 +156,7 @@ async def _next_tokens(streams: list[Stream], after: float, limit: float = 60.0)
     raise RuntimeError(f"a background stream produced no token in the {limit:.0f} s after the long prompt's first")
 
 
-def _check(streams: list[Stream], what: str) -> None:
+def _check(streams: list[StreamRecord], what: str) -> None:
     for s in streams:
         if s.error:
             raise RuntimeError(f"{what}: {s.error}")
@@ -214,7 +188,7 @@ def run_interference(args, url: str, meta: dict) -> dict:
     rng = random.Random(args.seed)
     try:
         for _ in range(args.warmup):          # the first prefill of a length builds kernel plans
-            solo = Stream()
+            solo = StreamRecord()
             asyncio.run(_warm(url, server["id"], [rng.randrange(vocab) for _ in range(args.long_len)], headers, solo))
             _check([solo], "the warm-up long prompt")
         for _ in range(args.repeats):
@@ -230,6 +204,6 @@ def run_interference(args, url: str, meta: dict) -> dict:
     return result
 
 
-async def _warm(url: str, model: str, ids: list[int], headers: dict, into: Stream) -> None:
+async def _warm(url: str, model: str, ids: list[int], headers: dict, into: StreamRecord) -> None:
     async with httpx.AsyncClient() as client:
         await _stream(client, url, _body(model, ids, 1), headers, into)

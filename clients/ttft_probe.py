@@ -11,10 +11,10 @@ import argparse
 import asyncio
 import json
 import random
-import time
 
 import httpx
 
+from clients.sse import read_stream
 from clients.stats import RequestTiming
 
 
@@ -29,23 +29,11 @@ def completion_body(model: str | None, prompt_tokens: int, vocab: int, output_le
 
 async def stream_once(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestTiming:
     """Sends one streamed request and reads it to its end -> when it was sent and when each token chunk came."""
-    token_times, usage = [], None
-    sent = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=3600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
-        async for line in r.aiter_lines():
-            now = time.perf_counter()
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("choices"):
-                token_times.append(now)
-            usage = chunk.get("usage") or usage
-    check_token_count(len(token_times), body["max_tokens"], usage)
-    return RequestTiming(sent, token_times)
+    record = await read_stream(client, url, body, headers)
+    if record.error:
+        raise RuntimeError(record.error)
+    check_token_count(len(record.token_times), body["max_tokens"], record.usage)
+    return RequestTiming(record.sent, record.token_times)
 
 
 def check_token_count(chunks: int, asked: int, usage: dict | None) -> None:

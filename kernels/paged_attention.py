@@ -290,7 +290,7 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """A chunk's queries q [m, H, D] against its sequence's cached keys (flash-attn-4, one call over the
     runs, no mask) and causally against its own k, v [m, Hkv, D] (backend: an AttentionBackend), the
     partials merged by LSE in fp32 -> out [m, H, D] in q's dtype. 2 kernel calls and ~8 small kernels."""
-    c, (m, h, d) = runs.used.shape[0], q.shape
+    c, (m, h, _) = runs.used.shape[0], q.shape
     out, lse = _fa4_call(q.repeat(c, 1, 1), k_cache, v_cache, runs.table, runs.cu, runs.used, scale, False, m)
     new_out, new_lse = backend(q, k, v, True, scale)
     outs = torch.cat([out.view(c, m, h, -1), new_out[None]])                          # [c + 1, m, H, D]

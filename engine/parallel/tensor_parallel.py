@@ -7,7 +7,6 @@ prompt; its KV cache holds every token for its own heads.
 """
 from dataclasses import replace
 
-import torch
 
 from engine.config import ModelConfig
 from engine.parallel.sequence_parallel import SequenceParallel

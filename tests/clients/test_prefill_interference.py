@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from clients.prefill_interference import Stream, round_summary, split_gaps
+from clients.prefill_interference import round_summary, split_gaps
+from clients.sse import StreamRecord as Stream
 from test_bench import bench
 
 

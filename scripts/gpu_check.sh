@@ -9,5 +9,5 @@ trap pack EXIT
 { date -u; nvidia-smi -L; } 2>&1 | tee "$out/env.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_kernels_gpu.py \
     2>&1 | tail -30 | tee "$out/kernels.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
+timeout 400 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
     -k "one_gpu or cuda_graphs" 2>&1 | tail -40 | tee "$out/engine.log"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# CP=2 (on nvidia-h200-x2): the engine over 2 GPUs (-cp 2; default 1).
 # Issue 11 on one GPU: the paged KV cache and the decode CUDA graphs checked against eager decode and
 # transformers (tests/gpu/test_gpu.py), then `burstserve bench sweep --offline --output-len` for the
 # engine (llama3-8b preset, bf16) and for transformers with a static cache under torch.compile, the
@@ -23,7 +24,7 @@ bench() {
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   mkdir -p "$out/$name"
-  timeout "$limit" python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp 1 \
+  timeout "$limit" python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp "${BENCH_CP:-${CP:-1}}" \
       --output-len "$OUTPUT_LEN" --repeats 1 --warmup 1 --output-dir "$out/$name" "$@" \
       > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
   local rc=$?
@@ -33,8 +34,8 @@ bench() {
 }
 SKIP_TESTS=1 SKIP_BLOCKS=1 OUT=$out/kernels timeout 80 bash scripts/gpu_kernels.sh > "$out/kernels.log" 2>&1
 grep -A12 "paged decode, one layer" "$out/kernels.log"; grep -A5 "num_chunks sweep" "$out/kernels.log"
-bench engine-1x8K 50 --lengths 8192 --label "engine, 1 GPU, 1 stream"
-bench engine-1x128K 80 --lengths 131072 --label "engine, 1 GPU, 1 stream"
-bench engine-16x8K 50 --lengths 8192 --batch 16 --label "engine, 1 GPU, 16 streams"
-bench engine-64x2K 50 --lengths 2048 --batch 64 --label "engine, 1 GPU, 64 streams"
-bench transformers-1x 100 --sp-strategy transformers --lengths 8192 --label "transformers static+compile, 1 GPU"
+bench engine-1x8K 50 --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream"
+bench engine-1x128K 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream"
+bench engine-16x8K 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams"
+bench engine-64x2K 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams"
+BENCH_CP=1 bench transformers-1x 100 --sp-strategy transformers --lengths 8192 --label "transformers static+compile, 1 GPU"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# CP=2 (on nvidia-h200-x2): the engine over 2 GPUs (-cp 2; default 1).
 # Issue 13 item 4 on one GPU: the FP8 GPU test (tests/gpu/test_gpu.py -k fp8), then scripts/gpu_fp8.py
 # (llama3-8b preset, bf16 vs --quantization fp8: logits over every position and the forward pass's
 # time, same weights, same run). Two back-to-back device calls, as scripts/gpu_decode.sh.
@@ -14,7 +15,7 @@ OUT=$out timeout 200 python3 scripts/gpu_fp8.py ${FP8_LENGTHS:-8192 16384} 2>&1 
 # SWEEP=1: the engine's TTFT, bf16 and --quantization fp8, `bench sweep --offline` one after the other
 if [ -n "${SWEEP:-}" ]; then
   for q in none fp8; do
-    timeout 240 python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp 1 \
+    timeout 240 python3 -m server.cli bench sweep --offline --model llama3-8b --devices cuda -cp "${CP:-1}" \
         --lengths "${SWEEP_LENGTHS:-8192,32768,131072}" --repeats 2 --warmup 1 --quantization $q \
         --output-dir "$out/sweep-$q" > "$out/sweep-$q.log" 2>&1
     echo "quantization $q: rc=$?"; grep -E "^\|" "$out/sweep-$q.log" | tail -5

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# CP=2 (on nvidia-h200-x2): the engine over 2 GPUs (-cp 2; default 1).
 # Issue 12 on one GPU (llama3-8b preset, bf16): the prefix cache's warm TTFT (`burstserve bench shared`,
 # a 512-token question after a cached 32K and 128K document), and what a 128K prompt's prefill does to
 # 8 decoding streams and to a 1K request arriving 0.5 s into it (`burstserve bench interference`), on a
@@ -31,8 +32,8 @@ run() {
   grep -E "^\|" "$out/$name/stdout.log" | tail -8
   [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -8
 }
-offline="--offline --model llama3-8b --devices cuda -cp 1"
-serve="--model llama3-8b --devices cuda -cp 1 ${SERVE_EXTRA:-}"
+offline="--offline --model llama3-8b --devices cuda -cp ${CP:-1}"
+serve="--model llama3-8b --devices cuda -cp ${CP:-1} ${SERVE_EXTRA:-}"
 if [[ " $PARTS " == *" shared "* ]]; then
   run shared-32K 150 shared $offline --doc-len 32768 --question-len 512 --questions 4 --repeats 2 --warmup 1
   run shared-128K 200 shared $offline --doc-len "$LONG" --question-len 512 --questions 3 --repeats 1 --warmup 1

@@ -16,6 +16,7 @@ from engine.cache.sizing import activation_bytes_per_token, kv_bytes_per_token, 
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
+from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
 from engine.devices import synchronize
 from engine.errors import ModelLoadError
@@ -27,6 +28,7 @@ from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
+from kernels.paged_attention import fa4_available, guarded_table, paged_attention, prefix_runs, split_prefix_attention
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class ModelRunner:
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
+        self._warm_extend_kernels()
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
         log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB), decode %s", rank, num_pages,
                  self.block_size, self.pool.bytes() / 2**30, "in CUDA graphs" if self.graphs else "eager")
@@ -416,6 +419,29 @@ class ModelRunner:
         if self.world_size > 1:
             dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
         return int(pages)
+
+    @torch.inference_mode()
+    def _warm_extend_kernels(self) -> None:
+        """Builds at start the flash-attn-4 kernels an incremental prefill uses on one worker or under tp
+        (the causal paged call over cached + new keys, and a small late chunk's prefix runs with their
+        causal call over the chunk), so that none is built under load: the first prefix-runs call, built
+        while 8 streams decoded, stalled them all for 1.7 s (one H200, 2026-11-24). Reads only the scratch
+        page; the results are dropped."""
+        if (self.device.type != "cuda" or not fa4_available(self.device)
+                or not (self.world_size == 1 or self.strategy.replicated_kv)):
+            return
+        m, h, hkv, d = MIN_CHUNK, self.local_cfg.num_heads, self.local_cfg.num_kv_heads, self.cfg.head_dim
+        q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)
+        k, v = (torch.randn(m, hkv, d, device=self.device, dtype=self.dtype) for _ in range(2))
+        pages = [0] * -(-2 * m // self.block_size)                      # the scratch page, 2 m keys' worth
+        keys = len(pages) * self.block_size
+        table = guarded_table(torch.tensor([pages], dtype=torch.int32, device=self.device))
+        cu = torch.tensor([0, m], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([keys], dtype=torch.int32, device=self.device)
+        paged_attention(q, self.pool.k[0], self.pool.v[0], table, cu, lens, self.scale, causal=True, rows_see_keys=True)
+        runs = prefix_runs(pages, keys, self.block_size, m, 2, self.device)
+        split_prefix_attention(q, k, v, self.pool.k[0], self.pool.v[0], runs, self.scale, self.backend)
+        self._sync()
 
     def _check_weights_fit(self, nbytes: int, device: torch.device) -> None:
         """Refuses, before allocating anything, weights larger than this GPU's share for the model

@@ -138,25 +138,10 @@ class ModelRunner:
         them. Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
         self._sync()
         start_time = time.perf_counter()
-        n = token_ids.shape[0]
-        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
-        shard = self.strategy.shard_of(shards, self.rank)
-        positions = shard.positions()                                   # [n_w], within the new tokens
-        cached = self.ledger.tokens(seq_id, self.rank)
-        self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
-        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]
-        attend = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
-                                 self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
-        hidden = self.model.forward(token_ids[positions].to(self.device), (positions + start).to(self.device),
-                                    attend)                                                  # [n_w, hidden]
-        logits = self._last_logits(hidden, shards, n)                   # [V], on every worker
-        if self.ring is not None:
-            self.ring.collect_stats()                                    # not reported: a chunk's ring is short
-        self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": "extend", "cached_tokens": start}
-        if self.rank == 0:
-            result["logits"] = logits.cpu()
-        return result
+        shards, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
+        hidden = self.model.forward(ids, positions, attend)                        # [n_w, hidden]
+        logits = self._last_logits(hidden, shards, token_ids.shape[0])             # [V], on every worker
+        return self._extend_result(logits, start, start_time, "extend")
 
     @torch.inference_mode()
     def extend_and_decode(self, seq_id: int, token_ids: torch.Tensor, start: int, seq_ids: list[int],
@@ -169,34 +154,43 @@ class ModelRunner:
         and on worker 0 under "decode" what `decode` returns."""
         self._sync()
         start_time = time.perf_counter()
-        n = token_ids.shape[0]
-        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
+        shards, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start)
+        step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
+        self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
+        m = ids.shape[0]
+
+        def attend(layer, q, k, v):                                     # rows: m of the chunk, then B decode
+            return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
+
+        hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
+        logits = self._last_logits(hidden[:m], shards, token_ids.shape[0])         # [V], on every worker
+        decode_logits = self.model.logits(hidden[m:])                               # [B, V]
+        result = self._extend_result(logits, start, start_time, "extend+decode")
+        if self.rank == 0:
+            result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
+        return result
+
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int):
+        """Places n new tokens after the sequence's `start` cached ones (ledger, this worker's pages) ->
+        (shards, this worker's token ids [n_w] and positions [n_w] on the device, its ExtendAttention)."""
+        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, token_ids.shape[0])
         shard = self.strategy.shard_of(shards, self.rank)
         positions = shard.positions()                                   # [n_w], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
         self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
         slots = self.pool.extend(seq_id, shard.length)                   # [n_w]
-        chunk = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
-                                self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
-        step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
-        self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
-        m = shard.length
+        attend = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
+                                 self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
+        return shards, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
-        def attend(layer, q, k, v):                                     # rows: m of the chunk, then B decode
-            return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
-
-        ids = torch.cat([token_ids[positions].to(self.device), step_inputs[0]])
-        hidden = self.model.forward(ids, torch.cat([(positions + start).to(self.device), step_inputs[1]]), attend)
-        logits = self._last_logits(hidden[:m], shards, n)               # [V], on every worker
-        decode_logits = self.model.logits(hidden[m:])                    # [B, V]
+    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str) -> dict:
+        """After an incremental prefill's forward: its timings, and on worker 0 the logits (CPU)."""
         if self.ring is not None:
-            self.ring.collect_stats()
+            self.ring.collect_stats()                                    # not reported: a chunk's ring is short
         self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": "extend+decode",
-                  "cached_tokens": start}
+        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": strategy, "cached_tokens": start}
         if self.rank == 0:
             result["logits"] = logits.cpu()
-            result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
         return result
 
     def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:

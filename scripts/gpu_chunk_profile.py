@@ -7,6 +7,7 @@ import sys
 import time
 
 import torch
+from profile_table import kernel_table
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
@@ -97,16 +98,8 @@ with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
     t0 = time.perf_counter()
     runner.extend(2, prompt[done:done + n], done)
     wall = time.perf_counter() - t0
-events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-busy = sum(e.device_time for e in events) / 1e3
-print(f"\n## one extend of {n} after {done}: wall {wall * 1e3:.1f} ms, GPU busy {busy:.1f} ms, kernels {len(events)}\n")
-groups = {}
-for e in events:
-    g = groups.setdefault(e.name[:80], [0, 0.0])
-    g[0] += 1
-    g[1] += e.device_time / 1e3
-print("| kernel | calls | ms |\n|---|---|---|")
-for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]:
-    print(f"| {name} | {calls} | {ms:.2f} |")
+busy, kernels, table = kernel_table(prof, top=12)
+print(f"\n## one extend of {n} after {done}: wall {wall * 1e3:.1f} ms, GPU busy {busy:.1f} ms, kernels {kernels}\n")
+print(table)
 print("\n## host: operators by self CPU time\n")
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

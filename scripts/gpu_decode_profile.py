@@ -5,6 +5,7 @@ import sys
 import time
 
 import torch
+from profile_table import kernel_table
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
@@ -52,13 +53,6 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-print(f"kernels per replay: {len(events) / 3:.0f}; GPU busy per replay {sum(e.device_time for e in events) / 3 / 1000:.3f} ms")
-groups = {}
-for e in events:
-    g = groups.setdefault(e.name[:90], [0, 0.0])
-    g[0] += 1
-    g[1] += e.device_time / 3
-print("| kernel | calls/step | us/step |\n| --- | --- | --- |")
-for name, (calls, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:30]:
-    print(f"| {name} | {calls // 3} | {us:.0f} |")
+busy, kernels, table = kernel_table(prof, repeats=3, top=30)
+print(f"kernels per replay: {kernels}; GPU busy per replay {busy:.3f} ms")
+print(table)

@@ -6,6 +6,7 @@ import sys
 import time
 
 import torch
+from profile_table import kernel_table
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
@@ -58,14 +59,6 @@ from torch.profiler import ProfilerActivity, profile
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     mixed(256)
     torch.cuda.synchronize()
-events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-print(f"\n## one mixed call of 256 + 8: GPU busy {sum(e.device_time for e in events) / 1e3:.1f} ms, "
-      f"kernels {len(events)}\n")
-groups = {}
-for e in events:
-    g = groups.setdefault(e.name[:80], [0, 0.0])
-    g[0] += 1
-    g[1] += e.device_time / 1e3
-print("| kernel | calls | ms |\n|---|---|---|")
-for name, (calls, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:15]:
-    print(f"| {name} | {calls} | {ms:.2f} |")
+busy, kernels, table = kernel_table(prof)
+print(f"\n## one mixed call of 256 + 8: GPU busy {busy:.1f} ms, kernels {kernels}\n")
+print(table)

@@ -26,8 +26,8 @@ from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_stacked
-from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, paged_attention, prefix_run_count,
-                                     prefix_runs, split_prefix_attention)
+from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, num_sms, paged_attention,
+                                     prefix_run_count, prefix_runs, split_prefix_attention)
 
 
 class ExtendAttention:
@@ -81,8 +81,7 @@ class ExtendAttention:
             device = self.pool.device
             if self.cached_local and device.type == "cuda" and fa4_available(device):
                 hkv = self.pool.k.shape[3]
-                count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local,
-                                         torch.cuda.get_device_properties(device).multi_processor_count)
+                count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local, num_sms(device))
                 if count > 1:
                     self.runs = prefix_runs(self.pages, self.cached_local, self.pool.block_size, q.shape[0],
                                             count, device)

@@ -139,7 +139,7 @@ def fa4_available(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -199,7 +199,7 @@ def _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, caus
     b, max_blocks = block_table.shape
     seq_lens_k = seq_lens_k.to(torch.int32)                                          # no-op when int32
     if num_chunks is None:
-        num_chunks = choose_num_chunks(total_q, hkv, max_blocks * bs, _num_sms(q.device))
+        num_chunks = choose_num_chunks(total_q, hkv, max_blocks * bs, num_sms(q.device))
     if max_seqlen_q == 1 and total_q == b:
         # Decode: row r is sequence r and sees all its seq_lens_k[r] keys (causal or not).
         if num_chunks > 1:

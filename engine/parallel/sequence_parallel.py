@@ -13,6 +13,8 @@ Decode steps and incremental prefills stay Megatron V1 (one token per sequence: 
 import torch
 import torch.distributed as dist
 
+from engine.decode_attention import all_gather
+
 
 class SequenceParallel:
     def __init__(self, num_tokens: int, rank: int, world_size: int, group=None):
@@ -34,13 +36,7 @@ class SequenceParallel:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [P, ...] on every worker -> [G P, ...]: every worker's rows in rank order."""
-        if x.is_cuda:
-            out = x.new_empty((self.padded,) + x.shape[1:])
-            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-            return out
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts)
+        return all_gather(x, self.world_size, self.group).flatten(0, 1)
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [G P, ...] partial sums on every worker -> this worker's rows [P, ...] of their sum. gloo (CPU)

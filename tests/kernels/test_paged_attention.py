@@ -190,7 +190,7 @@ def _no_row_lookup(*a, **k):
 def test_fa4_decode_path(monkeypatch, num_chunks, bs, causal):
     """max_seqlen_q=1, one row per sequence: no row lookup; split or not, equal to the generic path."""
     monkeypatch.setattr(pa, "_fa4_call", _fake_fa4_call)
-    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
     case = make_case([1] * len(DECODE_K_LENS), DECODE_K_LENS, 8, 2, 16, bs)
     generic = paged_attention(*case, 0.25, causal=causal, backend="fa4", num_chunks=num_chunks)
     monkeypatch.setattr(pa, "_row_visible_keys", _no_row_lookup)

@@ -155,6 +155,9 @@ class EngineConfig:
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)
+    extend_ring_min_tokens: int = 4096      # on several workers, an incremental prefill of at least this many new
+                                            # tokens is sharded over them (K/V ring + pass-Q); fewer run whole on
+                                            # every worker, one keeping their K/V (engine/extend_attention.py)
     mixed_batch: bool = False               # a chunk after the first and the running sequences' decode step in
                                             # one forward pass (weights read once); off: the eager decode half
                                             # made a late 256-token chunk host-bound (docs/benchmarks.md)

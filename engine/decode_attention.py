@@ -43,10 +43,17 @@ class DecodeAttention:
                                    max_seqlen_q=1)
         if self.world_size == 1:
             return out
-        packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)      # [B, H, D + 1]
-        gathered = all_gather(packed, self.world_size, self.group)        # [G, B, H, D + 1]
-        merged, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
-        return merged.to(q.dtype)
+        return merge_over_workers(out, lse, self.world_size, self.group).to(q.dtype)
+
+
+def merge_over_workers(out: torch.Tensor, lse: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
+    """Each worker's partial over the keys it holds, out [R, H, D] and lse [R, H] for the same R query
+    rows on every worker -> the rows' attention over all keys, out [R, H, D] fp32, identical on every
+    worker: one all-gather of the partials, merged in fp32."""
+    packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)          # [R, H, D + 1]
+    gathered = all_gather(packed, world_size, group)                      # [G, R, H, D + 1]
+    merged, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
+    return merged
 
 
 def all_gather(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:

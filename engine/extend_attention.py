@@ -1,27 +1,37 @@
 """Attention for an incremental prefill: n new tokens of a sequence whose first L tokens are already
-in the distributed KV cache (the next chunk of a chunked prefill; later, a prompt that extends a
-cached prefix).
+in the distributed KV cache (the next chunk of a chunked prefill, or a prompt that extends a cached
+prefix). Three ways, chosen by ModelRunner (`way`):
 
-The new tokens are sharded over the workers like a prompt (zigzag over the n new tokens, at
-positions L + ...), and each worker's queries see two kinds of keys:
-- the new tokens' own K/V, causally: the K/V ring of BurstAttention over the new shards (pass-KV);
-- the L cached tokens, every one of them: they sit in the workers' pages, so the queries travel
-  instead (pass-Q, Meta's "Context Parallelism for Scalable Million-Token Inference"): one
-  all-gather brings every worker all n queries, each attends them to the cached K/V it holds with
-  one paged_attention call (no mask: the cache is all before the new tokens), and one all-to-all
-  returns each worker the partials of its own queries.
-The partials merge in fp32 by LSE. The new tokens' K/V are written into the worker's pages after the
-cached ones. On one worker, and with replicated K/V (tp: every worker holds the whole cache for its
-heads and the new tokens whole), the new K/V go into the pages first and one causal paged_attention
-call over all of the sequence's pages does the rest (causal aligned to the end: new token i sees the
-cached tokens and new tokens 0..i), nothing exchanged or merged. A chunk late in a long prompt is
-bound by the host's launches (a 256-token chunk after 60K cached tokens: 37 ms whatever the context,
-one H200), so one kernel call and no merge per layer is what counts there.
+- "local": one worker, or tp's replicated K/V (every worker holds every token, for its own heads):
+  the worker holds every key the new tokens see. Their K/V go into the pages first and one causal
+  paged_attention call over all of the sequence's pages does the rest (causal aligned to the end: new
+  token i sees the cached tokens and new tokens 0..i), nothing exchanged or merged. A chunk late in a
+  long prompt is bound by the host's launches (a 256-token chunk after 60K cached tokens: 37 ms
+  whatever the context, one H200), so one kernel call and no merge per layer is what counts there.
+- "whole" (several workers, fewer than --extend-ring-min-tokens new tokens): every worker runs all n
+  new tokens through the model, as a decode step runs its batch; one worker (the one holding fewest
+  of the sequence's tokens) keeps their K/V. Per layer each worker attends the n queries to the keys it
+  holds with one paged_attention call (the keeper causally over its cached and the new keys, the
+  others without a mask over their cached keys), and one all-gather of the partials, merged in fp32,
+  gives every worker the same rows. The new tokens' GEMMs run on every worker, but a layer is one
+  kernel call and one collective: a small chunk on 2 x H200 through the ring took 80-130 ms whatever
+  its context (2026-11-24), where one H200 alone took 20-40 ms.
+- "ring": the new tokens sharded over the workers like a prompt (zigzag over the n new tokens, at
+  positions L + ...), and each worker's queries see the new tokens' own K/V causally through
+  BurstAttention's K/V ring (pass-KV), and the L cached tokens, all visible, by passing the queries
+  (pass-Q, Meta's "Context Parallelism for Scalable Million-Token Inference"): one all-gather brings
+  every worker all n queries, each attends them to the cached K/V it holds with one paged_attention
+  call, and one all-to-all returns each worker the partials of its own queries, merged in fp32 by
+  LSE. The new tokens' K/V are written after the cached ones on the worker that ran them.
+
+With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix has that prefix's
+keys cut into runs (kernels.paged_attention.split_prefix_attention), in "local" and "whole".
 """
 import torch
 import torch.distributed as dist
 
 from engine.cache.page_pool import PagePool
+from engine.decode_attention import merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
@@ -29,41 +39,61 @@ from kernels.merge import merge_stacked
 from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, num_sms, paged_attention,
                                      prefix_run_count, prefix_runs, split_prefix_attention)
 
+WAYS = ("local", "whole", "ring")
+
 
 class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
                  new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
-                 overlap: bool = True, group=None, replicated: bool = False):
+                 overlap: bool = True, group=None, way: str = "ring"):
         """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
-        where this worker's new tokens' K/V go; new_shards: the n new tokens over the workers."""
+        where this worker's new tokens' K/V go (empty if it keeps none); new_shards: the n new tokens
+        over the workers (way "whole": all on one; "local" under tp: the strategy's one shard)."""
+        assert way in WAYS, way
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
-        self.slots, self.shards, self.replicated = slots, new_shards, replicated
-        self.world_size = 1 if replicated else len(new_shards)
+        self.slots, self.shards, self.way = slots, new_shards, way
+        self.world_size = len(new_shards)
         device = pool.device
-        mine = new_shards[0 if replicated else rank].length
-        keys = cached_local + mine if self.world_size == 1 else cached_local      # one worker: its new keys too
+        mine = new_shards[0 if way == "local" else rank].length
+        self.keeps_new = way != "ring" and mine > 0           # its paged call covers the new keys, causally
+        keys = cached_local + (mine if self.keeps_new else 0)
         pages = pool.pages[seq_id][:-(-keys // pool.block_size)] if keys else []
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
-        self.has_cache = keys > 0
-        queries = sum(s.length for s in new_shards) if not replicated else mine
+        self.has_keys = keys > 0
+        queries = sum(s.length for s in new_shards) if way != "local" else mine
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
                    for m in {queries, mine}}
-        self.ring_attention = (None if self.world_size == 1 else
-                               BurstAttention(ring, backend, new_shards, rank, scale, overlap))
+        self.ring_attention = (BurstAttention(ring, backend, new_shards, rank, scale, overlap) if way == "ring"
+                               else None)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [n_w, H, D], k and v [n_w, Hkv, D] (this worker's new tokens) -> out [n_w, H, D]."""
-        if self.world_size == 1 and self._prefix_runs(layer, q) is not None:                 # the cache split in runs
+        """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]: this worker's new tokens ("ring"), or all n
+        of them ("local", "whole")."""
+        if self.way == "ring":
+            return self._ring(layer, q, k, v)
+        if self.keeps_new:
             self.pool.write(layer, self.slots, k, v)
-            return split_prefix_attention(q, k, v, self.pool.k[layer], self.pool.v[layer], self.runs, self.scale,
-                                          self.backend)
-        if self.world_size == 1:                                                             # one call, causal
-            self.pool.write(layer, self.slots, k, v)
-            out, _ = paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]],
-                                     self.keys, self.scale, causal=True, rows_see_keys=True)
+        out, lse = self._local_partial(layer, q, k, v)
+        if self.way == "local":
             return out
+        return merge_over_workers(out, lse, self.world_size, self.group).to(q.dtype)
+
+    def _local_partial(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The queries q [m, H, D] against the sequence's keys on this worker (the new ones causally, when
+        it keeps them) -> (out [m, H, D] in q's dtype, lse [m, H] fp32)."""
+        runs = self._prefix_runs(layer, q)
+        if runs is not None:                                                                 # the cache in runs
+            new_k, new_v = (k, v) if self.keeps_new else (None, None)
+            return split_prefix_attention(q, new_k, new_v, self.pool.k[layer], self.pool.v[layer], runs, self.scale,
+                                          self.backend)
+        if not self.has_keys:                                                               # none of its keys here
+            return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
+        return paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]], self.keys,
+                               self.scale, causal=self.keeps_new, rows_see_keys=True)
+
+    def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
         cached = self._cached_partials_of_mine(layer, q)
         self.pool.write(layer, self.slots, k, v)
@@ -73,7 +103,7 @@ class ExtendAttention:
         return out.to(q.dtype)
 
     def _prefix_runs(self, layer: int, q: torch.Tensor) -> PrefixRuns | None:
-        """On one worker with flash-attn-4, a chunk too small to fill the GPU against a long cached prefix
+        """With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix on this worker
         has the prefix's keys cut into runs (kernels.paged_attention.prefix_run_count), decided and built
         at the first layer, the same for all."""
         if layer == 0:
@@ -93,7 +123,7 @@ class ExtendAttention:
         everyone = _all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, self.pool.k[layer], self.pool.v[layer], self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
-                                   rows_see_keys=self.has_cache)                              # my cached K/V
+                                   rows_see_keys=self.has_keys)                               # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
         mine = lengths[self.rank]

@@ -54,7 +54,8 @@ class LLM:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = False):
+                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = False,
+                 extend_ring_min_tokens: int = 4096):
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -69,6 +70,9 @@ class LLM:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
                                       "max_num_batched_tokens")
+        if extend_ring_min_tokens < 0:
+            raise InvalidRequestError(f"extend_ring_min_tokens must be >= 0, not {extend_ring_min_tokens}",
+                                      "extend_ring_min_tokens")
         if itl_target_ms is not None and not itl_target_ms > 0:
             raise InvalidRequestError(f"itl_target_ms must be positive (or None: no target), not {itl_target_ms}",
                                       "itl_target_ms")
@@ -87,6 +91,7 @@ class LLM:
                                    cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
                                    quantization=quantization, mixed_batch=mixed_batch,
+                                   extend_ring_min_tokens=extend_ring_min_tokens,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         reason = tp_check(self.model_config, len(device_list)) if sp_strategy in ("tp", "tp-v3") else None

@@ -23,7 +23,7 @@ from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import balanced_shards, owner_of_position
+from engine.parallel.sharding import balanced_shards, owner_of_position, whole_shards
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights, weight_bytes
@@ -138,10 +138,10 @@ class ModelRunner:
         them. Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
         self._sync()
         start_time = time.perf_counter()
-        shards, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
-        hidden = self.model.forward(ids, positions, attend)                        # [n_w, hidden]
-        logits = self._last_logits(hidden, shards, token_ids.shape[0])             # [V], on every worker
-        return self._extend_result(logits, start, start_time, "extend")
+        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
+        hidden = self.model.forward(ids, positions, attend)                        # [m, hidden]
+        logits = self._logits_of_row(hidden, *last)                                # [V], on every worker
+        return self._extend_result(logits, start, start_time, "extend", attend.way)
 
     @torch.inference_mode()
     def extend_and_decode(self, seq_id: int, token_ids: torch.Tensor, start: int, seq_ids: list[int],
@@ -154,7 +154,7 @@ class ModelRunner:
         and on worker 0 under "decode" what `decode` returns."""
         self._sync()
         start_time = time.perf_counter()
-        shards, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start)
+        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
@@ -163,32 +163,37 @@ class ModelRunner:
             return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
 
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
-        logits = self._last_logits(hidden[:m], shards, token_ids.shape[0])         # [V], on every worker
+        logits = self._logits_of_row(hidden[:m], *last)                            # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._extend_result(logits, start, start_time, "extend+decode")
+        result = self._extend_result(logits, start, start_time, "extend+decode", chunk.way)
         if self.rank == 0:
             result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
         return result
 
     def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int):
         """Places n new tokens after the sequence's `start` cached ones (ledger, this worker's pages) ->
-        (shards, this worker's token ids [n_w] and positions [n_w] on the device, its ExtendAttention)."""
-        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, token_ids.shape[0])
+        ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
+        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
+        n = token_ids.shape[0]
+        way = self._extend_way(n)
+        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
         shard = self.strategy.shard_of(shards, self.rank)
-        positions = shard.positions()                                   # [n_w], within the new tokens
+        positions = torch.arange(n) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
         self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
-        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]
+        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]: the K/V this worker keeps
         attend = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
-                                 self.ring, self.engine.overlap, self.data_group, self.strategy.replicated_kv)
-        return shards, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
+                                 self.ring, self.engine.overlap, self.data_group, way)
+        last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
+        return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
-    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str) -> dict:
-        """After an incremental prefill's forward: its timings, and on worker 0 the logits (CPU)."""
+    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str) -> dict:
+        """After an incremental prefill's forward: its timings and way, and on worker 0 the logits (CPU)."""
         if self.ring is not None:
             self.ring.collect_stats()                                    # not reported: a chunk's ring is short
         self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": strategy, "cached_tokens": start}
+        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": strategy, "cached_tokens": start,
+                  "extend_way": way}
         if self.rank == 0:
             result["logits"] = logits.cpu()
         return result
@@ -208,11 +213,22 @@ class ModelRunner:
             dist.broadcast(logits, src=owner, group=self.data_group)
         return logits
 
+    def _extend_way(self, num_tokens: int) -> str:
+        """How an incremental prefill of num_tokens new tokens runs (engine/extend_attention.py): "local"
+        on one worker or under replicated K/V, "whole" on every worker below --extend-ring-min-tokens,
+        else "ring"."""
+        if self.world_size == 1 or self.strategy.replicated_kv:
+            return "local"
+        return "whole" if num_tokens < self.engine.extend_ring_min_tokens else "ring"
+
     def _extend_shards(self, held: list[int], num_tokens: int):
-        """How an incremental prefill's new tokens spread over workers holding `held` tokens of the
-        sequence: in zigzag order, sized to level the workers' totals (the cached part is attended by
-        passing queries, in any layout); under replicated K/V, the strategy's one shard."""
-        return self.strategy.shards(num_tokens) if self.strategy.replicated_kv else balanced_shards(num_tokens, held)
+        """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence:
+        "ring": in zigzag order, sized to level the workers' totals (the cached part is attended by passing
+        queries, in any layout); "whole": all on the worker holding fewest; under replicated K/V, the
+        strategy's one shard."""
+        if self.strategy.replicated_kv:
+            return self.strategy.shards(num_tokens)
+        return whole_shards(num_tokens, held) if self._extend_way(num_tokens) == "whole" else balanced_shards(num_tokens, held)
 
     def chunk_pages(self, seq_id: int | None, num_tokens: int) -> list[int]:
         """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
@@ -416,13 +432,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_extend_kernels(self) -> None:
-        """Builds at start the flash-attn-4 kernels an incremental prefill uses on one worker or under tp
-        (the causal paged call over cached + new keys, and a small late chunk's prefix runs with their
-        causal call over the chunk), so that none is built under load: the first prefix-runs call, built
-        while 8 streams decoded, stalled them all for 1.7 s (one H200, 2026-11-24). Reads only the scratch
-        page; the results are dropped."""
-        if (self.device.type != "cuda" or not fa4_available(self.device)
-                or not (self.world_size == 1 or self.strategy.replicated_kv)):
+        """Builds at start the flash-attn-4 kernels an incremental prefill uses in its "local" and "whole"
+        ways (the causal paged call over cached + new keys, the unmasked one over cached keys, and a small
+        late chunk's prefix runs with their causal call over the chunk), so that none is built under
+        load: the first prefix-runs call, built while 8 streams decoded, stalled them all for 1.7 s (one
+        H200, 2026-11-24). Reads only the scratch page; the results are dropped. Each worker alone."""
+        if self.device.type != "cuda" or not fa4_available(self.device):
             return
         m, h, hkv, d = MIN_CHUNK, self.local_cfg.num_heads, self.local_cfg.num_kv_heads, self.cfg.head_dim
         q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)
@@ -432,7 +447,9 @@ class ModelRunner:
         table = guarded_table(torch.tensor([pages], dtype=torch.int32, device=self.device))
         cu = torch.tensor([0, m], dtype=torch.int32, device=self.device)
         lens = torch.tensor([keys], dtype=torch.int32, device=self.device)
-        paged_attention(q, self.pool.k[0], self.pool.v[0], table, cu, lens, self.scale, causal=True, rows_see_keys=True)
+        for causal in (True, False):
+            paged_attention(q, self.pool.k[0], self.pool.v[0], table, cu, lens, self.scale, causal=causal,
+                            rows_see_keys=True)
         runs = prefix_runs(pages, keys, self.block_size, m, 2, self.device)
         split_prefix_attention(q, k, v, self.pool.k[0], self.pool.v[0], runs, self.scale, self.backend)
         self._sync()

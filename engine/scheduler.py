@@ -63,6 +63,7 @@ class ChunkedPrefill:
     largest: int = 0
     adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
     queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
+    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
 
 
 class Scheduler:
@@ -373,19 +374,24 @@ class Scheduler:
             self._finish_decode(decode, args[4], *result.pop("decode"))   # before the prompt joins the running
         job.call_seconds += time.perf_counter() - called
         if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
-            log.debug("chunk of %d tokens after %d: %.1f ms (predicted %.1f), last decode step %.1f ms", n, job.done,
-                      result["prefill_seconds"] * 1e3, self.sizer.predict(n, job.done) * 1e3, self.step_seconds * 1e3)
+            log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms", n,
+                      job.done, result.get("extend_way", "prefill"), result["prefill_seconds"] * 1e3,
+                      self.sizer.predict(n, job.done) * 1e3, self.step_seconds * 1e3)
         self._observe(n, job.done, result)
         job.prefill_seconds += result["prefill_seconds"]
         job.done += n
         job.chunks += 1
         job.smallest, job.largest = min(job.smallest or n, n), max(job.largest, n)
+        way = result.pop("extend_way", None)
+        if way is not None:
+            job.extend_ways[way] = job.extend_ways.get(way, 0) + 1
         if job.done < len(ids):
             return False
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
-                      adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds)
+                      adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
+                      extend_ways=dict(job.extend_ways))
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
         return True

@@ -57,6 +57,11 @@ def serve_parser(sub) -> None:
                    help="with --max-num-batched-tokens: a chunk after a prompt's first and the running requests' "
                         "decode step run as one forward pass (the weights read once for both; the decode half "
                         "runs eagerly, not from its CUDA graph). Default: a chunk, then a decode step")
+    p.add_argument("--extend-ring-min-tokens", type=int, default=4096, metavar="N",
+                   help="on several workers, a prompt chunk or the part of a prompt after its cached prefix of at "
+                        "least N tokens is sharded over the workers (K/V ring, queries passed to the cache); "
+                        "fewer run whole on every worker, one worker keeping their K/V (one collective a layer). "
+                        "0: always sharded")
     p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
                    help="how prefill attention spans the workers (decoding is the same for all); "
                         "auto: ulysses for short prompts, burst for long ones")
@@ -89,7 +94,7 @@ def serve(args) -> None:
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None,
-                  mixed_batch=args.mixed_batch,
+                  mixed_batch=args.mixed_batch, extend_ring_min_tokens=args.extend_ring_min_tokens,
                   quantization=args.quantization)
     except BurstServeError as e:
         log.error("%s", e)

@@ -30,17 +30,27 @@ def _check(llm, model, prompts):
         assert out.outputs[0].token_ids == ref_tokens, len(prompt)
 
 
-@pytest.mark.parametrize("workers,chunk", [(1, 64), (2, 50), (2, 128), (3, 37), (4, 100)])
-def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk):
+# (workers, chunk, extend_ring_min_tokens, the ways of a (3 chunk + 5)-token prompt's 3 extends)
+WAYS = [(1, 64, 4096, {"local": 3}), (2, 50, 4096, {"whole": 3}), (2, 128, 4096, {"whole": 3}),
+        (3, 37, 4096, {"whole": 3}), (4, 100, 4096, {"whole": 3}),
+        (2, 50, 0, {"ring": 3}), (3, 37, 0, {"ring": 3}), (4, 100, 0, {"ring": 3}),
+        (3, 37, 6, {"ring": 2, "whole": 1})]                # chunks of 37 on the ring, the last 5 tokens whole
+
+
+@pytest.mark.parametrize("workers,chunk,ring_min,ways", WAYS)
+def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_min, ways):
+    """Every way of an incremental prefill (engine/extend_attention.py): "local" on one worker, "whole"
+    below extend_ring_min_tokens (every worker runs the chunk, one keeps its K/V), "ring" at or above it."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     lengths = [chunk + 1, 2 * chunk, 3 * chunk + 5, 401]      # 2 chunks (the last of 1 token), exact, uneven
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
-             max_num_batched_tokens=chunk) as llm:
+             max_num_batched_tokens=chunk, extend_ring_min_tokens=ring_min) as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
         assert stats["chunks"] == 4 and stats["strategy"] == "extend" and stats["cached_tokens"] == 0
+        assert stats["extend_ways"] == ways
 
 
 @pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto"])
@@ -71,8 +81,9 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
         assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
 
 
-@pytest.mark.parametrize("workers,strategy", [(1, "burst"), (2, "burst"), (3, "burst"), (2, "tp")])
-def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, workers, strategy):
+@pytest.mark.parametrize("workers,strategy,ring_min", [(1, "burst", 4096), (2, "burst", 4096), (3, "burst", 4096),
+                                                       (2, "burst", 0), (2, "tp", 4096)])
+def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, workers, strategy, ring_min):
     """--mixed-batch: a chunk after the first and the running requests' decode step are
     one forward pass; every request gets its solo tokens and logprobs (fp32, <= 1e-4), and the long
     prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not."""
@@ -82,7 +93,7 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, worker
     long = [random.randrange(vocab) for _ in range(600)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     common = dict(devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
-                  sp_strategy=strategy)
+                  sp_strategy=strategy, extend_ring_min_tokens=ring_min)
     with LLM(path, **common) as llm:
         solo = [o.outputs[0] for o in llm.generate(short + [long], params)]
     for mixed in (True, False):

@@ -138,9 +138,14 @@ def test_split_prefix_attention_matches_one_causal_call(monkeypatch, cached, run
     plan = pa.prefix_runs(pages, cached, bs, m, runs, torch.device("cpu"))
     assert (plan.used > 0).all() and int(plan.used.sum()) == cached and plan.used.shape[0] <= runs
     backend = pa.AttentionBackend("reference", pa.reference_attention)
-    out = pa.split_prefix_attention(q, k_new, v_new, k_cache, v_cache, plan, 0.25, backend)
-    ref_out, _ = dense_reference(q, k_cache, v_cache, table, cu, lens, 0.25, causal=True)
+    out, lse = pa.split_prefix_attention(q, k_new, v_new, k_cache, v_cache, plan, 0.25, backend)
+    ref_out, ref_lse = dense_reference(q, k_cache, v_cache, table, cu, lens, 0.25, causal=True)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    out, lse = pa.split_prefix_attention(q, None, None, k_cache, v_cache, plan, 0.25, backend)   # the runs alone
+    ref_out, ref_lse = dense_reference(q, k_cache, v_cache, table, cu, torch.tensor([cached]), 0.25, causal=False)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
 def test_prefix_run_count_from_shapes():

@@ -175,8 +175,9 @@ class ModelRunner:
         ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
         and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
         n = token_ids.shape[0]
-        way = self._extend_way(n)
-        shards = self._extend_shards(self.ledger.seqs[seq_id].tokens, n)
+        held = self.ledger.seqs[seq_id].tokens
+        way = self._extend_way(n, held)
+        shards = self._extend_shards(held, n)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(n) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
@@ -213,22 +214,30 @@ class ModelRunner:
             dist.broadcast(logits, src=owner, group=self.data_group)
         return logits
 
-    def _extend_way(self, num_tokens: int) -> str:
-        """How an incremental prefill of num_tokens new tokens runs (engine/extend_attention.py): "local"
-        on one worker or under replicated K/V, "whole" on every worker below --extend-ring-min-tokens,
-        else "ring"."""
+    def _extend_way(self, num_tokens: int, held: list[int]) -> str:
+        """How an incremental prefill of num_tokens new tokens runs over workers holding `held` tokens of the
+        sequence (engine/extend_attention.py): "local" on one worker or under replicated K/V; "whole" below
+        --extend-ring-min-tokens when the keeper (the worker holding fewest) has the pages free, so a
+        whole chunk never takes a worker past its pages; else "ring" (level placement). Every worker
+        decides alike: their ledgers are the same."""
         if self.world_size == 1 or self.strategy.replicated_kv:
             return "local"
-        return "whole" if num_tokens < self.engine.extend_ring_min_tokens else "ring"
+        if num_tokens >= self.engine.extend_ring_min_tokens:
+            return "ring"
+        keeper = held.index(min(held))
+        extra = pages_for(held[keeper] + num_tokens, self.block_size) - pages_for(held[keeper], self.block_size)
+        return "whole" if extra <= self.ledger.free_pages()[keeper] else "ring"
 
-    def _extend_shards(self, held: list[int], num_tokens: int):
+    def _extend_shards(self, held: list[int], num_tokens: int, plan: bool = False):
         """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence:
-        "ring": in zigzag order, sized to level the workers' totals (the cached part is attended by passing
-        queries, in any layout); "whole": all on the worker holding fewest; under replicated K/V, the
-        strategy's one shard."""
+        "whole": all on the worker holding fewest; "ring" (and every plan: `plan`): in zigzag order, sized to
+        level the workers' totals (the cached part is attended by passing queries, in any layout); under
+        replicated K/V, the strategy's one shard."""
         if self.strategy.replicated_kv:
             return self.strategy.shards(num_tokens)
-        return whole_shards(num_tokens, held) if self._extend_way(num_tokens) == "whole" else balanced_shards(num_tokens, held)
+        if not plan and self._extend_way(num_tokens, held) == "whole":
+            return whole_shards(num_tokens, held)
+        return balanced_shards(num_tokens, held)
 
     def chunk_pages(self, seq_id: int | None, num_tokens: int) -> list[int]:
         """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
@@ -240,11 +249,12 @@ class ModelRunner:
 
     def plan_pages(self, held: list[int], num_tokens: int, chunk: int | None) -> list[int]:
         """Pages each worker holds once a sequence holding `held` tokens by rank is extended by
-        num_tokens in chunks of `chunk` (None: one extend), chunk after chunk as `extend` places them."""
+        num_tokens in chunks of `chunk` (None: one extend), chunk after chunk placed level, as the ring
+        places them (a chunk run whole goes only where its pages are free: see _extend_way)."""
         held = list(held)
         while num_tokens > 0:
             n = min(chunk or num_tokens, num_tokens)
-            take = self.strategy.tokens_per_rank(self._extend_shards(held, n))
+            take = self.strategy.tokens_per_rank(self._extend_shards(held, n, plan=True))
             held = [h + t for h, t in zip(held, take)]
             num_tokens -= n
         return [pages_for(h, self.block_size) for h in held]

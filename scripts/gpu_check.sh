@@ -10,4 +10,4 @@ trap pack EXIT
 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_kernels_gpu.py \
     2>&1 | tail -30 | tee "$out/kernels.log"
 timeout 400 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
-    -k "one_gpu or cuda_graphs or small_chunk" 2>&1 | tail -40 | tee "$out/engine.log"
+    -k "one_gpu or cuda_graphs or small_chunk or chunks_and_prefix" 2>&1 | tail -40 | tee "$out/engine.log"

@@ -205,3 +205,29 @@ def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
         assert stats["largest_chunk"] == MIN_CHUNK and stats["chunks"] == 4, stats
         ref_logits, ref_tokens = hf_next_logits_and_greedy(model, long, NUM_TOKENS)
         assert outs[1].outputs[0].token_ids == ref_tokens == alone.outputs[0].token_ids
+
+
+def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
+    """ModelRunner._extend_way over a ledger alone (no model): below extend_ring_min_tokens the chunk runs
+    whole, kept by the worker holding fewest of the sequence, if that worker has the pages free; else it
+    takes the ring and is placed level, which is also how every page plan places chunks."""
+    from engine.cache.ledger import KVLedger
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+    from engine.parallel import get_strategy
+    runner = object.__new__(ModelRunner)
+    runner.world_size, runner.block_size = 2, 4
+    runner.engine = EngineConfig(model="tiny", devices=["cpu", "cpu"], extend_ring_min_tokens=64)
+    runner.strategy = get_strategy("burst", 2)
+    runner.ledger = KVLedger(2, 4, num_pages=10)
+    runner.ledger.add(1, [8, 4], [[(0, 8)], [(8, 12)]])         # 2 pages on worker 0, 1 on worker 1
+    held = runner.ledger.seqs[1].tokens
+    assert runner._extend_way(64, held) == "ring"
+    assert runner._extend_way(8, held) == "whole"
+    assert [s.length for s in runner._extend_shards(held, 8)] == [0, 8]            # kept by worker 1
+    assert [s.length for s in runner._extend_shards(held, 8, plan=True)] == [2, 6]  # plans: level
+    runner.ledger.add(2, [0, 28], [[], [(0, 28)]])               # another sequence: 7 pages of worker 1
+    assert runner.ledger.free_pages() == [8, 2]
+    assert runner._extend_way(8, held) == "whole"                # 2 more pages: exactly what is free
+    assert runner._extend_way(9, held) == "ring"                 # 3: not free on worker 1, so level
+    assert [s.length for s in runner._extend_shards(held, 9)] == [2, 7]

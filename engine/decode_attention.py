@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.page_pool import PagePool
-from kernels.merge import merge_stacked
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import merge_partials, paged_attention
 
 
 @dataclass
@@ -43,16 +42,16 @@ class DecodeAttention:
                                    max_seqlen_q=1)
         if self.world_size == 1:
             return out
-        return merge_over_workers(out, lse, self.world_size, self.group).to(q.dtype)
+        return merge_over_workers(out, lse, self.world_size, self.group)
 
 
 def merge_over_workers(out: torch.Tensor, lse: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
     """Each worker's partial over the keys it holds, out [R, H, D] and lse [R, H] for the same R query
-    rows on every worker -> the rows' attention over all keys, out [R, H, D] fp32, identical on every
-    worker: one all-gather of the partials, merged in fp32."""
+    rows on every worker -> the rows' attention over all keys, out [R, H, D] in out's dtype, identical
+    on every worker: one all-gather of the partials (fp32), merged in fp32 (one Triton kernel on GPUs)."""
     packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)          # [R, H, D + 1]
     gathered = all_gather(packed, world_size, group)                      # [G, R, H, D + 1]
-    merged, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
+    merged, _ = merge_partials(gathered[..., :-1], gathered[..., -1], out.dtype)
     return merged
 
 

@@ -78,7 +78,7 @@ class ExtendAttention:
         out, lse = self._local_partial(layer, q, k, v)
         if self.way == "local":
             return out
-        return merge_over_workers(out, lse, self.world_size, self.group).to(q.dtype)
+        return merge_over_workers(out, lse, self.world_size, self.group)
 
     def _local_partial(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The queries q [m, H, D] against the sequence's keys on this worker (the new ones causally, when

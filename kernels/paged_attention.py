@@ -366,6 +366,22 @@ def _split_merge(out, lse, used, r, c, dtype):
     return o.to(dtype), l
 
 
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """P partials of the same rows, outs [P, R, H, D] and lses [P, R, H] (any strides, e.g. views into
+    one gathered buffer) -> (out [R, H, D] in dtype, lse [R, H] fp32), merged by LSE in fp32; a partial
+    with lse -inf weighs 0. One Triton kernel on CUDA (the split path's merge), else
+    kernels.merge.merge_stacked (15 small kernels, 288 us of host time per call measured beside an
+    all-gather, one H200)."""
+    kern = _triton_kernels(outs.device)
+    if kern is not None:
+        try:
+            return _merge_partials_triton(kern[1], outs, lses, dtype)
+        except Exception as e:
+            _triton_failed(e)
+    o, l = merge_stacked(outs, lses)
+    return o.to(dtype), l
+
+
 # Triton: two small kernels replacing ~16 torch ops on the split path. Off with BURSTSERVE_SPLIT_TRITON=0;
 # any failure to build, compile or launch logs once and falls back to the torch ops for good.
 _SPLIT_TRITON = os.environ.get("BURSTSERVE_SPLIT_TRITON", "1") != "0"
@@ -427,25 +443,30 @@ def _build_triton_kernels():
             tl.store(q_rep_ptr + i.to(tl.int64) * HD + offs, x, mask=mask)
 
     def _merge_kernel(o_ptr, lse_ptr, used_ptr, out_ptr, lse_out_ptr, c, H,
-                      s_or, s_oh, s_lr, s_lh,
-                      D: tl.constexpr, C_PAD: tl.constexpr, D_PAD: tl.constexpr):
-        """Program (r, h): merge chunks r*c .. r*c+c-1 of head h by LSE, chunks with used == 0 never read."""
+                      s_or, s_oc, s_oh, s_lr, s_lc, s_lh,
+                      D: tl.constexpr, C_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_USED: tl.constexpr):
+        """Program (r, h): merge the c partials of row r, head h by LSE (partial j of row r at
+        r*s_or + j*s_oc + h*s_oh in o, likewise in lse); with HAS_USED, partials with used[r*c + j] == 0
+        are never read (they weigh 0)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         cs = tl.arange(0, C_PAD)
-        rows = r * c + cs
-        used = tl.load(used_ptr + rows, mask=cs < c, other=0)
-        valid = used > 0
-        lse = tl.load(lse_ptr + rows.to(tl.int64) * s_lr + h * s_lh, mask=valid, other=float("-inf")).to(tl.float32)
+        if HAS_USED:
+            valid = tl.load(used_ptr + r * c + cs, mask=cs < c, other=0) > 0
+        else:
+            valid = cs < c
+        row = r.to(tl.int64)
+        part = cs.to(tl.int64)
+        lse = tl.load(lse_ptr + row * s_lr + part * s_lc + h * s_lh, mask=valid, other=float("-inf")).to(tl.float32)
         m = tl.max(lse, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.where(valid, tl.exp(lse - m_safe), 0.0)
-        s = tl.sum(w, axis=0)                   # 0 (no used chunk) or >= 1 (the largest gives exp(0))
+        s = tl.sum(w, axis=0)                   # 0 (no partial with keys) or >= 1 (the largest gives exp(0))
         s1 = tl.maximum(s, 1.0)
         lse_out = tl.where(s > 0, tl.log(s1) + m_safe, float("-inf"))
         ds = tl.arange(0, D_PAD)
         dm = ds < D
-        o = tl.load(o_ptr + rows.to(tl.int64)[:, None] * s_or + h * s_oh + ds[None, :],
+        o = tl.load(o_ptr + row * s_or + part[:, None] * s_oc + h * s_oh + ds[None, :],
                     mask=valid[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc = tl.sum(o * w[:, None], axis=0) / s1
         base = (r * H + h).to(tl.int64)
@@ -455,7 +476,7 @@ def _build_triton_kernels():
     # integer arguments unspecialized (no recompile per value of c, strides, ...): one compile per
     # constexpr combination and pointer alignment
     return (triton.jit(_prep_kernel, do_not_specialize=["table_stride", "max_blocks", "c", "bs", "width"]),
-            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oh", "s_lr", "s_lh"]))
+            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oc", "s_oh", "s_lr", "s_lc", "s_lh"]))
 
 
 def _next_pow2(n: int) -> int:
@@ -489,6 +510,19 @@ def _split_merge_triton(merge, out, lse, used, r, c, dtype):
         out = out.contiguous()
     o = torch.empty(r, h, d, dtype=dtype, device=out.device)
     l = torch.empty(r, h, dtype=torch.float32, device=out.device)
-    merge[(r, h)](out, lse, used, o, l, c, h, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                  D=d, C_PAD=_next_pow2(c), D_PAD=_next_pow2(d))
+    merge[(r, h)](out, lse, used, o, l, c, h, c * out.stride(0), out.stride(0), out.stride(1),
+                  c * lse.stride(0), lse.stride(0), lse.stride(1),
+                  D=d, C_PAD=_next_pow2(c), D_PAD=_next_pow2(d), HAS_USED=True)
+    return o, l
+
+
+def _merge_partials_triton(merge, outs, lses, dtype):
+    p, r, h, d = outs.shape
+    if outs.stride(3) != 1:
+        outs = outs.contiguous()
+    o = torch.empty(r, h, d, dtype=dtype, device=outs.device)
+    l = torch.empty(r, h, dtype=torch.float32, device=outs.device)
+    merge[(r, h)](outs, lses, l, o, l, p, h, outs.stride(1), outs.stride(0), outs.stride(2),
+                  lses.stride(1), lses.stride(0), lses.stride(2),
+                  D=d, C_PAD=_next_pow2(p), D_PAD=_next_pow2(d), HAS_USED=False)
     return o, l

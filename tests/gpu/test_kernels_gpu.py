@@ -278,3 +278,26 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
     ref_v.view(-1, hkv, d).index_copy_(0, slots, v)
     fused._store_kv_triton(kern["store_kv"], kc, vc, slots, k, v)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+@pytest.mark.parametrize("workers,rows", [(2, 1), (2, 256), (3, 64), (8, 17)])
+def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
+    """The cross-worker merge (engine.decode_attention.merge_over_workers) through the split path's
+    Triton merge kernel: partials as views into one gathered [G, R, H, D + 1] fp32 buffer (a keyless
+    worker's partial: 0, -inf), bf16 out, against kernels.merge.merge_stacked; and inside a CUDA graph."""
+    from kernels.merge import merge_stacked
+    gathered = torch.randn(workers, rows, 32, 129, device=DEV)
+    gathered[1, :rows // 2, :, :128], gathered[1, :rows // 2, :, 128] = 0.0, float("-inf")
+    outs, lses = gathered[..., :128], gathered[..., 128]
+    o, l = pa.merge_partials(outs, lses, torch.bfloat16)
+    t_o, t_l = merge_stacked(outs, lses)
+    torch.testing.assert_close(o, t_o.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_o, g_l = pa.merge_partials(outs, lses, torch.bfloat16)
+    gathered.copy_(torch.randn_like(gathered))
+    graph.replay()
+    t_o, t_l = merge_stacked(outs, lses)
+    torch.testing.assert_close(g_o, t_o.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(g_l, t_l, atol=1e-5, rtol=1e-5)

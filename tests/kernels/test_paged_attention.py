@@ -343,6 +343,18 @@ def _triton_interpreted_checks():
         torch.testing.assert_close(o.float(), t_o.float(), atol=1e-5, rtol=rtol)
         torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
         assert (o[0] == 0).all() and torch.isneginf(l[0]).all()
+    # merge_partials (the cross-worker merge): 3 workers' partials as views into one gathered buffer,
+    # the lse in its last column; a worker without keys (0, -inf), a row that no worker has keys for
+    gathered = torch.randn(3, 5, 4, 17)
+    gathered[1, 2, :, :16], gathered[1, 2, :, 16] = 0.0, float("-inf")
+    gathered[:, 4, :, :16], gathered[:, 4, :, 16] = 0.0, float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        o, l = pa._merge_partials_triton(merge, gathered[..., :16], gathered[..., 16], dtype)
+        t_o, t_l = merge_stacked(gathered[..., :16], gathered[..., 16])
+        assert o.dtype == dtype and l.dtype == torch.float32
+        torch.testing.assert_close(o.float(), t_o.to(dtype).float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
+        assert (o[4] == 0).all() and torch.isneginf(l[4]).all()
     # the whole fa4 path through the kernels (flash-attn-4 itself replaced by the reference)
     pa._fa4_call = _fake_fa4_call
     pa._triton_kernels = lambda device: (prep, merge)

@@ -24,6 +24,7 @@ from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError,
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.parallel import SP_STRATEGIES
 from engine.parallel.tensor_parallel import tp_check
+from engine.parallel.zero import zero_check
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
 from engine.tokenizer import load_tokenizer
@@ -76,6 +77,13 @@ class LLM:
         if itl_target_ms is not None and not itl_target_ms > 0:
             raise InvalidRequestError(f"itl_target_ms must be positive (or None: no target), not {itl_target_ms}",
                                       "itl_target_ms")
+        if sp_strategy == "burst-zero" and quantization != "none":
+            raise InvalidRequestError("burst-zero gathers bfloat16 weights; --quantization fp8 is not supported with "
+                                      "it", "quantization")
+        if sp_strategy == "burst-zero" and mixed_batch:
+            raise InvalidRequestError("burst-zero runs a chunk on whole weights and decode on their slices, so a chunk "
+                                      "and a decode step cannot be one forward pass: leave --mixed-batch off",
+                                      "mixed_batch")
         if sp_strategy == "single":
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
@@ -94,7 +102,8 @@ class LLM:
                                    extend_ring_min_tokens=extend_ring_min_tokens,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
-        reason = tp_check(self.model_config, len(device_list)) if sp_strategy in ("tp", "tp-v3") else None
+        check = {"tp": tp_check, "tp-v3": tp_check, "burst-zero": zero_check}.get(sp_strategy)
+        reason = check(self.model_config, len(device_list)) if check else None
         if reason:
             raise InvalidRequestError(reason, "sp_strategy")
         if sp_strategy == "ulysses" and self.model_config.num_heads % len(device_list):

@@ -86,20 +86,26 @@ class LlamaModel:
         )
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                seq_parallel=None) -> torch.Tensor:
+                seq_parallel=None, whole_layers=None) -> torch.Tensor:
         """token_ids, positions [S] -> final-normed hidden states [S, hidden]. The residual stream's
         additions ride in the next norm (kernels.fused: one kernel on GPUs). seq_parallel (tp-v3's
         engine.parallel.sequence_parallel.SequenceParallel): token_ids are this worker's rows [S / G] and
         the hidden states returned too, positions all S; gathered before the column-parallel linears,
-        reduce-scattered after the row-parallel ones."""
-        cfg = self.cfg
+        reduce-scattered after the row-parallel ones. whole_layers (burst-zero's
+        engine.parallel.zero.LayerGather, over this model's tp slices): each layer runs with its whole
+        weights, `whole_layers.layer(i)`, and every head (whole_layers.cfg), no all-reduce."""
+        cfg = whole_layers.cfg if whole_layers is not None else self.cfg
         h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         gather = seq_parallel.gather if seq_parallel is not None else (lambda t: t)
         reduce = seq_parallel.scatter if seq_parallel is not None else self.reduce
+        if whole_layers is not None:
+            reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
         residual = F.embedding(token_ids, self.embed)                 # [S, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
         x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
+            if whole_layers is not None:
+                layer = whole_layers.layer(i)
             qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)

@@ -24,6 +24,8 @@ from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import balanced_shards, owner_of_position, whole_shards
+from engine.parallel.zero import LayerGather
+from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights, weight_bytes
@@ -51,22 +53,28 @@ class ModelRunner:
         local, partial_sums = self.strategy.local_config(cfg, rank)
         self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None,
                                 quantization=engine.quantization)
-        self.backend = select_backend(device, dtype, local.num_heads, local.num_kv_heads, cfg.head_dim, engine.kernel)
+        # burst-zero: prefills run each layer with its whole weights, gathered from the workers' tp slices
+        self.whole_layers = (LayerGather(cfg, self.model.layers, self.world_size, device, data_group)
+                             if self.strategy.shards_weights else None)
+        attn = cfg if self.whole_layers else local           # the heads a prefill attends with and the K/V cache holds
+        self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
         self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
                                               cfg.num_heads, engine.auto_ulysses_max_tokens)
-        self.dtype, self.local_cfg = dtype, local
+        self.dtype, self.attn_cfg = dtype, attn
         self.block_size = engine.page_size
         self.max_model_len = max_model_len
         num_pages = self._num_pages()
         share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
-        self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, local.num_kv_heads, cfg.head_dim, dtype,
+        self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, attn.num_kv_heads, cfg.head_dim, dtype,
                              device, max_seqs=engine.max_num_seqs + 1,
                              max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)))
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
+        self.decode_attend = (HelixDecodeAttention(self.decode_attention, cfg, rank, self.world_size, data_group)
+                              if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         self._warm_extend_kernels()
         self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
@@ -101,7 +109,8 @@ class ModelRunner:
             self.pool.write(layer, slots, k[:n], v[:n])                 # (tp-v3: not the padding's K/V)
             return attention(q, torch.stack([k, v], dim=1))             # the ring's message: [n, 2, Hkv, D]
 
-        hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel)   # [n, hidden]
+        hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel,
+                                    self.whole_layers)                                       # [n, hidden]
         if seq_parallel:
             logits = self._logits_of_row(hidden, *seq_parallel.last_row())
         else:
@@ -139,7 +148,7 @@ class ModelRunner:
         self._sync()
         start_time = time.perf_counter()
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
-        hidden = self.model.forward(ids, positions, attend)                        # [m, hidden]
+        hidden = self.model.forward(ids, positions, attend, whole_layers=self.whole_layers)   # [m, hidden]
         logits = self._logits_of_row(hidden, *last)                                # [V], on every worker
         return self._extend_result(logits, start, start_time, "extend", attend.way)
 
@@ -332,7 +341,7 @@ class ModelRunner:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
         self._begin_decode_step(step_inputs, num_pages)
-        hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attention)   # [B, hidden]
+        hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attend)   # [B, hidden]
         return self.model.logits(hidden)
 
     def _begin_decode_step(self, step_inputs: torch.Tensor, num_pages: int | None) -> None:
@@ -415,7 +424,7 @@ class ModelRunner:
     def _num_pages(self) -> int:
         """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
         smallest over the workers, so that every worker's pool is the same size."""
-        kv_per_token = kv_bytes_per_token(self.cfg, self.local_cfg.num_kv_heads, self.dtype.itemsize)
+        kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize)
         if self.engine.kv_cache_tokens:
             tokens = self.engine.kv_cache_tokens
         elif self.device.type != "cuda":
@@ -449,7 +458,7 @@ class ModelRunner:
         H200, 2026-11-24). Reads only the scratch page; the results are dropped. Each worker alone."""
         if self.device.type != "cuda" or not fa4_available(self.device):
             return
-        m, h, hkv, d = MIN_CHUNK, self.local_cfg.num_heads, self.local_cfg.num_kv_heads, self.cfg.head_dim
+        m, h, hkv, d = MIN_CHUNK, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim
         q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)
         k, v = (torch.randn(m, hkv, d, device=self.device, dtype=self.dtype) for _ in range(2))
         pages = [0] * -(-2 * m // self.block_size)                      # the scratch page, 2 m keys' worth

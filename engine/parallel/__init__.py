@@ -12,6 +12,7 @@ from engine.parallel.single import SingleStrategy
 from engine.parallel.strategy import PrefillContext, PrefillStrategy
 from engine.parallel.tensor_parallel import TensorParallelStrategy, TensorParallelV3Strategy
 from engine.parallel.ulysses import UlyssesStrategy
+from engine.parallel.zero import BurstZeroStrategy
 
 # --sp-strategy name -> its strategy, in the order the CLI lists them
 STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
@@ -23,6 +24,7 @@ STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
     CQSStrategy,              # cqs: cyclic quorum sets over contiguous token groups
     TensorParallelStrategy,   # tp: heads and MLP split over the workers, K/V replicated
     TensorParallelV3Strategy,  # tp-v3: tp with the activations between the linears cut by sequence
+    BurstZeroStrategy,        # burst-zero: burst over weights sharded as tp shards them, gathered per layer
     SingleStrategy,           # single: one worker
 )}
 SP_STRATEGIES = tuple(STRATEGIES)

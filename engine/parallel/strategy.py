@@ -11,10 +11,14 @@ answers:
                                         width, the capacity totals and a worker's share of a sequence;
   weight_slices / local_config          the weights: tp reads only its slice of each (and needs an
                                         all-reduce), every other strategy keeps them whole;
+  shards_weights                        burst-zero: tp's slices, each layer gathered whole for a prefill
+                                        (engine/parallel/zero.py) and decode on the slices
+                                        (engine/helix_decode.py);
   sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
                                         the parallel linears (engine/parallel/sequence_parallel.py);
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks).
-Decoding afterwards is the same for every strategy (engine/decode_attention.py).
+Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
+weight slices (engine/helix_decode.py).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +49,7 @@ class PrefillStrategy:
     name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
     times_exchanges = False    # its attention offers time_exchanges_alone (the ring's yardstick for overlap)
+    shards_weights = False     # burst-zero: layer weights in tp's slices, gathered whole for each prefill layer
 
     def __init__(self, world_size: int):
         self.world_size = world_size

@@ -53,7 +53,7 @@ def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_m
         assert stats["extend_ways"] == ways
 
 
-@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto"])
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto", "burst-zero"])
 def test_chunked_prefill_after_every_strategys_first_chunk(checkpoint, strategy):
     """The first chunk is a prefill by the configured strategy; the rest extend it."""
     path, model = checkpoint

@@ -44,10 +44,12 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, workers):
             assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("strategy", ["tp", "tp-v3"])
+@pytest.mark.parametrize("strategy", ["tp", "tp-v3", "burst-zero"])
 def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, strategy):
-    """tp and tp-v3 (Megatron V1 and V3) on 2 workers, each reading only its slice of the weights: the
-    same logits and greedy tokens on every checkpoint shape (MHA, GQA, Qwen2's q/k/v biases)."""
+    """tp and tp-v3 (Megatron V1 and V3) and burst-zero (BurstAttention+ZeRO: the burst ring over layers
+    gathered whole from tp's slices, decode on the slices) on 2 workers, each reading only its slice of
+    the weights: the same logits and greedy tokens on every checkpoint shape (MHA, GQA, Qwen2's q/k/v
+    biases)."""
     path, model, _ = checkpoint
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in (1, 37, 1000)]

@@ -55,7 +55,7 @@ def test_prompts_extending_cached_ones_match_transformers(checkpoint, workers, r
         assert (logits - ref_logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "tp", "auto", "cqs"])
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "tp", "auto", "cqs", "burst-zero"])
 def test_every_strategy_with_prefix_hits(checkpoint, strategy):
     path, model = checkpoint
     vocab = model.config.vocab_size

@@ -16,6 +16,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("strategy,workers", [
     ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
     ("tp", 2), ("tp", 4), ("tp-v3", 2), ("tp-v3", 4), ("cqs", 3), ("cqs", 4), ("cqs", 2), ("single", 3), ("burst", 2),
+    ("burst-zero", 2), ("burst-zero", 4),       # 4: two workers' query heads read each K/V head
 ])
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
@@ -43,9 +44,15 @@ def test_no_overlap_gives_the_same_tokens(checkpoint):
 def test_unknown_strategy_and_indivisible_heads(checkpoint):
     with pytest.raises(InvalidRequestError, match="not one of"):
         LLM(checkpoint[0], devices="cpu", context_parallel_size=2, sp_strategy="magic")
-    for strategy in ("ulysses", "tp"):
+    for strategy in ("ulysses", "tp", "burst-zero"):
         with pytest.raises(InvalidRequestError, match="do not divide"):
             LLM(checkpoint[0], devices="cpu", context_parallel_size=3, sp_strategy=strategy)
+    with pytest.raises(InvalidRequestError, match="burst-zero .* --mixed-batch") as e:
+        LLM(checkpoint[0], devices="cpu", context_parallel_size=2, sp_strategy="burst-zero", mixed_batch=True)
+    assert e.value.param == "mixed_batch"
+    with pytest.raises(InvalidRequestError, match="fp8 is not supported") as e:
+        LLM(checkpoint[0], devices="cpu", context_parallel_size=2, sp_strategy="burst-zero", quantization="fp8")
+    assert e.value.param == "quantization"
 
 
 def test_tp_slices_qkv_biases(tmp_path):

@@ -47,31 +47,54 @@ def test_random_slices_are_slices_of_the_same_random_weights():
         assert torch.equal(part[name], want), name
 
 
-def _worker_weight_bytes(rank, world_size, path):
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _worker_weight_bytes(rank, world_size, path, strategy):
+    """-> (bytes of the weights this worker holds, and under burst-zero for each layer of one prefill: (bytes
+    of gathers in flight, bytes of the whole layer in use), and the gathers left over after it)."""
     from engine.model_runner import ModelRunner
-    engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy="tp", dtype="float32")
+    engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32")
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)
     m = runner.model
-    tensors = [m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head])
-    for layer in m.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    held = _tensor_bytes([m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head]))
+    held += sum(_tensor_bytes(vars(layer).values()) for layer in m.layers)
+    gather, samples = runner.whole_layers, []
+    if gather is not None:
+        whole_layer = gather.layer
+
+        def layer(i):
+            weights = whole_layer(i)
+            samples.append((gather.bytes_in_flight(), _tensor_bytes(vars(weights).values())))
+            return weights
+        gather.layer = layer
+        runner.prefill(0, torch.randint(0, 300, (50,)))
+    return held, samples, len(gather._arriving) if gather else 0
 
 
-def test_each_tp_worker_holds_only_its_share(checkpoint):
-    """Bytes of every tensor each of 2 tp workers holds: the replicated ones (embedding, norms, LM head)
-    plus half of each sharded one, as weight_bytes computes; together less than twice the model."""
+@pytest.mark.parametrize("strategy", ["tp", "burst-zero"])
+def test_each_worker_holds_only_its_share(checkpoint, strategy):
+    """Bytes of every tensor each of 2 workers holds: the replicated ones (embedding, norms, LM head)
+    plus half of each sharded one, as weight_bytes computes; together less than twice the model. Under
+    burst-zero a prefill gathers each layer whole, one layer ahead: at any time one layer whole in use
+    and at most one layer's gather in flight, none left after the prefill."""
     path, _ = checkpoint
     cfg, _ = resolve_model(EngineConfig(model=path, devices=["cpu"]))
     shapes = hf_weight_shapes(cfg)
-    held = run_on_ranks(_worker_weight_bytes, 2, path)
+    results = run_on_ranks(_worker_weight_bytes, 2, path, strategy)
     whole = weight_bytes(shapes, 4)
     sharded = {n: s for n, s in shapes.items() if n in tp_slices(cfg, 0, 2)}
-    for rank, nbytes in enumerate(held):
+    layer_bytes = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.")}, 4)
+    for rank, (nbytes, samples, left) in enumerate(results):
         assert nbytes == weight_bytes(shapes, 4, tp_slices(cfg, rank, 2))
         assert nbytes == whole - weight_bytes(sharded, 4) // 2
-    assert sum(held) < 2 * whole
+        if strategy == "burst-zero":
+            assert len(samples) == cfg.num_layers and left == 0
+            assert all(in_use == layer_bytes for _, in_use in samples), samples
+            assert [flight for flight, _ in samples] == [layer_bytes - 2 * 4 * cfg.hidden_size] * (cfg.num_layers - 1) + [0]
+    assert sum(nbytes for nbytes, _, _ in results) < 2 * whole
 
 
 def test_weights_that_do_not_fit_are_refused_with_the_numbers():

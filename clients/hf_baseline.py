@@ -135,13 +135,19 @@ def sweep_transformers(model: str, devices: str | None, dtype: str | None, lengt
     An error (OOM) ends it: longer prompts are not tried."""
     device = baseline_device(devices, context_parallel_size)
     torch_dtype = getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    lm = build_model(model, torch_dtype, device)
-    timed_batch(lm, 16, output_len, batch)   # warm-up (on CUDA with tokens to decode: compiles)
     fields = {"strategy": "transformers", "devices": str(device), "num_devices": 1, "context_parallel_size": 1,
               "kernel": "sdpa"}
+    label = label or default_label(f"transformers, 1 device ({device.type})", batch)
+    try:
+        lm = build_model(model, torch_dtype, device)
+        timed_batch(lm, 16, output_len, batch)   # warm-up (on CUDA with tokens to decode: compiles)
+    except torch.cuda.OutOfMemoryError as e:     # the model alone does not fit (a 70B on one GPU): OOM at every length
+        error = f"{type(e).__name__}: {e}"
+        for n in lengths:
+            yield make_row(label, fields, n, [], error, [], {"peak_memory_gib": 0.0}, output_len, batch)
+        return
     if output_len > 1:
         fields["decode_mode"] = decode_mode(lm)
-    label = label or default_label(f"transformers, 1 device ({device.type})", batch)
     for n in lengths:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

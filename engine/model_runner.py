@@ -432,6 +432,8 @@ class ModelRunner:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free)
+            if self.whole_layers is not None:                 # burst-zero: the layers gathered whole in a prefill
+                budget -= self.whole_layers.reserve_bytes()
             share = self.strategy.kv_share(self.max_model_len)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         share)
@@ -487,8 +489,8 @@ class ModelRunner:
             raise ModelLoadError(
                 f"worker {self.rank} ({device}) would hold {nbytes / 2**30:.1f} GiB of weights with "
                 f"--sp-strategy {self.engine.sp_strategy} over {self.world_size} device(s), more than "
-                f"{where} {total / 2**30:.1f} GiB = {budget / 2**30:.1f} GiB: use --sp-strategy tp over more "
-                f"devices (it splits the weights), or a smaller model")
+                f"{where} {total / 2**30:.1f} GiB = {budget / 2**30:.1f} GiB: use --sp-strategy tp or burst-zero "
+                f"over more devices (they split the weights), or a smaller model")
 
     def _peak_memory_all_workers(self) -> int:
         """The largest peak of allocated GPU memory over the workers (bytes)."""

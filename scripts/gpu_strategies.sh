@@ -6,7 +6,7 @@ source "$(dirname "$0")/gpu_env.sh"
 timeout 170 python3 -m pytest -q -s -m gpu tests/gpu -k every_strategy 2>&1 | grep -E "logit diff|passed|failed|Error" \
     | tee "$out/strategies_tests.log"
 results=()
-for s in ${STRATEGIES:-burst burst-nolao ring-rsa ulysses cqs tp tp-v3}; do
+for s in ${STRATEGIES:-burst burst-nolao ring-rsa ulysses cqs tp tp-v3 burst-zero}; do
   timeout 60 python3 -m server.cli bench sweep --offline --model ${MODEL:-llama3-8b} --devices cuda -cp 2 --sp-strategy "$s" \
       --lengths ${LENGTHS:-16384,65536} --repeats 1 --label "$s, 2 GPU" --output-dir "$out/$s" >/dev/null 2>"$out/$s.err" \
       && results+=("$out/$s/results.json") || echo "$s: failed or timed out: $(tail -c 300 "$out/$s.err")"

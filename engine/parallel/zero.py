@@ -104,6 +104,14 @@ class LayerGather:
             w.wait()
         return self._assemble(self.layers[i], buffers)
 
+    def reserve_bytes(self) -> int:
+        """GPU memory a prefill's gathers take at most: three whole layers (one in use, the next arriving, a
+        gathered one being put in order), for the KV pool's sizing to leave free."""
+        local = self.layers[0]
+        sliced = sum(t.numel() * t.element_size() for t in (local.qkv, local.o, local.gate_up, local.down,
+                                                               local.qkv_bias) if t is not None)
+        return 3 * sliced * self.world_size
+
     def bytes_in_flight(self) -> int:
         """Bytes of the gathers started and not yet taken (at most one layer's whole weights)."""
         parts = [t for buffers, _ in self._arriving.values() for b in buffers for t in (b if isinstance(b, list) else [b])]

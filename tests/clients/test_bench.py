@@ -378,3 +378,22 @@ def test_quantization_refused_before_any_file_where_it_cannot_run(tmp_path):
                               cwd=ROOT, env=env, timeout=300)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
         assert not out.exists()
+
+
+def test_transformers_that_cannot_hold_the_model_is_oom_at_every_length(monkeypatch):
+    """A model whose weights alone exceed the device (the 70B preset on one GPU): every length's row is
+    an OOM, as the tables show it, not a crash of the sweep."""
+    import torch
+    from clients import hf_baseline, report
+
+    def no_room(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
+    monkeypatch.setattr(hf_baseline, "build_model", no_room)
+    rows = list(hf_baseline.sweep_transformers("llama3-70b", "cpu", None, [4096, 131072], 1, 0, None, _NoProgress()))
+    assert [r["prompt_tokens"] for r in rows] == [4096, 131072]
+    assert all(report.failure(r) == "OOM" for r in rows), rows
+
+
+class _NoProgress:
+    def update(self, n=1):
+        pass

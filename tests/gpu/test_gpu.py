@@ -258,7 +258,7 @@ def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto"])
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto", "burst-zero"])
 def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, strategy):
     """Also: the last prompt is sent twice, so its twin decodes from forked K/V."""
     from engine import LLM, SamplingParams

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 14 on nvidia-h200-x2 (2 GPUs): BurstAttention+ZeRO (`--sp-strategy burst-zero`). Two back-to-back
+# device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
+#   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
+#   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_zero.sh      (within ~30 s of the first)
+# PARTS (default "tests 8b 70b"):
+#   tests  the 2-GPU GPU tests of burst-zero against transformers (bf16);
+#   8b     llama3-8b, `bench sweep --offline` at 8K/32K/128K with 64 output tokens: burst-zero (weights
+#          sliced) against burst (weights whole), same run: TTFT and time per output token;
+#   70b    llama3-70b at 128K (LONG_70B), 16 output tokens: burst-zero, tp, tp-v3 (TTFT, TPOT, peak
+#          memory per GPU), and transformers on one GPU (its 141 GB of weights: OOM).
+# Results: $OUT/results.tgz, one directory per configuration, merged tables in merged-8b/ and merged-70b/.
+set -uo pipefail
+bash .fa4b/install.sh || exit 3
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+trap pack EXIT
+{ date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
+PARTS=${PARTS:-tests 8b 70b}
+
+# sweep NAME LIMIT ARGS...: one offline sweep in its own process; its results.json listed for the merge
+sweep() {
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  mkdir -p "$out/$name"
+  timeout "$limit" python3 -m server.cli bench sweep --offline --devices cuda -cp 2 "$@" --label "$name" \
+      --output-dir "$out/$name" > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
+  echo "$(date +%T) $name: rc=$? in $((SECONDS - start)) s"
+  grep -E "^\|" "$out/$name/stdout.log" | tail -6
+}
+if [[ " $PARTS " == *" tests "* ]]; then
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu -k "every_strategy and burst-zero" 2>&1 \
+      | grep -E "logit diff|passed|failed|Error" | tee "$out/tests.log"
+fi
+if [[ " $PARTS " == *" 8b "* ]]; then
+  for s in burst-zero burst; do
+    sweep "8b-$s" 240 --model llama3-8b --sp-strategy "$s" --lengths 8192,32768,131072 --output-len 64 --repeats 2 --warmup 1
+  done
+  python3 -m server.cli bench merge "$out"/8b-*/results.json --output-dir "$out/merged-8b" > /dev/null
+fi
+if [[ " $PARTS " == *" 70b "* ]]; then
+  for s in burst-zero tp tp-v3; do
+    sweep "70b-$s" 280 --model llama3-70b --sp-strategy "$s" --lengths "${LONG_70B:-131072}" --output-len 16 \
+        --repeats 1 --warmup 0
+  done
+  mkdir -p "$out/70b-transformers"                 # one GPU: its weights alone exceed the GPU, shown as OOM
+  timeout 200 python3 -m server.cli bench sweep --offline --model llama3-70b --devices cuda:0 --sp-strategy transformers \
+      --lengths "${LONG_70B:-131072}" --repeats 1 --warmup 0 --label "transformers, 1 GPU" \
+      --output-dir "$out/70b-transformers" > "$out/70b-transformers/stdout.log" 2> "$out/70b-transformers/stderr.log"
+  grep -E "^\|" "$out/70b-transformers/stdout.log" | tail -3
+  python3 -m server.cli bench merge "$out"/70b-*/results.json --output-dir "$out/merged-70b" > /dev/null
+fi

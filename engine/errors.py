@@ -27,3 +27,7 @@ class InvalidRequestError(BurstServeError):
 
 class EngineDeadError(BurstServeError):
     """A worker process died or the engine was shut down; pending requests cannot finish."""
+
+
+class ClusterError(BurstServeError):
+    """The hosts could not form one engine: a host never joined, was refused, or the head is unreachable."""

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from engine.cluster import ClusterConfig, Head
 from engine.config import EngineConfig, ModelConfig, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
@@ -46,6 +47,10 @@ class LLM:
         On CUDA a smaller size takes the first N named GPUs; on CPU the N workers all run on "cpu" (gloo).
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
+    nnodes, master_addr, master_port, join_timeout: with nnodes > 1 this is the head of an engine over
+        several hosts (engine/cluster.py): it keeps the rendezvous at master_addr:master_port, waits up to
+        join_timeout seconds for node ranks 1 .. nnodes - 1 (`burstserve worker`) and runs their workers
+        after its own (ranks host-major). Raises ClusterError when a host does not join.
     Raises DeviceSpecError (before any worker starts) when the machine cannot satisfy them.
     """
 
@@ -56,7 +61,12 @@ class LLM:
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = False,
-                 extend_ring_min_tokens: int = 4096):
+                 extend_ring_min_tokens: int = 4096, nnodes: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int = 29500, join_timeout: float = 300.0):
+        self.cluster = ClusterConfig(nnodes, 0, master_addr, master_port, join_timeout)
+        problem = self.cluster.problem()
+        if problem:
+            raise InvalidRequestError(problem, "nnodes")
         device_list = resolve_devices(devices, context_parallel_size)
         refusal = backend_refusal(attention_backend, device_list)
         if refusal:
@@ -102,16 +112,20 @@ class LLM:
                                    extend_ring_min_tokens=extend_ring_min_tokens,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
-        check = {"tp": tp_check, "tp-v3": tp_check, "burst-zero": zero_check}.get(sp_strategy)
-        reason = check(self.model_config, len(device_list)) if check else None
-        if reason:
-            raise InvalidRequestError(reason, "sp_strategy")
-        if sp_strategy == "ulysses" and self.model_config.num_heads % len(device_list):
-            raise InvalidRequestError(f"ulysses splits the {self.model_config.num_heads} attention heads over the "
-                                      f"workers; {len(device_list)} workers do not divide them", "sp_strategy")
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker
         self.tokenizer = load_tokenizer(model, self.engine.is_preset)
+        self._local_workers = len(device_list)
+        self._head = Head(self.cluster) if nnodes > 1 else None
+        if self._head is not None:       # the other hosts' workers join the engine (engine/cluster.py)
+            self.engine = self._head.gather(self.engine)
+        reason = self._strategy_refusal(sp_strategy)
+        if self._head is not None and reason:
+            self._head.abort(reason)
+        elif self._head is not None:
+            self._head.publish(self.engine)
+        if reason:
+            raise InvalidRequestError(reason, "sp_strategy")
         self._ids = itertools.count()
         self._results: dict[str, Callable[[object], None]] = {}   # request id -> where its outputs go
         self._queues: dict[str, queue.Queue] = {}
@@ -271,13 +285,25 @@ class LLM:
         return self.worker_info[0]["kernel"] if self.worker_info else "?"
 
     # ---- internals --------------------------------------------------------------------------
+    def _strategy_refusal(self, sp_strategy: str) -> str | None:
+        """Why the strategy cannot split this model over the engine's workers (every host's), or None."""
+        workers = self.engine.world_size
+        check = {"tp": tp_check, "tp-v3": tp_check, "burst-zero": zero_check}.get(sp_strategy)
+        if check:
+            return check(self.model_config, workers)
+        if sp_strategy == "ulysses" and self.model_config.num_heads % workers:
+            return (f"ulysses splits the {self.model_config.num_heads} attention heads over the workers; "
+                    f"{workers} workers do not divide them")
+        return None
+
     def _start_workers(self) -> None:
+        """This host's workers: ranks 0 .. (the other hosts start theirs after the rendezvous)."""
         ctx = mp.get_context("spawn")
         self._requests, self._outputs = ctx.Queue(), ctx.Queue()
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = self.cluster.workers_init_method if self._head else f"tcp://127.0.0.1:{_free_port()}"
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f"burstserve-worker{r}",
                                    args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs))
-                       for r in range(self.engine.world_size)]
+                       for r in range(self._local_workers)]
         for p in self._procs:
             p.start()
         info = {}
@@ -306,6 +332,10 @@ class LLM:
                 if dead:
                     self._fail(f"{dead[0].name} exited with code {dead[0].exitcode}")
                     raise EngineDeadError(self._dead)
+                gone = self._dead_host()
+                if gone:
+                    self._fail(gone)
+                    raise EngineDeadError(self._dead)
 
     def _route_outputs(self) -> None:
         while not self._closed:
@@ -327,6 +357,15 @@ class LLM:
             elif msg[0] == "error":
                 self._fail(f"worker {msg[1]} failed: {msg[2]}\n{msg[3]}")
                 return
+
+    def _dead_host(self) -> str | None:
+        """With other hosts: why one of them is gone (it reported a failure, or its heartbeat stopped)."""
+        if self._head is None:
+            return None
+        try:
+            return self._head.dead_host()
+        except Exception as e:    # the head's own store failing: nothing can be coordinated any more
+            return f"the rendezvous at {self.cluster.where()} failed: {e}"
 
     def _route(self, item: StepOutput) -> None:
         sink = self._results.get(item.request_id)

@@ -1,4 +1,5 @@
-"""The `burstserve` command: `burstserve serve [--model PATH|PRESET] [--devices ...] ...`."""
+"""The `burstserve` command: `burstserve serve [--model PATH|PRESET] [--devices ...] ...`, `burstserve worker ...`
+(another host joining a `serve --nnodes N`), `burstserve bench ...`."""
 import argparse
 import logging
 import os
@@ -13,10 +14,10 @@ from kernels.attention import ATTENTION_BACKENDS
 log = logging.getLogger("burstserve")
 
 
-def serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+def _add_engine_args(p) -> None:
+    """What every host of an engine names: the model and its settings (the same on every host: JOIN_FIELDS
+    of engine/cluster.py) and its own devices; `serve` and `worker` alike."""
     p.add_argument("--model", default="tiny", help=f"a local model directory or a preset ({', '.join(preset_names())})")
-    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--devices", default=None,
                    help="devices as torch names them: cpu, cuda (every visible GPU), cuda:1 (GPU 1), cuda:0,2 "
                         "(default: every visible GPU, else cpu)")
@@ -25,6 +26,39 @@ def serve_parser(sub) -> None:
                         "on CUDA the first N named GPUs, on CPU N processes on cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on GPUs, float32 on CPU")
+    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
+                   help="fp8: the linear layers' weights quantized to FP8 at load (per-channel scales) and their "
+                        "inputs per token, GEMMs on FP8 tensor cores (compute capability 8.9+); attention, norms, "
+                        "embeddings and the LM head stay bfloat16")
+    p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
+                   help="how prefill attention spans the workers (decoding is the same for all); "
+                        "auto: ulysses for short prompts, burst for long ones")
+    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_cluster_args(p, head: bool) -> None:
+    """One engine over several hosts (engine/cluster.py)."""
+    p.add_argument("--nnodes", type=int, default=1, help="hosts in the engine (default 1: this one)")
+    if head:
+        p.add_argument("--node-rank", type=int, default=0, help="0: `serve` runs the head (other hosts: `worker`)")
+    else:
+        p.add_argument("--node-rank", type=int, required=True,
+                       help="this host's place, 1 .. nnodes-1 (the head, `burstserve serve`, is 0); its workers' "
+                            "ranks follow the hosts before it")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="the head's address, where it keeps the rendezvous (and its worker 0 the workers' group)")
+    p.add_argument("--master-port", type=int, default=29500,
+                   help="the rendezvous port on the head; the workers' process group takes the next one")
+    p.add_argument("--join-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long the head waits for every host to join (and a host for the head's answer)")
+
+
+def serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_engine_args(p)
+    _add_cluster_args(p, head=True)
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -45,10 +79,6 @@ def serve_parser(sub) -> None:
                    help="prefill a longer prompt in chunks of at most N tokens, decoding the running requests "
                         "between chunks and prefilling short new prompts before the next chunk (default: every "
                         "prompt in one prefill)")
-    p.add_argument("--quantization", "-q", default="none", choices=["none", "fp8"],
-                   help="fp8: the linear layers' weights quantized to FP8 at load (per-channel scales) and their "
-                        "inputs per token, GEMMs on FP8 tensor cores (compute capability 8.9+); attention, norms, "
-                        "embeddings and the LM head stay bfloat16")
     p.add_argument("--itl-target-ms", type=float, default=50.0, metavar="MS",
                    help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
                         "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
@@ -62,28 +92,70 @@ def serve_parser(sub) -> None:
                         "least N tokens is sharded over the workers (K/V ring, queries passed to the cache); "
                         "fewer run whole on every worker, one worker keeping their K/V (one collective a layer). "
                         "0: always sharded")
-    p.add_argument("--sp-strategy", default="burst", choices=SP_STRATEGIES,
-                   help="how prefill attention spans the workers (decoding is the same for all); "
-                        "auto: ulysses for short prompts, burst for long ones")
     p.add_argument("--auto-ulysses-max-tokens", type=int, default=16384,
                    help="--sp-strategy auto: the longest prompt that uses ulysses")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then cuDNN, "
                         "PyTorch's FA2; the reference on CPU) or one by name")
     p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
-    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between the log lines on throughput, requests and KV usage while busy (0: never)")
 
 
+def worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="join this host's devices to the engine of a `burstserve serve --nnodes N` "
+                                      "on another host (the same --model, --dtype, --sp-strategy, ...)")
+    _add_engine_args(p)
+    _add_cluster_args(p, head=False)
+
+
+def _setup_logging(args) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("BURSTSERVE_LOG_LEVEL", args.log_level.upper())   # the worker processes' level too
+
+
+def worker(args) -> None:
+    """A joining host (engine/cluster.py): its workers run ranks after the hosts before it, until the
+    engine shuts down (exit 0) or fails (exit 1); refused or unreachable: exit 2, saying why."""
+    from engine import BurstServeError
+    from engine.cluster import ClusterConfig, join, join_settings, run_joined_workers
+    from engine.config import EngineConfig, resolve_model
+    from engine.devices import resolve_devices
+    from engine.weights import weight_files
+    _setup_logging(args)
+    cluster = ClusterConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.join_timeout)
+    problem = cluster.problem() or ("node rank 0 is the head: run `burstserve serve --nnodes ...` there, and "
+                                    "`burstserve worker --node-rank 1 ..` on the others" if args.node_rank == 0 else None)
+    if problem:
+        log.error("%s", problem)
+        sys.exit(2)
+    try:
+        devices = resolve_devices(args.devices, args.context_parallel_size)
+        dtype = args.dtype or ("bfloat16" if devices[0].startswith("cuda") else "float32")
+        local = EngineConfig(model=args.model, devices=devices, dtype=dtype, sp_strategy=args.sp_strategy,
+                             quantization=args.quantization, seed=args.seed)
+        resolve_model(local)                 # the model is here, before joining (its files too)
+        if not local.is_preset:
+            weight_files(args.model)
+        engine, first_rank, store = join(cluster, join_settings(local), devices)
+    except BurstServeError as e:
+        log.error("%s", e)
+        sys.exit(2)
+    log.info("node rank %d joined %s: ranks %d .. %d of %d on %s", args.node_rank, cluster.where(), first_rank,
+             first_rank + len(devices) - 1, engine.world_size, ",".join(devices))
+    sys.exit(run_joined_workers(cluster, engine, first_rank, len(devices), store))
+
+
 def serve(args) -> None:
     from engine import LLM, BurstServeError
     from server.app import build_app
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("BURSTSERVE_LOG_LEVEL", args.log_level.upper())   # the worker processes' level too
+    _setup_logging(args)
+    if args.node_rank != 0:
+        log.error("burstserve serve runs the head, node rank 0; on the other hosts run `burstserve worker "
+                  "--node-rank R ...` (R = 1 .. --nnodes - 1)")
+        sys.exit(2)
     try:
         llm = LLM(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                   dtype=args.dtype, max_model_len=args.max_model_len,
@@ -95,6 +167,8 @@ def serve(args) -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None,
                   mixed_batch=args.mixed_batch, extend_ring_min_tokens=args.extend_ring_min_tokens,
+                  nnodes=args.nnodes, master_addr=args.master_addr, master_port=args.master_port,
+                  join_timeout=args.join_timeout,
                   quantization=args.quantization)
     except BurstServeError as e:
         log.error("%s", e)
@@ -138,11 +212,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="burstserve", description="Long-context LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
+    worker_parser(sub)
     from clients.bench import add_parser as bench_parser
     bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "worker":
+        worker(args)
     elif args.command == "bench":
         from clients.bench import run as run_bench
         run_bench(args)

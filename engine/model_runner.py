@@ -140,11 +140,11 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:
         """An incremental prefill: token_ids [n] int64 (CPU) are the sequence's tokens start .. start+n-1,
-        after the `start` already in the cache (a chunked prefill's next chunk). The new tokens are
-        sharded over the workers (zigzag over the n, or whole under replicated K/V), attend causally to
-        each other over the K/V ring and to the cached tokens by passing the queries (see
-        engine/extend_attention.py), and their K/V go after the cached ones on the worker that ran
-        them. Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
+        after the `start` already in the cache (a chunked prefill's next chunk, or a prompt beyond its
+        cached prefix), in one of three ways (engine/extend_attention.py, chosen by _extend_way): "local"
+        (one worker, or replicated K/V), "whole" (every worker runs the n tokens, one keeps their K/V) or
+        "ring" (sharded over the workers, the K/V ring among them, their queries passed to the cache).
+        Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
         self._sync()
         start_time = time.perf_counter()
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
@@ -163,7 +163,8 @@ class ModelRunner:
         and on worker 0 under "decode" what `decode` returns."""
         self._sync()
         start_time = time.perf_counter()
-        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start)
+        step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
+        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, step_pages)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
@@ -179,14 +180,15 @@ class ModelRunner:
             result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
         return result
 
-    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int):
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, reserved: list[int] | None = None):
         """Places n new tokens after the sequence's `start` cached ones (ledger, this worker's pages) ->
         ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
-        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
+        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention). reserved: pages
+        per worker a decode step in the same call takes (see _extend_way)."""
         n = token_ids.shape[0]
         held = self.ledger.seqs[seq_id].tokens
-        way = self._extend_way(n, held)
-        shards = self._extend_shards(held, n)
+        way = self._extend_way(n, held, reserved)
+        shards = self._extend_shards(held, n, reserved=reserved)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(n) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
@@ -223,38 +225,44 @@ class ModelRunner:
             dist.broadcast(logits, src=owner, group=self.data_group)
         return logits
 
-    def _extend_way(self, num_tokens: int, held: list[int]) -> str:
+    def _extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> str:
         """How an incremental prefill of num_tokens new tokens runs over workers holding `held` tokens of the
         sequence (engine/extend_attention.py): "local" on one worker or under replicated K/V; "whole" below
-        --extend-ring-min-tokens when the keeper (the worker holding fewest) has the pages free, so a
-        whole chunk never takes a worker past its pages; else "ring" (level placement). Every worker
-        decides alike: their ledgers are the same."""
+        --extend-ring-min-tokens when the keeper (the worker holding fewest) has the pages free (beyond
+        `reserved` pages per worker: a decode step's in the same call) and stays within the pages one
+        sequence may hold on a worker (sized for a level share), so a whole chunk never takes a worker
+        past its pages; else "ring" (level placement). Every worker decides alike: their ledgers are the same."""
         if self.world_size == 1 or self.strategy.replicated_kv:
             return "local"
         if num_tokens >= self.engine.extend_ring_min_tokens:
             return "ring"
         keeper = held.index(min(held))
-        extra = pages_for(held[keeper] + num_tokens, self.block_size) - pages_for(held[keeper], self.block_size)
-        return "whole" if extra <= self.ledger.free_pages()[keeper] else "ring"
+        after = pages_for(held[keeper] + num_tokens, self.block_size)
+        free = self.ledger.free_pages()[keeper] - (reserved[keeper] if reserved else 0)
+        fits = after - pages_for(held[keeper], self.block_size) <= free and after <= self.pool.max_pages_per_seq
+        return "whole" if fits else "ring"
 
-    def _extend_shards(self, held: list[int], num_tokens: int, plan: bool = False):
+    def _extend_shards(self, held: list[int], num_tokens: int, plan: bool = False,
+                       reserved: list[int] | None = None):
         """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence:
         "whole": all on the worker holding fewest; "ring" (and every plan: `plan`): in zigzag order, sized to
         level the workers' totals (the cached part is attended by passing queries, in any layout); under
-        replicated K/V, the strategy's one shard."""
+        replicated K/V, the strategy's one shard. reserved: see _extend_way."""
         if self.strategy.replicated_kv:
             return self.strategy.shards(num_tokens)
-        if not plan and self._extend_way(num_tokens, held) == "whole":
+        if not plan and self._extend_way(num_tokens, held, reserved) == "whole":
             return whole_shards(num_tokens, held)
         return balanced_shards(num_tokens, held)
 
-    def chunk_pages(self, seq_id: int | None, num_tokens: int) -> list[int]:
+    def chunk_pages(self, seq_id: int | None, num_tokens: int, reserved: list[int] | None = None) -> list[int]:
         """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
-        its first chunk, a prefill)."""
+        its first chunk, a prefill); reserved: pages per worker a decode step in the same call takes
+        (extend_and_decode places the chunk beside them)."""
         if seq_id is None:
             return self.prefill_pages(num_tokens)
         held = self.ledger.seqs[seq_id].tokens
-        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(self._extend_shards(held, num_tokens)))
+        shards = self._extend_shards(held, num_tokens, reserved=reserved)
+        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(shards))
 
     def plan_pages(self, held: list[int], num_tokens: int, chunk: int | None) -> list[int]:
         """Pages each worker holds once a sequence holding `held` tokens by rank is extended by

@@ -342,7 +342,7 @@ class Scheduler:
         remaining = len(job.seq.request.prompt_token_ids) - job.done
         n = self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining   # the step is one call
         step = self.ledger.step_new_pages([s.seq_id for s in batch])
-        if not self._fits([c + d for c, d in zip(self.kv.chunk_pages(job.seq.seq_id, n), step)]):
+        if not self._fits([c + d for c, d in zip(self.kv.chunk_pages(job.seq.seq_id, n, step), step)]):
             self._requeue_prefilling()                  # the running sequences took the pages: it gives way
             self._decode_batch(batch)
             return True

@@ -217,6 +217,7 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
     from engine.parallel import get_strategy
     runner = object.__new__(ModelRunner)
     runner.world_size, runner.block_size = 2, 4
+    runner.pool = type("Pool", (), {"max_pages_per_seq": 10})()
     runner.engine = EngineConfig(model="tiny", devices=["cpu", "cpu"], extend_ring_min_tokens=64)
     runner.strategy = get_strategy("burst", 2)
     runner.ledger = KVLedger(2, 4, num_pages=10)
@@ -231,3 +232,20 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
     assert runner._extend_way(8, held) == "whole"                # 2 more pages: exactly what is free
     assert runner._extend_way(9, held) == "ring"                 # 3: not free on worker 1, so level
     assert [s.length for s in runner._extend_shards(held, 9)] == [2, 7]
+    assert runner._extend_way(8, held, reserved=[0, 1]) == "ring"   # a decode step in the same call takes 1
+    runner.ledger.remove(2)
+    runner.pool.max_pages_per_seq = 2                             # a sequence may hold 2 pages on a worker
+    assert runner._extend_way(4, held) == "whole" and runner._extend_way(5, held) == "ring"
+
+
+def test_whole_chunks_stay_within_a_sequences_pages_on_a_worker(checkpoint):
+    """A prompt near max_model_len on 2 workers, chunks of 64: the pool lets one sequence hold a level share
+    (129 tokens: 9 pages of 16) on a worker. Two chunks run whole (one per worker), the last would take its
+    keeper to 154 tokens (10 pages), so it runs on the ring, placed level; transformers' tokens."""
+    path, model = checkpoint
+    prompt = [random.randrange(model.config.vocab_size) for _ in range(250)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_model_len=256, block_size=16,
+             kv_cache_tokens=4096, max_num_batched_tokens=64, itl_target_ms=None, enable_prefix_caching=False) as llm:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.metrics.prefill_stats["extend_ways"] == {"whole": 2, "ring": 1}
+    assert out.outputs[0].token_ids == hf_next_logits_and_greedy(model, prompt, 4)[1]

@@ -78,8 +78,9 @@ def _worker_weight_bytes(rank, world_size, path, strategy):
 def test_each_worker_holds_only_its_share(checkpoint, strategy):
     """Bytes of every tensor each of 2 workers holds: the replicated ones (embedding, norms, LM head)
     plus half of each sharded one, as weight_bytes computes; together less than twice the model. Under
-    burst-zero a prefill gathers each layer whole, one layer ahead: at any time one layer whole in use
-    and at most one layer's gather in flight, none left after the prefill."""
+    burst-zero a prefill gathers each layer whole, one layer ahead: as each layer starts, its whole
+    weights in use and the next layer's gather in flight (inside layer(i), while layer i's gathered
+    slices are put in order, three layers' bytes: LayerGather.reserve_bytes), none left after the prefill."""
     path, _ = checkpoint
     cfg, _ = resolve_model(EngineConfig(model=path, devices=["cpu"]))
     shapes = hf_weight_shapes(cfg)

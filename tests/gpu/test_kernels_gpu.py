@@ -289,13 +289,14 @@ def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
     gathered = torch.randn(workers, rows, 32, 129, device=DEV)
     gathered[1, :rows // 2, :, :128], gathered[1, :rows // 2, :, 128] = 0.0, float("-inf")
     outs, lses = gathered[..., :128], gathered[..., 128]
-    o, l = pa.merge_partials(outs, lses, torch.bfloat16)
+    o, l = pa._merge_partials_triton(pa._triton_kernels(DEV)[1], outs, lses, torch.bfloat16)   # the kernel itself
     t_o, t_l = merge_stacked(outs, lses)
     torch.testing.assert_close(o, t_o.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_o, g_l = pa.merge_partials(outs, lses, torch.bfloat16)
+    assert pa._SPLIT_TRITON, "the Triton merge failed and fell back to torch ops"
     gathered.copy_(torch.randn_like(gathered))
     graph.replay()
     t_o, t_l = merge_stacked(outs, lses)

@@ -6,6 +6,7 @@ server or offline.
     burstserve bench sweep --offline --model llama3-8b --devices cuda -cp 4 --sp-strategy burst
     burstserve bench load --url ... --num-prompts 200 --input-len 4096 --output-len 128 --request-rate 4
     burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers
+    burstserve bench sweep --offline --model llama3-8b --devices cuda -cp 2 --sp-strategy torch-cp
     burstserve bench sweep --offline --model llama3-8b --devices cuda --lengths 8192 --output-len 128 --batch 16
     burstserve bench sweep --offline --model llama3-8b --devices cuda --sp-strategy transformers \
         --lengths 8192 --output-len 128 --batch 16
@@ -59,7 +60,8 @@ def add_parser(sub) -> None:
     sweep.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                        help="prompts of the same length sent together: offline one generate call with B prompts, "
                             "over HTTP B concurrent streams (default 1). Every request's TTFT and TPOT is a sample")
-    _add_offline_args(sweep, "offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device)")
+    _add_offline_args(sweep, "offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device), or "
+                             "`torch-cp` (LlamaForCausalLM under PyTorch's context_parallel on the GPUs named)")
     shared.add_argument("--doc-len", type=_positive_int, default=32768, metavar="L",
                         help="tokens of the document (random ids, fresh each repeat); multi-turn: of the first turn's "
                              "context")
@@ -231,6 +233,10 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
         from clients.hf_baseline import sweep_transformers
         return sweep_transformers(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
                                   args.label, bar, args.context_parallel_size, args.output_len, args.batch)
+    if args.offline and args.sp_strategy == "torch-cp":
+        from clients.torch_cp import sweep_torch_cp
+        return sweep_torch_cp(args.model, args.devices, args.dtype, lengths, args.repeats, args.warmup,
+                              args.label, bar, args.context_parallel_size, args.output_len, args.batch)
     from clients.sweep import offline_llm_args, sweep_http, sweep_offline
     if args.offline:
         llm_args = offline_llm_args(args, max(lengths) + args.output_len, max(64, args.batch))
@@ -258,10 +264,15 @@ def _check_offline_devices(args) -> None:
     """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
     from engine.devices import resolve_devices
     from engine.errors import InvalidRequestError
-    if args.sp_strategy == "transformers":
+    if args.sp_strategy in ("transformers", "torch-cp"):
         if getattr(args, "quantization", "none") != "none":
-            raise InvalidRequestError("--quantization is the engine's: --sp-strategy transformers runs "
+            raise InvalidRequestError(f"--quantization is the engine's: --sp-strategy {args.sp_strategy} runs "
                                       "transformers' model as a user would, in --dtype", "quantization")
+        if args.sp_strategy == "torch-cp":
+            from clients.torch_cp import check_torch_cp
+            check_torch_cp(args.devices, args.context_parallel_size, getattr(args, "output_len", 1),
+                           getattr(args, "batch", 1))
+            return
         from clients.hf_baseline import baseline_device
         baseline_device(args.devices, args.context_parallel_size)
     else:

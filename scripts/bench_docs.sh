@@ -9,7 +9,7 @@ doc=${2:-docs/benchmarks.md}
 MODELS=${MODELS:-llama3-8b llama2-7b}
 SCALING_LENGTH=${SCALING_LENGTH:-65536}
 OVERLAP_LENGTHS=${OVERLAP_LENGTHS:-32768,131072}
-STRATEGIES="burst auto burst-nolao ring-rsa ulysses tp cqs"
+STRATEGIES=${STRATEGIES:-burst auto torch-cp burst-nolao ring-rsa ulysses tp tp-v3 burst-zero cqs}
 work=$(mktemp -d)
 
 existing() { for p in "$@"; do [ -f "$p" ] && echo "$p"; done; return 0; }

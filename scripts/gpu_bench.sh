@@ -18,7 +18,7 @@ OVERLAP_LENGTHS=${OVERLAP_LENGTHS:-32768,131072}
 REPEATS=${REPEATS:-2}
 LIMIT=${LIMIT:-170}          # seconds per configuration on 2+ GPUs
 LIMIT_ONE=${LIMIT_ONE:-330}  # seconds per configuration on one GPU (256K there takes ~45 s a request)
-STRATEGIES="burst auto tp ulysses cqs burst-nolao ring-rsa"
+STRATEGIES=${STRATEGIES:-burst auto torch-cp tp tp-v3 burst-zero ulysses cqs burst-nolao ring-rsa}
 if [ "$KIND" = cuda ]; then gpus=$(nvidia-smi -L | wc -l); else gpus=4; fi
 
 # sweep NAME MODEL WORKERS VISIBLE ARGS...: one configuration in its own process, WORKERS workers on the

@@ -380,6 +380,21 @@ def test_quantization_refused_before_any_file_where_it_cannot_run(tmp_path):
         assert not out.exists()
 
 
+def test_torch_cp_peer_refused_where_it_cannot_run(tmp_path):
+    """--sp-strategy torch-cp (PyTorch's context_parallel around transformers' model) on CPU devices, with
+    tokens to decode, and with --quantization: exit 2, one line naming why, no results."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for extra, words in ((["--devices", "cpu", "-cp", "2"], "torch-cp needs CUDA GPUs"),
+                         (["--output-len", "8"], "has no decode"),
+                         (["--quantization", "fp8"], "--quantization is the engine's")):
+        out = tmp_path / extra[-1]
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "sweep", "--offline", "--sp-strategy",
+                               "torch-cp", "--lengths", "16", "--output-dir", str(out), *extra], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=300)
+        assert proc.returncode == 2 and words in proc.stderr, (extra, proc.stderr[-2000:])
+        assert not out.exists()
+
+
 def test_transformers_that_cannot_hold_the_model_is_oom_at_every_length(monkeypatch):
     """A model whose weights alone exceed the device (the 70B preset on one GPU): every length's row is
     an OOM, as the tables show it, not a crash of the sweep."""

@@ -389,3 +389,20 @@ def test_two_hosts_one_gpu_each_match_transformers(hf_bf16_checkpoint):
     finally:
         if joiner.poll() is None:
             joiner.kill()
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_torch_cp_peer_matches_transformers(hf_bf16_checkpoint, gpus):
+    """The benchmark's torch-cp peer (clients/torch_cp.py: transformers' model under PyTorch's
+    context_parallel on `gpus` GPUs, one process each) gives the prompt's next-token logits of one plain
+    forward pass (bf16 noise): the peer the tables compare against computes the same thing."""
+    from clients.torch_cp import next_token_logits_torch_cp
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    path, model = hf_bf16_checkpoint
+    prompt = [random.randrange(2000) for _ in range(4099)]
+    logits = next_token_logits_torch_cp(path, "cuda", prompt, "bfloat16", context_parallel_size=gpus)
+    ref = model(torch.tensor([prompt], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
+    diff = (logits - ref).abs().max().item()
+    print(f"torch-cp on {gpus} GPU(s): max |logit diff| {diff:.4f}")
+    assert diff <= 0.1 * max(ref.abs().max().item(), 1.0)

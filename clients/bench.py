@@ -270,8 +270,9 @@ def _check_offline_devices(args) -> None:
                                       "transformers' model as a user would, in --dtype", "quantization")
         if args.sp_strategy == "torch-cp":
             from clients.torch_cp import check_torch_cp
+            lengths = [int(x) for x in args.lengths.split(",")] if getattr(args, "lengths", None) else []
             check_torch_cp(args.devices, args.context_parallel_size, getattr(args, "output_len", 1),
-                           getattr(args, "batch", 1))
+                           getattr(args, "batch", 1), lengths)
             return
         from clients.hf_baseline import baseline_device
         baseline_device(args.devices, args.context_parallel_size)

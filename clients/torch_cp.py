@@ -10,11 +10,13 @@ A request is the engine's first-token work: a prompt of random ids (the same on 
 positions, sharded as buffers, one forward pass with the logits of each rank's last position only, and
 rank 0's greedy token on the host (head-tail balance gives rank 0 the prompt's last chunk). Rank 0
 times it from a barrier to the token. TTFT only: PyTorch's context parallelism has no decode. CUDA only
-(its context_parallel has no sharding rule for CPU attention). OOM is reported as OOM; a rank that dies
+(its context_parallel has no sharding rule for CPU attention); prompt lengths dividing by 2 x GPUs
+(its load balancer's chunks). OOM is reported as OOM; a rank that dies
 or a request that does not finish within `request_timeout` ends the sweep with an error row.
 """
 import queue
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ from engine.errors import DeviceSpecError, InvalidRequestError
 
 
 def check_torch_cp(devices: str | None, context_parallel_size: int | None, output_len: int = 1,
-                   batch: int = 1) -> list[str]:
+                   batch: int = 1, lengths: list[int] = ()) -> list[str]:
     """The GPUs torch-cp runs on; raises what a user asked that it cannot do."""
     if output_len != 1 or batch != 1:
         raise InvalidRequestError("--sp-strategy torch-cp measures the first token of one prompt (PyTorch's context "
@@ -38,6 +40,11 @@ def check_torch_cp(devices: str | None, context_parallel_size: int | None, outpu
     if not all(d.startswith("cuda") for d in device_list):
         raise DeviceSpecError("--sp-strategy torch-cp needs CUDA GPUs: PyTorch's context_parallel has no sharding "
                               f"rule for attention on {device_list[0]}")
+    uneven = [n for n in lengths if n % (2 * len(device_list))]
+    if uneven:
+        raise InvalidRequestError(f"--sp-strategy torch-cp over {len(device_list)} GPU(s) takes prompt lengths that "
+                                  f"divide by {2 * len(device_list)} (PyTorch's load balancer cuts a prompt into "
+                                  f"2 x GPUs equal chunks); not {uneven}", "lengths")
     return device_list
 
 
@@ -45,7 +52,7 @@ def sweep_torch_cp(model: str, devices: str | None, dtype: str | None, lengths: 
                    warmup: int, label: str | None, progress, context_parallel_size: int | None = None,
                    output_len: int = 1, batch: int = 1, request_timeout: float = 900.0):
     """Yields the sweep's rows (bench sweep's `make_row`) for torch-cp over the GPUs named."""
-    device_list = check_torch_cp(devices, context_parallel_size, output_len, batch)
+    device_list = check_torch_cp(devices, context_parallel_size, output_len, batch, lengths)
     g = len(device_list)
     fields = {"strategy": "torch-cp", "devices": ",".join(device_list), "num_devices": g,
               "context_parallel_size": g, "kernel": "sdpa"}
@@ -71,7 +78,8 @@ def sweep_torch_cp(model: str, devices: str | None, dtype: str | None, lengths: 
 def next_token_logits_torch_cp(model: str, devices: str | None, prompt: list[int], dtype: str | None = None,
                                context_parallel_size: int | None = None, timeout: float = 600.0) -> torch.Tensor:
     """The next-token logits [V] (fp32, CPU) after `prompt` through torch-cp on the GPUs named (for tests)."""
-    ranks = _Ranks(check_torch_cp(devices, context_parallel_size), model, dtype, ("logits", prompt))
+    ranks = _Ranks(check_torch_cp(devices, context_parallel_size, lengths=[len(prompt)]), model, dtype,
+                   ("logits", prompt))
     try:
         msg = ranks.next(timeout)
     finally:
@@ -129,7 +137,7 @@ def _rank_main(rank: int, devices: list[str], port: int, model: str, dtype: str 
         else:
             _sweep(lm, mesh, rank, *job[1:], results)
     except Exception as e:                                       # reported, then the parent ends the others
-        results.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        results.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
     finally:
         dist.destroy_process_group()
 

@@ -382,7 +382,8 @@ def test_quantization_refused_before_any_file_where_it_cannot_run(tmp_path):
 
 def test_torch_cp_peer_refused_where_it_cannot_run(tmp_path):
     """--sp-strategy torch-cp (PyTorch's context_parallel around transformers' model) on CPU devices, with
-    tokens to decode, and with --quantization: exit 2, one line naming why, no results."""
+    tokens to decode, and with --quantization: exit 2, one line naming why, no results. (Lengths that do
+    not divide by 2 x GPUs are refused too, after the device check: a GPU test's concern.)"""
     env = dict(os.environ, PYTHONPATH=ROOT)
     for extra, words in ((["--devices", "cpu", "-cp", "2"], "torch-cp needs CUDA GPUs"),
                          (["--output-len", "8"], "has no decode"),

@@ -64,3 +64,13 @@ def all_gather(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.stack(parts)
+
+
+def all_gather_rows(x: torch.Tensor, lengths: list[int], group=None) -> torch.Tensor:
+    """x [lengths[rank], ...] on each worker -> [sum(lengths), ...]: every worker's rows in rank order."""
+    longest = max(lengths)
+    padded = x.new_zeros((longest,) + x.shape[1:])
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, lengths)])

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.page_pool import PagePool
-from engine.decode_attention import merge_over_workers
+from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
@@ -120,7 +120,7 @@ class ExtendAttention:
     def _cached_partials_of_mine(self, layer: int, q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """pass-Q: every worker's queries against this worker's cache, and back -> one partial per worker."""
         lengths = [s.length for s in self.shards]
-        everyone = _all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
+        everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, self.pool.k[layer], self.pool.v[layer], self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
                                    rows_see_keys=self.has_keys)                               # my cached K/V
@@ -133,12 +133,3 @@ class ExtendAttention:
         recv = recv.view(self.world_size, mine, *packed.shape[1:])
         return [(recv[w, ..., :-1], recv[w, ..., -1]) for w in range(self.world_size)]
 
-
-def _all_gather_rows(x: torch.Tensor, lengths: list[int], group=None) -> torch.Tensor:
-    """x [lengths[rank], ...] on each worker -> [sum(lengths), ...]: every worker's rows in rank order."""
-    longest = max(lengths)
-    padded = x.new_zeros((longest,) + x.shape[1:])
-    padded[:x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, lengths)])

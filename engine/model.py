@@ -56,11 +56,15 @@ class LlamaModel:
     """Weights and the forward pass; replicated on every worker."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none"):
-        """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py)."""
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none",
+                 vocab=None):
+        """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py). vocab
+        (engine.parallel.vocab.VocabShards, burst-zero): the embedding and LM head hold this worker's
+        vocabulary rows only; embedding and logits are then collective calls."""
         self.cfg = cfg
         self.device = device
         self.reduce = reduce or (lambda x: x)   # tensor parallelism: all-reduce of partial sums
+        self.vocab = vocab
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
@@ -100,7 +104,7 @@ class LlamaModel:
         reduce = seq_parallel.scatter if seq_parallel is not None else self.reduce
         if whole_layers is not None:
             reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
-        residual = F.embedding(token_ids, self.embed)                 # [S, hidden]
+        residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
         x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
@@ -118,9 +122,22 @@ class LlamaModel:
             x, residual = fused.rms_norm(delta, next_norm, eps, residual)
         return x if self.layers else fused.rms_norm(residual, self.norm, eps)
 
+    def _embed(self, token_ids: torch.Tensor, own_rows: bool) -> torch.Tensor:
+        """token_ids [S] -> [S, hidden]. With the vocabulary cut over the workers: a prefill's own rows
+        (own_rows, different on every worker) look up the table gathered whole; rows alike on every
+        worker (a decode step) are looked up in each worker's rows and summed."""
+        if self.vocab is None:
+            return F.embedding(token_ids, self.embed)
+        if own_rows:
+            return F.embedding(token_ids, self.vocab.whole_table(self.embed))
+        return self.vocab.embed(token_ids, self.embed)
+
     def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         return fp8.linear(fused.silu_and_mul(fp8.linear(x, layer.gate_up)), layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] -> logits [B, vocab] fp32."""
+        """hidden [B, hidden] -> logits [B, vocab] fp32 (with the vocabulary cut over the workers: a collective
+        call, hidden the same on every worker)."""
+        if self.vocab is not None:
+            return self.vocab.logits(hidden, self.lm_head)
         return F.linear(hidden, self.lm_head).float()

@@ -14,7 +14,7 @@ from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
+from engine.decode_attention import DecodeAttention, DecodeStep, all_gather, all_gather_rows
 from engine.decode_graphs import DecodeGraphs
 from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
@@ -24,6 +24,7 @@ from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import balanced_shards, owner_of_position, whole_shards
+from engine.parallel.vocab import VocabShards
 from engine.parallel.zero import LayerGather
 from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import as_entries, gather_scores, score_rows
@@ -51,8 +52,9 @@ class ModelRunner:
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype, slices)
         local, partial_sums = self.strategy.local_config(cfg, rank)
+        vocab = VocabShards(cfg.vocab_size, rank, self.world_size, data_group) if self.strategy.shards_weights else None
         self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None,
-                                quantization=engine.quantization)
+                                quantization=engine.quantization, vocab=vocab)
         # burst-zero: prefills run each layer with its whole weights, gathered from the workers' tp slices
         self.whole_layers = (LayerGather(cfg, self.model.layers, self.world_size, device, data_group)
                              if self.strategy.shards_weights else None)
@@ -217,13 +219,21 @@ class ModelRunner:
 
     def _logits_of_row(self, hidden: torch.Tensor, owner: int, row: int) -> torch.Tensor:
         """The logits [V] of row `row` of worker `owner`'s hidden states, on every worker."""
+        if self.model.vocab is not None:           # the LM head cut by vocabulary: the row goes to every worker
+            one = (hidden[row:row + 1] if self.rank == owner else
+                   torch.empty(1, self.cfg.hidden_size, dtype=self.dtype, device=self.device))
+            dist.broadcast(one, src=self._global_rank(owner), group=self.data_group)
+            return self.model.logits(one)[0]
         if self.rank == owner:
             logits = self.model.logits(hidden[row:row + 1])[0]
         else:
             logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
         if owner != 0:
-            dist.broadcast(logits, src=owner, group=self.data_group)
+            dist.broadcast(logits, src=self._global_rank(owner), group=self.data_group)
         return logits
+
+    def _global_rank(self, rank: int) -> int:
+        return rank if self.data_group is None else dist.get_global_rank(self.data_group, rank)
 
     def _extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> str:
         """How an incremental prefill of num_tokens new tokens runs over workers holding `held` tokens of the
@@ -295,7 +305,13 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
         """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets
         the entries."""
-        if self.strategy.replicated_kv:
+        if self.model.vocab is not None:          # the LM head cut by vocabulary: every worker scores every row
+            counts = all_gather(torch.tensor([hidden.shape[0]], device=self.device), self.world_size, self.data_group)
+            lengths = counts.flatten().tolist()
+            hidden = all_gather_rows(hidden, lengths, self.data_group)
+            positions = all_gather_rows(positions.to(self.device), lengths, self.data_group)
+            parts = [score_rows(self.model, hidden, positions, token_ids, top)]
+        elif self.strategy.replicated_kv:
             parts = [score_rows(self.model, hidden, positions, token_ids, top)] if self.rank == 0 else []
         else:
             parts = gather_scores(score_rows(self.model, hidden, positions, token_ids, top), self.world_size,
@@ -440,8 +456,8 @@ class ModelRunner:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free)
-            if self.whole_layers is not None:                 # burst-zero: the layers gathered whole in a prefill
-                budget -= self.whole_layers.reserve_bytes()
+            if self.whole_layers is not None:                 # burst-zero: the layers and the embedding gathered whole
+                budget -= self.whole_layers.reserve_bytes() + self.model.vocab.bytes_of_whole_table(self.model.embed)
             share = self.strategy.kv_share(self.max_model_len)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         share)

@@ -16,8 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.decode_attention import all_gather, merge_over_workers
-from engine.extend_attention import _all_gather_rows
+from engine.decode_attention import all_gather, all_gather_rows, merge_over_workers
 from engine.parallel.ring import RingCommunicator
 from kernels import fused
 from kernels.attention import select_backend
@@ -93,7 +92,7 @@ def main() -> None:
         "merge_stacked of 3": lambda: merge_stacked(torch.stack([out32] * 3), torch.stack([lse32] * 3)),
         "ring exchange + wait (events, P2P to self)": exchange,
         "all_gather_into_tensor (1 rank)": lambda: all_gather(packed, 1),
-        "all_gather rows, padded list (pass-Q)": lambda: _all_gather_rows(q, [N], None),
+        "all_gather rows, padded list (pass-Q)": lambda: all_gather_rows(q, [N], None),
         "all_to_all_single (1 rank)": lambda: dist.all_to_all_single(recv, packed, [N], [N]),
         "merge of 2 partials: torch merge_stacked (before)": lambda: merge_stacked(gathered[..., :-1], gathered[..., -1]),
         "merge of 2 partials: Triton merge_partials": lambda: merge_partials(gathered[..., :-1], gathered[..., -1], dt),

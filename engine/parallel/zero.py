@@ -3,7 +3,8 @@ workers as tensor parallelism shards them, so that sequence parallelism costs no
 than tp.
 
 - Weights: each worker reads only tp's slice of every layer weight (engine/parallel/tensor_parallel.py:
-  rows of q/k/v and gate/up, columns of o and down; embedding, norms and LM head whole).
+  rows of q/k/v and gate/up, columns of o and down) and its vocabulary rows of the embedding and LM
+  head (engine/parallel/vocab.py); only the norms are whole on every worker.
 - Prefill and incremental prefills: the prompt is sharded by sequence and attends over the burst K/V
   ring, as `burst`; the model runs each layer with that layer's full weights, all-gathered from the
   shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group of its
@@ -35,7 +36,14 @@ class BurstZeroStrategy(BurstStrategy):
         return self.world_size > 1
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
-        return tp_slices(cfg, rank, self.world_size) if self.shards_weights else {}
+        """tp's slices of every layer weight, and rows rank V/W .. of the embedding and LM head
+        (engine/parallel/vocab.py)."""
+        if not self.shards_weights:
+            return {}
+        per = cfg.vocab_size // self.world_size
+        rows = (0, rank * per, (rank + 1) * per)
+        vocab = {"model.embed_tokens.weight": rows} | ({} if cfg.tie_word_embeddings else {"lm_head.weight": rows})
+        return tp_slices(cfg, rank, self.world_size) | vocab
 
     def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
         if not self.shards_weights:
@@ -47,6 +55,9 @@ def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
     """Why burst-zero cannot slice this model over world_size workers, or None: tp's conditions, and every
     worker's query heads reading as many K/V heads (the gathers take equal slices)."""
     reason = tp_check(cfg, world_size)
+    if reason is None and cfg.vocab_size % world_size:
+        reason = (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
+                  f"divide the {cfg.vocab_size} tokens")
     if reason is None and len({len(local_kv_heads(cfg, r, world_size)) for r in range(world_size)}) > 1:
         reason = (f"burst-zero slices the weights as tp does, and {world_size} workers' query heads would read "
                   f"unequal numbers of the {cfg.num_kv_heads} K/V heads ({cfg.num_heads} query heads)")

@@ -15,7 +15,8 @@ def checkpoint(tmp_path_factory):
     return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
 
 
-@pytest.mark.parametrize("strategy,workers", [("burst", 3), ("tp", 2), ("tp-v3", 2), ("cqs", 3), ("single", 1)])
+@pytest.mark.parametrize("strategy,workers", [("burst", 3), ("tp", 2), ("tp-v3", 2), ("cqs", 3), ("single", 1),
+                                              ("burst-zero", 2)])
 def test_prompt_logprobs_match_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2, 37, 1100)]   # 1100 > one scoring chunk

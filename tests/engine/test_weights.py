@@ -11,6 +11,7 @@ from dist_harness import run_on_ranks
 from engine import LLM, EngineDeadError
 from engine.config import EngineConfig, resolve_model
 from engine.model import hf_weight_shapes
+from engine.parallel import get_strategy
 from engine.parallel.tensor_parallel import tp_slices
 from engine.weights import load_weights, random_weights, take_slice, weight_bytes
 from hf_reference import save_checkpoint
@@ -76,8 +77,9 @@ def _worker_weight_bytes(rank, world_size, path, strategy):
 
 @pytest.mark.parametrize("strategy", ["tp", "burst-zero"])
 def test_each_worker_holds_only_its_share(checkpoint, strategy):
-    """Bytes of every tensor each of 2 workers holds: the replicated ones (embedding, norms, LM head)
-    plus half of each sharded one, as weight_bytes computes; together less than twice the model. Under
+    """Bytes of every tensor each of 2 workers holds, as weight_bytes computes: under tp the replicated ones
+    (embedding, norms, LM head) plus half of each sharded one; under burst-zero half of every tensor but
+    the norms (the embedding and LM head cut by vocabulary); together less than twice the model. Under
     burst-zero a prefill gathers each layer whole, one layer ahead: as each layer starts, its whole
     weights in use and the next layer's gather in flight (inside layer(i), while layer i's gathered
     slices are put in order, three layers' bytes: LayerGather.reserve_bytes), none left after the prefill."""
@@ -88,9 +90,13 @@ def test_each_worker_holds_only_its_share(checkpoint, strategy):
     whole = weight_bytes(shapes, 4)
     sharded = {n: s for n, s in shapes.items() if n in tp_slices(cfg, 0, 2)}
     layer_bytes = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.")}, 4)
+    norms = weight_bytes({n: s for n, s in shapes.items() if n.endswith("norm.weight")}, 4)
     for rank, (nbytes, samples, left) in enumerate(results):
-        assert nbytes == weight_bytes(shapes, 4, tp_slices(cfg, rank, 2))
-        assert nbytes == whole - weight_bytes(sharded, 4) // 2
+        assert nbytes == weight_bytes(shapes, 4, get_strategy(strategy, 2).weight_slices(cfg, rank))
+        if strategy == "tp":                      # embedding and LM head whole on every worker
+            assert nbytes == whole - weight_bytes(sharded, 4) // 2
+        else:                                     # burst-zero: half of everything but the norms
+            assert nbytes == (whole - norms) // 2 + norms
         if strategy == "burst-zero":
             assert len(samples) == cfg.num_layers and left == 0
             assert all(in_use == layer_bytes for _, in_use in samples), samples

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 on nvidia-h200-x2 (2 GPUs): BurstAttention+ZeRO (`--sp-strategy burst-zero`). Two back-to-back
+# Issue 14 on nvidia-h200-x2 (2 GPUs; CP=8 on nvidia-h200-x8): BurstAttention+ZeRO (`--sp-strategy burst-zero`). Two back-to-back
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_zero.sh      (within ~30 s of the first)
@@ -23,9 +23,11 @@ sweep() {
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   mkdir -p "$out/$name"
-  timeout "$limit" python3 -m server.cli bench sweep --offline --devices cuda -cp 2 "$@" --label "$name" \
+  timeout "$limit" python3 -m server.cli bench sweep --offline --devices cuda -cp "${CP:-2}" "$@" --label "$name" \
       --output-dir "$out/$name" > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
-  echo "$(date +%T) $name: rc=$? in $((SECONDS - start)) s"
+  local rc=$?
+  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
+  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -4
   grep -E "^\|" "$out/$name/stdout.log" | tail -6
 }
 if [[ " $PARTS " == *" tests "* ]]; then
@@ -40,7 +42,7 @@ if [[ " $PARTS " == *" 8b "* ]]; then
 fi
 if [[ " $PARTS " == *" 70b "* ]]; then
   for s in burst-zero tp tp-v3; do
-    sweep "70b-$s" 280 --model llama3-70b --sp-strategy "$s" --lengths "${LONG_70B:-131072}" --output-len 16 \
+    sweep "70b-$s" "${LIMIT_70B:-280}" --model llama3-70b --sp-strategy "$s" --lengths "${LONG_70B:-131072}" --output-len 16 \
         --repeats 1 --warmup 0
   done
   mkdir -p "$out/70b-transformers"                 # one GPU: its weights alone exceed the GPU, shown as OOM

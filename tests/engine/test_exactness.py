@@ -48,15 +48,22 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, workers):
 def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, strategy):
     """tp and tp-v3 (Megatron V1 and V3) and burst-zero (BurstAttention+ZeRO: the burst ring over layers
     gathered whole from tp's slices, decode on the slices) on 2 workers, each reading only its slice of
-    the weights: the same logits and greedy tokens on every checkpoint shape (MHA, GQA, Qwen2's q/k/v
-    biases)."""
+    the weights: the same logits, greedy tokens and decoded tokens' logprobs (top 2 and the chosen) on
+    every checkpoint shape (MHA, GQA, Qwen2's q/k/v biases)."""
     path, model, _ = checkpoint
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in (1, 37, 1000)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+        outputs = llm.generate(prompts, params)
         for prompt, out in zip(prompts, outputs):
             ref_logits, ref_tokens = _reference(checkpoint, prompt)
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
             assert diff <= 1e-4, f"{strategy}, {len(prompt)} tokens: logits differ by {diff}"
             assert out.outputs[0].token_ids == ref_tokens, f"{strategy}, {len(prompt)} tokens"
+            with torch.no_grad():                                  # every decoded token's logprobs, one full pass
+                ids = torch.tensor([prompt + ref_tokens[:-1]])
+                ref_logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), dim=-1)   # [32, V]
+            for i, entry in enumerate(out.outputs[0].logprobs):
+                for token, logprob in entry.items():
+                    assert abs(logprob - ref_logp[i, token].item()) <= 1e-4, (strategy, len(prompt), i, token)

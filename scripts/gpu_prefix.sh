@@ -10,7 +10,7 @@
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
 # SERVE_EXTRA: more server arguments (say "--log-level debug": each chunk's size and time in stderr.log).
 # PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
-# against --offline at 8K and 128K, same engine, same run). Results: $OUT/results.tgz (one directory per configuration).
+# against --offline at 8K and 128K, same engine, same run; HTTP_REPEATS, default 2). Results: $OUT/results.tgz (one directory per configuration).
 set -uo pipefail
 bash .fa4b/install.sh || exit 3
 source "$(dirname "$0")/gpu_env.sh"
@@ -48,7 +48,7 @@ if [[ " $PARTS " == *" interference "* ]]; then
   run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"
 fi
 if [[ " $PARTS " == *" http "* ]]; then
-  sweep="--lengths 8192,$LONG --repeats 2 --warmup 1"
+  sweep="--lengths 8192,$LONG --repeats ${HTTP_REPEATS:-2} --warmup 1"
   run sweep-offline 150 sweep $offline $sweep --label "offline"
   run sweep-http 170 sweep --serve "$serve" $sweep --label "HTTP"
 fi

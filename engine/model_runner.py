@@ -190,7 +190,7 @@ class ModelRunner:
         n = token_ids.shape[0]
         held = self.ledger.seqs[seq_id].tokens
         way = self._extend_way(n, held, reserved)
-        shards = self._extend_shards(held, n, reserved=reserved)
+        shards = self._extend_shards(held, n, way)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(n) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
@@ -252,17 +252,14 @@ class ModelRunner:
         fits = after - pages_for(held[keeper], self.block_size) <= free and after <= self.pool.max_pages_per_seq
         return "whole" if fits else "ring"
 
-    def _extend_shards(self, held: list[int], num_tokens: int, plan: bool = False,
-                       reserved: list[int] | None = None):
-        """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence:
-        "whole": all on the worker holding fewest; "ring" (and every plan: `plan`): in zigzag order, sized to
-        level the workers' totals (the cached part is attended by passing queries, in any layout); under
-        replicated K/V, the strategy's one shard. reserved: see _extend_way."""
+    def _extend_shards(self, held: list[int], num_tokens: int, way: str):
+        """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence,
+        for its way (_extend_way; page plans pass "ring"): "whole": all on the worker holding fewest;
+        "ring": in zigzag order, sized to level the workers' totals (the cached part is attended by passing
+        queries, in any layout); under replicated K/V, the strategy's one shard."""
         if self.strategy.replicated_kv:
             return self.strategy.shards(num_tokens)
-        if not plan and self._extend_way(num_tokens, held, reserved) == "whole":
-            return whole_shards(num_tokens, held)
-        return balanced_shards(num_tokens, held)
+        return whole_shards(num_tokens, held) if way == "whole" else balanced_shards(num_tokens, held)
 
     def chunk_pages(self, seq_id: int | None, num_tokens: int, reserved: list[int] | None = None) -> list[int]:
         """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
@@ -271,7 +268,7 @@ class ModelRunner:
         if seq_id is None:
             return self.prefill_pages(num_tokens)
         held = self.ledger.seqs[seq_id].tokens
-        shards = self._extend_shards(held, num_tokens, reserved=reserved)
+        shards = self._extend_shards(held, num_tokens, self._extend_way(num_tokens, held, reserved))
         return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(shards))
 
     def plan_pages(self, held: list[int], num_tokens: int, chunk: int | None) -> list[int]:
@@ -281,7 +278,7 @@ class ModelRunner:
         held = list(held)
         while num_tokens > 0:
             n = min(chunk or num_tokens, num_tokens)
-            take = self.strategy.tokens_per_rank(self._extend_shards(held, n, plan=True))
+            take = self.strategy.tokens_per_rank(self._extend_shards(held, n, "ring"))   # plans: level
             held = [h + t for h, t in zip(held, take)]
             num_tokens -= n
         return [pages_for(h, self.block_size) for h in held]

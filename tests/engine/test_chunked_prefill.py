@@ -225,13 +225,13 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
     held = runner.ledger.seqs[1].tokens
     assert runner._extend_way(64, held) == "ring"
     assert runner._extend_way(8, held) == "whole"
-    assert [s.length for s in runner._extend_shards(held, 8)] == [0, 8]            # kept by worker 1
-    assert [s.length for s in runner._extend_shards(held, 8, plan=True)] == [2, 6]  # plans: level
+    assert [s.length for s in runner._extend_shards(held, 8, "whole")] == [0, 8]    # kept by worker 1
+    assert [s.length for s in runner._extend_shards(held, 8, "ring")] == [2, 6]     # plans: level
     runner.ledger.add(2, [0, 28], [[], [(0, 28)]])               # another sequence: 7 pages of worker 1
     assert runner.ledger.free_pages() == [8, 2]
     assert runner._extend_way(8, held) == "whole"                # 2 more pages: exactly what is free
     assert runner._extend_way(9, held) == "ring"                 # 3: not free on worker 1, so level
-    assert [s.length for s in runner._extend_shards(held, 9)] == [2, 7]
+    assert [s.length for s in runner._extend_shards(held, 9, runner._extend_way(9, held))] == [2, 7]
     assert runner._extend_way(8, held, reserved=[0, 1]) == "ring"   # a decode step in the same call takes 1
     runner.ledger.remove(2)
     runner.pool.max_pages_per_seq = 2                             # a sequence may hold 2 pages on a worker

@@ -10,7 +10,7 @@ import torch
 from engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
                     SamplingParams)
 from engine.cache.ledger import KVLedger
-from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+from hf_reference import assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,7 @@ def test_identical_prompts_share_one_prefill(llm, checkpoint):
         assert not alone.metrics.prefill_stats.get("shared_prefill")
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         for shared_step, alone_step in zip(out.outputs[0].logprobs, alone.outputs[0].logprobs):
-            assert shared_step.keys() == alone_step.keys()
-            assert all(abs(shared_step[t] - alone_step[t]) <= 1e-5 for t in shared_step)
+            assert_same_logprobs(shared_step, alone_step, 1e-5)
     twin_greedy = llm.generate([prompt, prompt], [greedy, greedy])
     assert twin_greedy[1].metrics.prefill_stats.get("shared_prefill")
     assert [o.outputs[0].token_ids for o in twin_greedy] == [ref, ref]

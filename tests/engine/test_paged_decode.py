@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from hf_reference import save_checkpoint
+from hf_reference import assert_same_logprobs, save_checkpoint
 
 GEN = 20
 
@@ -52,8 +52,7 @@ def _mixed_requests(vocab: int, count: int):
 def _assert_same(batched, solo, what):
     assert batched.token_ids == solo.token_ids, what
     for a, b in zip(batched.logprobs, solo.logprobs):
-        assert a.keys() == b.keys(), what
-        assert max(abs(a[t] - b[t]) for t in a) < 1e-4, what
+        assert_same_logprobs(a, b, 1e-4, what)
 
 
 @pytest.mark.parametrize("workers", [2, 3])

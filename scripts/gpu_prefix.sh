@@ -10,7 +10,8 @@
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
 # SERVE_EXTRA: more server arguments (say "--log-level debug": each chunk's size and time in stderr.log).
 # PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
-# against --offline at 8K and 128K, same engine, same run; HTTP_REPEATS, default 2). Results: $OUT/results.tgz (one directory per configuration).
+# against --offline at 8K and 128K, same engine, same run, and the server's TTFT parts per request from its
+# log via scripts/ttft_parts.py; HTTP_REPEATS, default 2). Results: $OUT/results.tgz (one directory per configuration).
 set -uo pipefail
 bash .fa4b/install.sh || exit 3
 source "$(dirname "$0")/gpu_env.sh"
@@ -50,5 +51,7 @@ fi
 if [[ " $PARTS " == *" http "* ]]; then
   sweep="--lengths 8192,$LONG --repeats ${HTTP_REPEATS:-2} --warmup 1"
   run sweep-offline 150 sweep $offline $sweep --label "offline"
-  run sweep-http 170 sweep --serve "$serve" $sweep --label "HTTP"
+  # the server as the offline LLM is (max_model_len = the longest prompt + 1), its request lines at info
+  run sweep-http 170 sweep --serve "$serve --max-model-len $((LONG + 1)) --log-level info" $sweep --label "HTTP"
+  python3 scripts/ttft_parts.py "$out/sweep-http/stderr.log" "$out/sweep-http/results.json" | tee "$out/sweep-http/ttft_parts.md"
 fi

@@ -19,6 +19,7 @@ from server.metrics import Metrics
 from server.prompts import warn_if_default_chat_template
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.stats_log import log_stats_while_busy
+from server.timeline import ReceiveClock
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     if api_key:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(BodySizeLimit, limit=max_body_bytes)
+    app.add_middleware(ReceiveClock)     # the last added runs first: before the body is read
     return app
 
 

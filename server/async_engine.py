@@ -7,6 +7,7 @@ gone, the engine dead) it ends through `close`, once: that aborts it in the engi
 runs (freeing its KV at once), counts it in the metrics and writes its log line.
 """
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,6 +17,7 @@ from engine.errors import EngineDeadError
 from engine.outputs import StepOutput
 from server.errors import APIError
 from server.metrics import Metrics
+from server.timeline import Timeline
 
 log = logging.getLogger("burstserve.requests")
 
@@ -46,9 +48,12 @@ class AsyncEngine:
             raise APIError(429, f"the server is busy: {self.waiting} requests are already waiting for their "
                                 f"first token (--max-waiting {self.max_waiting})", headers={"Retry-After": "1"})
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> "EngineRequest":
-        """`request_id`: the id the client sees (with the choice's index), so the log names it."""
-        return EngineRequest(self, request_id or f"srv-{next(self._ids)}", prompt_ids, params)
+    def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+              timeline: Timeline | None = None) -> "EngineRequest":
+        """`request_id`: the id the client sees (with the choice's index), so the log names it;
+        `timeline`: when the HTTP request arrived and was parsed (its TTFT counts from the arrival)."""
+        timeline = dataclasses.replace(timeline) if timeline is not None else Timeline.start()
+        return EngineRequest(self, request_id or f"srv-{next(self._ids)}", prompt_ids, params, timeline)
 
     def shut_down(self) -> None:
         """At SIGTERM (called on the event loop): refuse new requests and end every live one with a
@@ -62,14 +67,18 @@ class EngineRequest:
     """One prompt's tokens as they exist: `async for step in request`; raises EngineDeadError if
     the engine dies. `close(reason)` ends it early; it is a no-op once the request ended."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 timeline: Timeline):
         self.engine, self.request_id, self.prompt_tokens = engine, request_id, len(prompt_ids)
         loop = asyncio.get_running_loop()
         self._inbox: asyncio.Queue = asyncio.Queue()
-        self.arrival = self._last = time.time()
+        self.timeline = timeline
+        self.arrival = self._last = timeline.received
         self.first_token_time: float | None = None
+        self._ttft_parts = ""         # the TTFT's parts for the log line (server/timeline.py)
         self.generated = 0
         self.finish_reason: str | None = None
+        timeline.submitted = time.time()
         engine.llm.submit(prompt_ids, params, request_id,
                           sink=lambda item: loop.call_soon_threadsafe(self._inbox.put_nowait, item))
         engine.waiting += 1
@@ -105,6 +114,8 @@ class EngineRequest:
         engine.generation_tokens += 1
         if self.first_token_time is None:
             self.first_token_time = item.time
+            self.timeline.delivered = time.time()
+            self._ttft_parts = self.timeline.describe(item.time, item.prefill)
             engine.waiting -= 1
             if not (item.prefill or {}).get("shared_prefill"):
                 engine.prompt_tokens += self.prompt_tokens
@@ -122,6 +133,6 @@ class EngineRequest:
             self.engine.llm.abort(self.request_id)
         self.engine.metrics.finished(reason, when - self.arrival)
         if self.engine.log_requests:
-            ttft = "-" if self.first_token_time is None else f"{self.first_token_time - self.arrival:.3f} s"
-            log.info("request %s finished (%s): %d prompt tokens, TTFT %s, %d output tokens, %.3f s",
+            ttft = self._ttft_parts or "no first token"
+            log.info("request %s finished (%s): %d prompt tokens, %s, %d output tokens, %.3f s",
                      self.request_id, reason, self.prompt_tokens, ttft, self.generated, when - self.arrival)

@@ -8,9 +8,11 @@ from server.logprobs import chat_logprob_entry
 from server.prompts import chat_prompt, resolve_max_tokens, stop_strings
 from server.protocol import ChatCompletionRequest
 from server.streaming import json_response, stream_response
+from server.timeline import Timeline
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw=None):
+    timeline = Timeline.start(raw)
     # 1. what the request's own fields cannot say (protocol.py checked those)
     ctx.check_model(req.model)
     # 2. the prompt, checked against the model
@@ -21,7 +23,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     top = (req.top_logprobs or 0) if req.logprobs else None
     writer = ChatWriter(ctx, req, len(ids))
     events = await start_choices(ctx, [(ids, sampling_params(req, max_tokens, top, j)) for j in range(req.n)],
-                                 stop_strings(req.stop), writer.id)
+                                 stop_strings(req.stop), writer.id, timeline)
     # 4. the response
     if req.stream:
         return stream_response(writer.chunks(events))

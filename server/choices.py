@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from engine import SamplingParams
 from server.context import ServerContext
 from server.text import TextAssembler
+from server.timeline import Timeline
 
 
 @dataclass
@@ -33,22 +34,22 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, choice: int = 0,
 
 
 async def start_choices(ctx: ServerContext, runs: list[tuple[list[int], SamplingParams]],
-                        stops: list[str], response_id: str) -> AsyncIterator[ChoiceEvent]:
+                        stops: list[str], response_id: str, timeline: Timeline) -> AsyncIterator[ChoiceEvent]:
     """Checks what only the engine can (a response_format's schema compiles: off the event loop, the
     first one imports xgrammar) and admits the choices (429/503), all before a response starts;
     then runs them: choice i is runs[i], its engine request `{response_id}-{i}` (the log names it)."""
     if runs and runs[0][1].response_format is not None:   # every choice of a request has the same format
         await asyncio.get_running_loop().run_in_executor(None, ctx.llm.structured_request, runs[0][1])
     ctx.engine.admit(len(runs))
-    return merge_choices([run_choice(ctx, i, ids, params, stops, f"{response_id}-{i}")
+    return merge_choices([run_choice(ctx, i, ids, params, stops, f"{response_id}-{i}", timeline)
                           for i, (ids, params) in enumerate(runs)])
 
 
 async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], params: SamplingParams,
-                     stops: list[str], request_id: str) -> AsyncIterator[ChoiceEvent]:
+                     stops: list[str], request_id: str, timeline: Timeline) -> AsyncIterator[ChoiceEvent]:
     """One prompt's tokens as text deltas; a stop string ends the request early."""
     assembler = TextAssembler(ctx.llm.tokenizer, stops)
-    request = ctx.engine.start(prompt_ids, params, request_id)
+    request = ctx.engine.start(prompt_ids, params, request_id, timeline)
     try:
         async for step in request:
             offset = len(assembler.text)

@@ -9,9 +9,11 @@ from server.logprobs import completion_logprob_entry, token_name
 from server.prompts import completion_prompts, resolve_max_tokens, stop_strings
 from server.protocol import CompletionRequest
 from server.streaming import json_response, stream_response
+from server.timeline import Timeline
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None):
+    timeline = Timeline.start(raw)
     # 1. what the request's own fields cannot say (protocol.py checked those)
     ctx.check_model(req.model)
     if req.best_of not in (None, req.n):
@@ -26,7 +28,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None
     runs = [(ids, sampling_params(req, limit, req.logprobs, j, prompt_logprobs))
             for (_, ids), limit in zip(prompts, limits) for j in range(req.n)]
     writer = CompletionWriter(ctx, req, prompts, score_only)
-    events = await start_choices(ctx, runs, stop_strings(req.stop), writer.id)
+    events = await start_choices(ctx, runs, stop_strings(req.stop), writer.id, timeline)
     # 4. the response
     if req.stream:
         return stream_response(writer.chunks(events))

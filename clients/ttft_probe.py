@@ -3,8 +3,8 @@
     python -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --repeats 3
     python -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 8192 --output-len 128
 Sends token-id prompts of exactly that length (random ids, fresh each time) with stream=true and
-ignore_eos, so each request generates exactly --output-len tokens (default 1). TTFT is the time until
-the first SSE chunk that carries a token; TPOT is (time of the last token chunk - time of the first) /
+ignore_eos, so each request generates exactly --output-len tokens (default 1). TTFT is the time from
+sending the encoded body on an open connection until the first SSE chunk that carries a token; TPOT is (time of the last token chunk - time of the first) /
 (tokens - 1). The server sends one chunk per token; the count is checked against the stream's usage.
 """
 import argparse
@@ -55,6 +55,9 @@ def stream_batch(url: str, model: str | None, prompt_tokens: int, vocab: int, ap
 
     async def run() -> list[RequestTiming]:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+            # one open keep-alive connection per request first, as a client with a pooled session has
+            # (OpenAI's SDK, vLLM's bench): TTFT does not count a TCP connect
+            await asyncio.gather(*(client.get(f"{url}/health") for _ in bodies))
             return list(await asyncio.gather(*(stream_once(client, url, b, headers) for b in bodies)))
     return asyncio.run(run())
 

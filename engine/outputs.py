@@ -1,4 +1,5 @@
 """Results in the shape vLLM users know, and the per-token message workers send back."""
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,18 @@ class Request:
     arrival_time: float
     return_logits: bool = False     # attach the next-token logits of the prompt to the first output
     structured: StructuredRequest | None = None   # set by LLM.submit when params.response_format constrains
+
+    def __getstate__(self) -> dict:
+        """Pickled (on its way to worker 0) with the prompt as an int64 array: a 128K-token prompt then
+        costs ~2.5 ms to pack and unpack, against ~7 ms to pickle and unpickle it as a list."""
+        state = dict(self.__dict__)
+        ids = self.prompt_token_ids
+        state["prompt_token_ids"] = ids if isinstance(ids, array.array) and ids.typecode == "q" else array.array("q", ids)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["prompt_token_ids"] = state["prompt_token_ids"].tolist()
+        self.__dict__.update(state)
 
 
 @dataclass

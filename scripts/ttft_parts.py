@@ -7,12 +7,15 @@ Prints a markdown table of means (ms): client TTFT, the server's TTFT (headers i
 event loop) and its parts, and "wire" = client TTFT - the server's (sending, the SSE write, the read).
 """
 import json
+import os
 import re
 import statistics
 import sys
 
-LINE = re.compile(r"(\d+) prompt tokens, TTFT ([\d.]+) s = read ([\d.]+) ms \+ checks ([\d.]+) ms \+ engine "
-                  r"([\d.]+) ms \(queued ([\d.]+), prefill ([\d.]+)\) \+ back ([\d.]+) ms")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from server.timeline import PARTS_PATTERN  # noqa: E402
+
+PROMPT = re.compile(r"(\d+) prompt tokens, ")
 PARTS = ["ttft", "read", "checks", "engine", "queued", "prefill", "back"]
 
 
@@ -20,11 +23,9 @@ def server_lines(log_path: str) -> dict[int, list[dict]]:
     """prompt tokens -> the server's parts of each request, in the order they finished (ms)."""
     out: dict[int, list[dict]] = {}
     for line in open(log_path, errors="replace"):
-        m = LINE.search(line)
-        if m:
-            values = [float(v) for v in m.groups()[1:]]
-            values[0] *= 1e3
-            out.setdefault(int(m.group(1)), []).append(dict(zip(PARTS, values)))
+        parts, prompt = PARTS_PATTERN.search(line), PROMPT.search(line)
+        if parts and prompt:
+            out.setdefault(int(prompt.group(1)), []).append({k: float(parts.group(k) or 0) for k in PARTS})
     return out
 
 

@@ -15,6 +15,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.context import ServerContext
 from server.errors import ErrorResponse, error_response, install_handlers
+from server.fast_json import FastJSONRoute
 from server.metrics import Metrics
 from server.prompts import warn_if_default_chat_template
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -104,6 +105,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
         llm.shutdown()
 
     app = FastAPI(title="burstserve", lifespan=lifespan)
+    app.router.route_class = FastJSONRoute      # bodies parsed by pydantic-core (server/fast_json.py)
     app.state.ctx = ctx
     install_handlers(app)
 

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Sequence
 
 from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError
@@ -48,7 +49,7 @@ class AsyncEngine:
             raise APIError(429, f"the server is busy: {self.waiting} requests are already waiting for their "
                                 f"first token (--max-waiting {self.max_waiting})", headers={"Retry-After": "1"})
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
               timeline: Timeline | None = None) -> "EngineRequest":
         """`request_id`: the id the client sees (with the choice's index), so the log names it;
         `timeline`: when the HTTP request arrived and was parsed (its TTFT counts from the arrival)."""
@@ -67,7 +68,7 @@ class EngineRequest:
     """One prompt's tokens as they exist: `async for step in request`; raises EngineDeadError if
     the engine dies. `close(reason)` ends it early; it is a no-op once the request ended."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  timeline: Timeline):
         self.engine, self.request_id, self.prompt_tokens = engine, request_id, len(prompt_ids)
         loop = asyncio.get_running_loop()

@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from engine import SamplingParams
 from server.context import ServerContext
@@ -45,7 +45,7 @@ async def start_choices(ctx: ServerContext, runs: list[tuple[list[int], Sampling
                           for i, (ids, params) in enumerate(runs)])
 
 
-async def run_choice(ctx: ServerContext, index: int, prompt_ids: list[int], params: SamplingParams,
+async def run_choice(ctx: ServerContext, index: int, prompt_ids: Sequence[int], params: SamplingParams,
                      stops: list[str], request_id: str, timeline: Timeline) -> AsyncIterator[ChoiceEvent]:
     """One prompt's tokens as text deltas; a stop string ends the request early."""
     assembler = TextAssembler(ctx.llm.tokenizer, stops)

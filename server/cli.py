@@ -150,8 +150,10 @@ def worker(args) -> None:
 
 def serve(args) -> None:
     from engine import LLM, BurstServeError
+    from engine.worker import GIL_SWITCH_INTERVAL
     from server.app import build_app
     _setup_logging(args)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)    # the router thread delivers tokens while a long body parses
     if args.node_rank != 0:
         log.error("burstserve serve runs the head, node rank 0; on the other hosts run `burstserve worker "
                   "--node-rank R ...` (R = 1 .. --nnodes - 1)")

@@ -1,6 +1,7 @@
 """POST /v1/completions: validate, prompts, the engine, the response (in that order, one way)."""
 import time
 import uuid
+from typing import Sequence
 
 from server.choices import ChoiceEvent, sampling_params, start_choices
 from server.context import ServerContext
@@ -38,7 +39,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw=None
 class _Choice:
     """One choice's text and legacy logprobs as they accumulate."""
 
-    def __init__(self, prefix: str, prompt_ids: list[int]):
+    def __init__(self, prefix: str, prompt_ids: Sequence[int]):
         self.prefix, self.text, self.tokens, self.finish_reason = prefix, prefix, 0, None
         self.cached_tokens = 0      # its prompt's tokens found in the prefix cache
         self.prompt_ids = prompt_ids
@@ -57,7 +58,7 @@ class CompletionWriter:
         self.ctx, self.req, self.prompts, self.score_only = ctx, req, prompts, score_only
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         tok = ctx.llm.tokenizer
-        self.choices = [_Choice((text if text is not None else tok.decode(ids)) if req.echo else "", ids)
+        self.choices = [_Choice((text if text is not None else tok.decode(ids.tolist())) if req.echo else "", ids)
                         for text, ids in prompts for _ in range(req.n)]
 
     async def body(self, events) -> dict:
@@ -103,7 +104,7 @@ class CompletionWriter:
         return prompt_entry, choice.append({"tokens": [name], "token_logprobs": [lp], "top_logprobs": [top],
                                             "text_offset": [offset]})
 
-    def _prompt_entry(self, prompt_ids: list[int], scored: list) -> dict:
+    def _prompt_entry(self, prompt_ids: Sequence[int], scored: list) -> dict:
         """The echoed prompt's logprobs (its first token has none), offsets counted from the text's start."""
         tok, req = self.ctx.llm.tokenizer, self.req
         entry, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0

@@ -1,7 +1,12 @@
 """Prompts as token ids, checked against the model: the vocabulary, the context length, the KV
-capacity. Chat messages are rendered with the tokenizer's chat template, or a plain default."""
+capacity. Chat messages are rendered with the tokenizer's chat template, or a plain default.
+A checked prompt is an int64 array (array.array "q"): checked in C, and it crosses to the engine's
+worker as bytes (engine/outputs.py Request)."""
+import array
 import asyncio
 import logging
+
+import torch
 
 from engine.errors import InvalidRequestError
 from server.context import ServerContext
@@ -30,20 +35,21 @@ async def encode_text(ctx: ServerContext, text: str) -> list[int]:
     return await asyncio.get_running_loop().run_in_executor(None, ctx.llm.tokenizer.encode, text)
 
 
-async def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) for each prompt of a completion request."""
-    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+async def completion_prompts(ctx: ServerContext, prompt) -> list[tuple[str | None, array.array]]:
+    """(text or None, token ids) for each prompt of a completion request (protocol.py validated it: a
+    string, or a list whose items are all of one kind)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
         items = [prompt]
     else:
         items = list(prompt)
     out = []
     for item in items:
-        ids = await encode_text(ctx, item) if isinstance(item, str) else list(item)
+        ids = await encode_text(ctx, item) if isinstance(item, str) else item
         out.append((item if isinstance(item, str) else None, check_token_ids(ctx, ids)))
     return out
 
 
-async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> array.array:
     """The messages rendered and tokenized."""
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     tok = ctx.llm.tokenizer
@@ -57,14 +63,20 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     return check_token_ids(ctx, await asyncio.get_running_loop().run_in_executor(None, render))
 
 
-def check_token_ids(ctx: ServerContext, ids: list[int]) -> list[int]:
+def check_token_ids(ctx: ServerContext, ids: list[int]) -> array.array:
+    """The ids as an int64 array, each checked to be in the vocabulary (a 128K-token prompt in ~2 ms)."""
     vocab = ctx.llm.model_config.vocab_size
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
-    if min(ids) < 0 or max(ids) >= vocab:       # builtins first: a 128K-token prompt in 3 ms
+    try:
+        packed = array.array("q", ids)
+    except OverflowError:                        # beyond int64: outside any vocabulary
+        packed = None
+    values = torch.frombuffer(packed, dtype=torch.int64) if packed is not None else None
+    if values is None or int(values.min()) < 0 or int(values.max()) >= vocab:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-    return ids
+    return packed
 
 
 def resolve_max_tokens(ctx: ServerContext, prompt_tokens: int, requested: int | None, where: str,

@@ -130,10 +130,11 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _token_ids_at_once(cls, value, handler):
-        """A prompt of token ids, checked in one pass over C-level builtins: the per-element validators
-        cost about 60 ms a 128K-token prompt on the request's path to its first token. Anything else
-        (text, several prompts, a bad id) takes the full validation and its error messages."""
-        if type(value) is list and value and set(map(type, value)) == {int} and min(value) >= 0:
+        """A prompt of token ids, its types checked in one pass over C-level builtins (2 ms at 128K
+        tokens; the per-element validators cost about 60 ms), its range with the vocabulary in
+        server/prompts.py. Anything else (text, several prompts, a bad type) takes the full validation
+        and its error messages."""
+        if type(value) is list and value and set(map(type, value)) == {int}:
             return value
         return handler(value)
 

@@ -57,6 +57,18 @@ class PrefixCache:
                 if not holders:
                     del self.index[key]
 
+    def _indexed_keys(self, tokens: list[int], limit: int) -> list[int]:
+        """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that
+        shares a longer prefix holds every shorter one's key too, so a miss costs one block's hash, not
+        the prompt's (4 ms at 128K tokens)."""
+        keys, key = [], None
+        for start in range(0, min(limit, len(tokens)) - BLOCK + 1, BLOCK):
+            key = hash((key, tuple(tokens[start:start + BLOCK])))
+            if key not in self.index:
+                break
+            keys.append(key)
+        return keys
+
     def oldest(self) -> int:
         return next(iter(self.entries))
 
@@ -66,7 +78,7 @@ class PrefixCache:
         token), or None if no entry shares a whole block. The entry becomes the most recently used."""
         self.queries += len(prompt)
         best = None
-        keys = block_keys(prompt, len(prompt) - 1)
+        keys = self._indexed_keys(prompt, len(prompt) - 1)
         for depth in range(len(keys), 0, -1):
             holders = sorted(self.index.get(keys[depth - 1], ()), key=self.used.__getitem__, reverse=True)
             for seq_id in holders:                          # most recently used first

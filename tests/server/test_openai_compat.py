@@ -343,6 +343,31 @@ def test_each_request_is_logged_with_its_id_tokens_and_ttft(tiny):
     assert _number(REQUEST_LINE["output tokens"], line) == out["usage"]["completion_tokens"], line
 
 
+def test_the_request_line_splits_the_ttft_into_parts_that_add_up(tiny):
+    """A streamed token-id prompt (fresh random ids): its line's TTFT (headers in -> token on the event loop)
+    is read + checks + engine + back, engine holds the workers' queued and prefill, and the client, whose
+    wait encloses the server's, saw at least that TTFT."""
+    import random
+    from server.timeline import PARTS_PATTERN
+    prompt = [random.randrange(320) for _ in range(random.randrange(200, 600))]
+    sent = time.perf_counter()
+    with httpx.stream("POST", tiny.url(C), headers=tiny.headers, timeout=60,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        client_ttft_ms = (time.perf_counter() - sent) * 1e3
+        list(lines)
+    line = _wait_for_log(tiny, re.escape(json.loads(first[6:])["id"]))[-1]
+    m = PARTS_PATTERN.search(line)
+    assert m and m.group("queued") is not None, line
+    p = {k: float(v) for k, v in m.groupdict().items()}
+    assert min(p.values()) >= 0 and p["engine"] > 0, line
+    assert abs(p["read"] + p["checks"] + p["engine"] + p["back"] - p["ttft"]) <= 0.25, line   # 0.05 ms rounding each
+    assert p["queued"] + p["prefill"] <= p["engine"] + 0.1, line
+    assert client_ttft_ms >= p["ttft"] - 0.1, (client_ttft_ms, line)
+    assert _number(REQUEST_LINE["prompt tokens"], line) == len(prompt), line
+
+
 def test_disable_log_requests_logs_no_request():
     srv = LiveServer(["--model", "tiny", *DEVICE_ARGS, "--dtype", "float32", "--max-model-len", "256",
                       "--kv-cache-tokens", "2048", "--disable-log-requests"], api_key=KEY, log_level="info")

@@ -7,7 +7,8 @@ field. What needs the model (vocabulary, context length) is checked in server/pr
 Responses are built in server/completions.py and server/chat.py in OpenAI's shapes."""
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError,
+                      field_validator)
 
 from engine.sampling import MAX_LOGPROBS
 
@@ -15,6 +16,7 @@ MAX_N = 64           # choices per prompt
 MAX_STOPS = 16
 SEED_RANGE = dict(ge=-(1 << 53), le=1 << 53)   # a torch seed even as seed + j; exact as a JSON number (a double) too
 STRICT = ConfigDict(strict=True)
+TOKEN_IDS = TypeAdapter(list[StrictInt])   # one pass in pydantic-core: 1.2 ms for 128K ids (bools refused)
 
 
 def _number_only(value):
@@ -130,12 +132,15 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _token_ids_at_once(cls, value, handler):
-        """A prompt of token ids, its types checked in one pass over C-level builtins (2 ms at 128K
-        tokens; the per-element validators cost about 60 ms), its range with the vocabulary in
+        """A prompt of token ids, its types checked in one pass in pydantic-core (TOKEN_IDS; the union's
+        per-element validators cost about 60 ms at 128K tokens), its range with the vocabulary in
         server/prompts.py. Anything else (text, several prompts, a bad type) takes the full validation
         and its error messages."""
-        if type(value) is list and value and set(map(type, value)) == {int}:
-            return value
+        if type(value) is list and value and type(value[0]) is int:
+            try:
+                return TOKEN_IDS.validate_python(value)
+            except ValidationError:
+                pass
         return handler(value)
 
     @field_validator("suffix")

@@ -7,6 +7,8 @@ import torch
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest
 
+PROMPT_TYPECODE = "i"   # int32 token ids (every vocabulary is far below 2**31): a prompt's form on the way to worker 0
+
 
 @dataclass
 class Request:
@@ -19,11 +21,12 @@ class Request:
     structured: StructuredRequest | None = None   # set by LLM.submit when params.response_format constrains
 
     def __getstate__(self) -> dict:
-        """Pickled (on its way to worker 0) with the prompt as an int64 array: a 128K-token prompt then
-        costs ~2.5 ms to pack and unpack, against ~7 ms to pickle and unpickle it as a list."""
+        """Pickled (on its way to worker 0) with the prompt as an int32 array (PROMPT_TYPECODE): a
+        128K-token prompt then crosses in ~4 ms, against ~7 to pickle and unpickle it as a list."""
         state = dict(self.__dict__)
         ids = self.prompt_token_ids
-        state["prompt_token_ids"] = ids if isinstance(ids, array.array) and ids.typecode == "q" else array.array("q", ids)
+        packed = isinstance(ids, array.array) and ids.typecode == PROMPT_TYPECODE
+        state["prompt_token_ids"] = ids if packed else array.array(PROMPT_TYPECODE, ids)
         return state
 
     def __setstate__(self, state: dict) -> None:

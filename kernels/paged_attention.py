@@ -22,7 +22,7 @@ have seq_lens_k 0 (a padding slot of a CUDA-graph batch): out 0, lse -inf.
 
 Backends, chosen by device:
 - "reference": any device; gathers each sequence's blocks and calls kernels.attention.reference_attention.
-- "dense": CUDA without flash-attn-4; gathers and calls the best dense backend (select_backend).
+- "dense": without flash-attn-4 (CUDA, or the CPU); gathers and calls the best dense backend (select_backend).
   Both gathered paths read lengths on the host (not capturable in a CUDA graph).
 - "fa4": flash_attn.cute's varlen kernel reading the cache through `page_table` / `seqused_k`; no
   host synchronization, so a CUDA graph can capture it (fixed shapes). When there are too few query
@@ -60,7 +60,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1))."""
     if backend == "auto":
-        backend = "reference" if q.device.type != "cuda" else ("fa4" if fa4_available(q.device) else "dense")
+        backend = "fa4" if fa4_available(q.device) else "dense"
     if backend == "fa4":
         return _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks,
                     max_seqlen_q, rows_see_keys)

@@ -4,7 +4,8 @@ server/timeline.py) of a `bench sweep --serve` run, paired in order with the swe
     python scripts/ttft_parts.py OUT/sweep-http/stderr.log OUT/sweep-http/results.json
 
 Prints a markdown table of means (ms): client TTFT, the server's TTFT (headers in -> first token on its
-event loop) and its parts, and "wire" = client TTFT - the server's (sending, the SSE write, the read).
+event loop) and its parts, "wire" = client TTFT - the server's (sending, the SSE write, the read), and
+"HTTP - engine" = client TTFT - the engine's part (what offline TTFT measures) of the same request.
 """
 import json
 import os
@@ -33,8 +34,8 @@ def main(log_path: str, results_path: str) -> None:
     rows = json.load(open(results_path))["rows"]
     lines = server_lines(log_path)
     print("| prompt tokens | requests | client TTFT | server TTFT | read | checks | engine | of which queued | "
-          "of which prefill | back | wire (client - server) | HTTP - engine |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "of which prefill | back | wire (client - server) | HTTP - engine | its median |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         n = row["prompt_tokens"]
         client = row["warmup_ttft_ms_samples"] + row["ttft_ms_samples"]
@@ -46,10 +47,10 @@ def main(log_path: str, results_path: str) -> None:
         client, server = client[warm:], server[warm:]
         mean = {k: statistics.fmean(s[k] for s in server) for k in PARTS}
         wire = statistics.fmean(c - s["ttft"] for c, s in zip(client, server))
-        over = statistics.fmean(c - s["engine"] for c, s in zip(client, server))
+        overs = [c - s["engine"] for c, s in zip(client, server)]
         print(f"| {n} | {len(client)} | {statistics.fmean(client):.1f} | {mean['ttft']:.1f} | {mean['read']:.1f} | "
               f"{mean['checks']:.1f} | {mean['engine']:.1f} | {mean['queued']:.1f} | {mean['prefill']:.1f} | "
-              f"{mean['back']:.1f} | {wire:.1f} | {over:.1f} |")
+              f"{mean['back']:.1f} | {wire:.1f} | {statistics.fmean(overs):.1f} | {statistics.median(overs):.1f} |")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def serve_parser(sub) -> None:
                    help="--sp-strategy auto: the longest prompt that uses ulysses")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then cuDNN, "
-                        "PyTorch's FA2; the reference on CPU) or one by name")
+                        "PyTorch's FA2; on CPU PyTorch's CPU flash kernel, then the reference) or one by name")
     p.add_argument("--no-overlap", action="store_true", help="exchange K/V blocks without overlapping compute")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")

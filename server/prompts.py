@@ -1,7 +1,7 @@
 """Prompts as token ids, checked against the model: the vocabulary, the context length, the KV
 capacity. Chat messages are rendered with the tokenizer's chat template, or a plain default.
-A checked prompt is an int64 array (array.array "q"): checked in C, and it crosses to the engine's
-worker as bytes (engine/outputs.py Request)."""
+A checked prompt is an int32 array (array.array, engine.outputs.PROMPT_TYPECODE): checked in C, and it
+crosses to the engine's worker as bytes (engine/outputs.py Request)."""
 import array
 import asyncio
 import logging
@@ -9,6 +9,7 @@ import logging
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.outputs import PROMPT_TYPECODE
 from server.context import ServerContext
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -64,15 +65,15 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> array.a
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int]) -> array.array:
-    """The ids as an int64 array, each checked to be in the vocabulary (a 128K-token prompt in ~2 ms)."""
+    """The ids as the engine's int32 array, each checked to be in the vocabulary (~2 ms at 128K tokens)."""
     vocab = ctx.llm.model_config.vocab_size
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
     try:
-        packed = array.array("q", ids)
-    except OverflowError:                        # beyond int64: outside any vocabulary
+        packed = array.array(PROMPT_TYPECODE, ids)
+    except OverflowError:                        # beyond int32: outside any vocabulary
         packed = None
-    values = torch.frombuffer(packed, dtype=torch.int64) if packed is not None else None
+    values = torch.frombuffer(packed, dtype=torch.int32) if packed is not None else None
     if values is None or int(values.min()) < 0 or int(values.max()) >= vocab:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")

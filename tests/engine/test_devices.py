@@ -149,7 +149,7 @@ def test_serve_and_bench_refuse_the_old_worker_count(tmp_path):
     assert "burstserve bench: error: --serve '--model tiny': server exited with 2" in proc.stderr
 
 
-@pytest.mark.parametrize("backend", ["flash-attn", "cudnn", "flash"])
+@pytest.mark.parametrize("backend", ["flash-attn", "cudnn"])
 def test_a_gpu_attention_backend_is_refused_on_cpu_before_any_worker(backend):
     from engine import LLM
     with pytest.raises(DeviceSpecError, match=f"--attention-backend {backend} needs CUDA GPUs, but the devices are cpu"):
@@ -165,8 +165,21 @@ def test_attention_backend_on_the_command_line_is_one_line_and_exit_2():
     assert "--attention-backend flash-attn needs CUDA GPUs" in r.stderr
 
 
-def test_reference_backend_serves_on_cpu():
+def test_reference_and_flash_backends_serve_on_cpu_alike():
+    """`reference` and `flash` (PyTorch's CPU flash kernel, what auto picks on CPU) by name: the same
+    greedy tokens and logprobs (fp32) for a fresh random prompt."""
+    import random
     from engine import LLM, SamplingParams
-    with LLM(model="tiny", devices="cpu", attention_backend="reference") as llm:
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        assert llm.kernel == "reference" and len(out[0].outputs[0].token_ids) == 2
+    from hf_reference import assert_same_logprobs
+    prompt = [random.randrange(300) for _ in range(random.randrange(50, 400))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for backend in ("reference", "flash", "auto"):
+        with LLM(model="tiny", devices="cpu", dtype="float32", attention_backend=backend) as llm:
+            outs[backend] = llm.generate([prompt], params)[0].outputs[0]
+            assert llm.kernel == {"auto": "flash"}.get(backend, backend)
+    ref = outs["reference"]
+    for backend in ("flash", "auto"):
+        assert outs[backend].token_ids == ref.token_ids and len(ref.token_ids) == 6
+        for got, want in zip(outs[backend].logprobs, ref.logprobs):
+            assert_same_logprobs(got, want, 1e-4)

@@ -1,0 +1,49 @@
+"""The CPU's dense attention backend (PyTorch's CPU flash kernel) against softmax written out, and the
+backend `auto` picks on CPU."""
+import random
+
+import pytest
+import torch
+
+from kernels.attention import AttentionBackend, _flash_aten, available_backends, select_backend
+
+
+def softmax_attention(q, k, v, causal, scale):
+    """fp32 scores and softmax in full: out [Sq, H, D], lse [Sq, H]; query head j reads K/V head j // group."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale                    # [H, Sq, Sk]
+    if causal:
+        scores.masked_fill_(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out, torch.logsumexp(scores, dim=-1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_flash_matches_softmax(h, hkv, causal):
+    sq = random.randrange(1, 300)
+    sk = sq if causal else random.randrange(1, 300)          # the engine's causal blocks are square
+    d = random.choice([16, 32, 64])
+    q, k, v = torch.randn(sq, h, d), torch.randn(sk, hkv, d), torch.randn(sk, hkv, d)
+    scale = d ** -0.5
+    out, lse = AttentionBackend("flash", _flash_aten)(q, k, v, causal, scale)
+    ref_out, ref_lse = softmax_attention(q, k, v, causal, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_flash_bf16_within_bf16_rounding():
+    q, k, v = (torch.randn(200, 8, 64, dtype=torch.bfloat16), torch.randn(200, 2, 64, dtype=torch.bfloat16),
+               torch.randn(200, 2, 64, dtype=torch.bfloat16))
+    out, lse = AttentionBackend("flash", _flash_aten)(q, k, v, True, 0.125)
+    ref_out, ref_lse = softmax_attention(q, k, v, True, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+
+
+def test_auto_on_cpu_picks_the_flash_kernel():
+    assert available_backends(torch.device("cpu")) == ["flash", "reference"]
+    assert select_backend(torch.device("cpu"), torch.float32, 8, 2, 32).name == "flash"

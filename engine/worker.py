@@ -5,6 +5,7 @@ MASTER_ADDR / MASTER_PORT in the environment; see `main`). There is exactly one 
 to drive the rest: `call(name, *args)` broadcasts (name, args) on a gloo control group and runs
 the same method locally; every other worker loops receiving and running those calls.
 """
+import gc
 import logging
 import os
 import sys
@@ -35,6 +36,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         cfg, max_model_len = resolve_model(engine)
         data_group, control = _init_groups(rank, engine, device, init_method)
         runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
+        freeze_heap()
         outputs.put(("ready", rank, runner.info()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
@@ -48,6 +50,14 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def freeze_heap() -> None:
+    """After start-up: every object alive (torch, the model, its kernels: ~400K) moves to the collector's
+    permanent generation, never walked again. A full collection of them took 185 ms on a 2-core
+    machine: a stall inside a prefill or between two tokens (vLLM and SGLang freeze theirs too)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _setup_device(rank: int, engine: EngineConfig) -> torch.device:

@@ -150,7 +150,7 @@ def worker(args) -> None:
 
 def serve(args) -> None:
     from engine import LLM, BurstServeError
-    from engine.worker import GIL_SWITCH_INTERVAL
+    from engine.worker import GIL_SWITCH_INTERVAL, freeze_heap
     from server.app import build_app
     _setup_logging(args)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)    # the router thread delivers tokens while a long body parses
@@ -185,6 +185,7 @@ def serve(args) -> None:
                     log_stats_interval=args.log_stats_interval)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    freeze_heap()     # the collector never walks torch's and the app's objects again (engine/worker.py)
     try:
         DrainingServer(config, app.state.ctx.engine).run()
     finally:

@@ -242,7 +242,8 @@ def write_doc_section(doc: str, section: str, title: str, runs: list[dict], rows
         lines += [decode_table(rows).strip("\n"), "", f"![time per output token vs prompt length](img/{slug}-tpot.png)",
                   ""]
     lines += ["Details. Warm-up: the TTFT of the first request(s) of that length (kernel plans for new shapes). "
-              "Prefill: the workers' own time. Exchange: all layers' K/V ring exchanges timed alone; exposed: "
+              "Prefill: the workers' own time. Exchange: all layers' K/V ring exchanges alone (from a ring "
+              "step's latency and bandwidth timed at worker start); exposed: "
               "time compute stalled waiting for them (including waiting for a slower peer); hidden = 1 - "
               "exposed / exchange. Peak: the largest peak of allocated GPU memory over the workers.", "",
               details_table(rows).rstrip("\n"), f"<!-- bench:{slug}:end -->", ""]

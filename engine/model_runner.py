@@ -22,6 +22,7 @@ from engine.devices import synchronize
 from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
+from engine.parallel.exchange_time import ExchangeTime
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import balanced_shards, owner_of_position, whole_shards
 from engine.parallel.vocab import VocabShards
@@ -79,7 +80,9 @@ class ModelRunner:
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         self._warm_extend_kernels()
-        self._exchange_alone: dict[int, float] = {}        # prompt length -> seconds of its exchanges alone
+        # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)
+        self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, (2, attn.num_kv_heads, cfg.head_dim),
+                                                   dtype, device) if self.ring is not None else None)
         log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB), decode %s", rank, num_pages,
                  self.block_size, self.pool.bytes() / 2**30, "in CUDA graphs" if self.graphs else "eager")
 
@@ -91,7 +94,7 @@ class ModelRunner:
         shards = self.strategy.shards(token_ids.shape[0])
         chosen = self.strategy.for_prompt(token_ids.shape[0], self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q [n, H, D], kv) -> [n, H, D]
-        exchange_alone = self._exchange_seconds_alone(chosen, attention, token_ids.shape[0])   # first time per length
+        exchange_alone = self._exchange_seconds_alone(chosen, shards)      # arithmetic (ExchangeTime)
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
@@ -380,17 +383,11 @@ class ModelRunner:
     def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int) -> torch.Tensor:
         return self.decode_forward(step_inputs.to(self.device, non_blocking=True), num_pages)
 
-    def _exchange_seconds_alone(self, chosen: PrefillStrategy, attention, num_tokens: int) -> float:
-        """All layers' exchanges timed alone, once per prompt length (cached); 0 without a K/V ring."""
-        if self.ring is None or not chosen.times_exchanges:
+    def _exchange_seconds_alone(self, chosen: PrefillStrategy, shards) -> float:
+        """All layers' ring exchanges alone for this prompt, from the fit made at start; 0 without a K/V ring."""
+        if self.exchange_time is None or not chosen.times_exchanges:
             return 0.0
-        if num_tokens not in self._exchange_alone:
-            if len(self._exchange_alone) > 64:
-                self._exchange_alone.clear()
-            shape = (2, self.cfg.num_kv_heads, self.cfg.head_dim)
-            per_layer = attention.time_exchanges_alone(shape, self.dtype, self.device)
-            self._exchange_alone[num_tokens] = per_layer * self.cfg.num_layers
-        return self._exchange_alone[num_tokens]
+        return self.exchange_time.layer_seconds([s.length for s in shards]) * self.cfg.num_layers
 
     def prefill_pages(self, num_tokens: int) -> list[int]:
         """Pages each worker takes to prefill a prompt of num_tokens (for the scheduler's admission)."""

@@ -12,12 +12,10 @@ Without a causal mask (causal=False) every step is all local queries to the whol
 The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
 the paper's ablation without its local attention optimization) are at the end.
 """
-import time
 from functools import partial
 
 import torch
 
-from engine.devices import synchronize
 from engine.parallel.ring import RingCommunicator, RingPass
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
@@ -52,23 +50,6 @@ class BurstAttention:
 
         self.ring_pass.run(kv, attend)
         return acc["out"].to(q.dtype), acc["lse"]
-
-    def time_exchanges_alone(self, block_shape: tuple, dtype: torch.dtype, device: torch.device,
-                             rounds: int = 3) -> float:
-        """Seconds one layer's G-1 exchanges take with nothing else running (best of `rounds`, after
-        an untimed round that allocates the buffers): the yardstick for how much of them overlap
-        hides. Collective: every worker calls it at the same point."""
-        local = torch.empty((self.shards[self.rank].length,) + tuple(block_shape), dtype=dtype, device=device)
-        best = float("inf")
-        for round_ in range(rounds + 1):
-            synchronize(device)
-            start = time.perf_counter()
-            self.ring_pass.run(local, lambda source, block: None)
-            synchronize(device)
-            if round_ > 0:
-                best = min(best, time.perf_counter() - start)
-        self.ring.collect_stats()   # not part of the prefill's own figures
-        return best
 
     def _attend_block(self, q, block, source):
         """-> (query rows, out, lse) of this worker's queries against one worker's K/V block."""

@@ -6,7 +6,7 @@ stream that first waits for all compute issued so far (so a buffer is never
 overwritten while still being read); on CPU (gloo) the transfer runs on gloo's own threads. Each
 exchange records how long it took as it ran and how long compute stalled waiting for it (the
 exposed time). The share hidden is judged against the exchanges' time alone (see
-BurstAttention.time_exchanges_alone), since overlap itself stretches a transfer.
+engine/parallel/exchange_time.py), since overlap itself stretches a transfer.
 """
 import time
 from dataclasses import dataclass, field

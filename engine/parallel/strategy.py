@@ -48,7 +48,7 @@ class PrefillContext:
 class PrefillStrategy:
     name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
-    times_exchanges = False    # its attention offers time_exchanges_alone (the ring's yardstick for overlap)
+    times_exchanges = False    # its prefill runs the K/V ring, whose overlap is judged (engine/parallel/exchange_time.py)
     shards_weights = False     # burst-zero: layer weights in tp's slices, gathered whole for each prefill layer
 
     def __init__(self, world_size: int):

@@ -190,7 +190,9 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     taken = []
     real = ea.split_prefix_attention
     monkeypatch.setattr(ea, "split_prefix_attention", lambda *a: taken.append(a[5].used.shape[0]) or real(*a))
-    engine = EngineConfig(model=path, devices=["cuda:0"], dtype="bfloat16")
+    # a pool for this prompt only: the runner lives in this process, and a pool sized from free memory
+    # (0.9 of the GPU) would leave the next test's engine no room until the collector found the runner
+    engine = EngineConfig(model=path, devices=["cuda:0"], dtype="bfloat16", kv_cache_tokens=8192)
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
     ids = [random.randrange(2000) for _ in range(4100)]

@@ -9,19 +9,25 @@ O(prompt / BLOCK) dictionary lookups; the match is then checked token by token a
 evicts entries least recently used first when it needs pages; an entry is copied from, never
 shared, so evicting one never touches a running sequence.
 """
+import itertools
 from collections import OrderedDict
+from typing import Iterator
 
 BLOCK = 16          # tokens per hashed block
 
 
-def block_keys(tokens: list[int], limit: int | None = None) -> list[int]:
-    """The hash chain over the whole blocks of tokens[:limit]."""
-    keys, key = [], None
+def chain(tokens: list[int], limit: int | None = None) -> Iterator[int]:
+    """The hash chain over the whole blocks of tokens[:limit], one key at a time."""
+    key = None
     n = len(tokens) if limit is None else min(limit, len(tokens))
     for start in range(0, n - BLOCK + 1, BLOCK):
         key = hash((key, tuple(tokens[start:start + BLOCK])))
-        keys.append(key)
-    return keys
+        yield key
+
+
+def block_keys(tokens: list[int], limit: int | None = None) -> list[int]:
+    """The hash chain over the whole blocks of tokens[:limit]."""
+    return list(chain(tokens, limit))
 
 
 class PrefixCache:
@@ -61,13 +67,7 @@ class PrefixCache:
         """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that
         shares a longer prefix holds every shorter one's key too, so a miss costs one block's hash, not
         the prompt's (4 ms at 128K tokens)."""
-        keys, key = [], None
-        for start in range(0, min(limit, len(tokens)) - BLOCK + 1, BLOCK):
-            key = hash((key, tuple(tokens[start:start + BLOCK])))
-            if key not in self.index:
-                break
-            keys.append(key)
-        return keys
+        return list(itertools.takewhile(self.index.__contains__, chain(tokens, limit)))
 
     def oldest(self) -> int:
         return next(iter(self.entries))

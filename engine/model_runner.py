@@ -153,7 +153,11 @@ class ModelRunner:
         self._sync()
         start_time = time.perf_counter()
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
-        hidden = self.model.forward(ids, positions, attend, whole_layers=self.whole_layers)   # [m, hidden]
+        if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
+            wrapped = HelixDecodeAttention(attend, self.cfg, self.rank, self.world_size, self.data_group)
+            hidden = self.model.forward(ids, positions, wrapped)        # the tp slices, as decode: no weight moves
+        else:
+            hidden = self.model.forward(ids, positions, attend, whole_layers=self.whole_layers)   # [m, hidden]
         logits = self._logits_of_row(hidden, *last)                                # [V], on every worker
         return self._extend_result(logits, start, start_time, "extend", attend.way)
 

@@ -24,7 +24,7 @@ from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.exchange_time import ExchangeTime
 from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import balanced_shards, owner_of_position, whole_shards
+from engine.parallel.sharding import balanced_shards, owner_of_position, whole_keeper, whole_shards
 from engine.parallel.vocab import VocabShards
 from engine.parallel.zero import LayerGather
 from engine.helix_decode import HelixDecodeAttention
@@ -253,7 +253,7 @@ class ModelRunner:
             return "local"
         if num_tokens >= self.engine.extend_ring_min_tokens:
             return "ring"
-        keeper = held.index(min(held))
+        keeper = whole_keeper(held)                                      # whole_shards places them there
         after = pages_for(held[keeper] + num_tokens, self.block_size)
         free = self.ledger.free_pages()[keeper] - (reserved[keeper] if reserved else 0)
         fits = after - pages_for(held[keeper], self.block_size) <= free and after <= self.pool.max_pages_per_seq

@@ -88,10 +88,15 @@ def balanced_shards(num_tokens: int, held: list[int]) -> list[Shard]:
     return [Shard(r, bounds[r], bounds[2 * w - 1 - r]) for r in range(w)]
 
 
+def whole_keeper(held: list[int]) -> int:
+    """The worker that keeps a whole extend's K/V: the one holding fewest tokens of the sequence (the
+    lowest rank among equals), so that chunk after chunk the workers stay within one chunk of level."""
+    return held.index(min(held))
+
+
 def whole_shards(num_tokens: int, held: list[int]) -> list[Shard]:
-    """All num_tokens new positions (0-based) on one worker: the one holding fewest tokens of the
-    sequence (the lowest rank among equals), so that chunk after chunk the workers stay within one
-    chunk of level. For an incremental prefill run whole on every worker (engine/extend_attention.py):
-    every worker runs the new tokens, and this one keeps their K/V."""
-    owner = held.index(min(held))
+    """All num_tokens new positions (0-based) on one worker, whole_keeper(held). For an incremental
+    prefill run whole on every worker (engine/extend_attention.py): every worker runs the new tokens,
+    and this one keeps their K/V."""
+    owner = whole_keeper(held)
     return [Shard(r, (0, num_tokens if r == owner else 0), (num_tokens, num_tokens)) for r in range(len(held))]

@@ -150,8 +150,8 @@ def _sweep(lm, mesh, rank: int, lengths: list[int], repeats: int, warmup: int, r
             for i in range(warmup + repeats):
                 (warm if i < warmup else timed).append(_first_token_seconds(lm, mesh, n, seed=i))
         except torch.cuda.OutOfMemoryError as e:
-            error = f"{type(e).__name__}: {e}"
-        if rank == 0:
+            error = f"{type(e).__name__} on rank {rank}: {e}"
+        if rank == 0 or error:        # another rank's OOM is the row's too: rank 0 would wait in a collective
             results.put(("row", n, warm, timed, torch.cuda.max_memory_allocated() / 2**30, error))
         if error:
             return

@@ -95,6 +95,9 @@ class LLM:
                                       "and a decode step cannot be one forward pass: leave --mixed-batch off",
                                       "mixed_batch")
         if sp_strategy == "single":
+            if nnodes > 1:
+                raise InvalidRequestError("--sp-strategy single runs on one device; it cannot span hosts "
+                                          f"(--nnodes {nnodes})", "sp_strategy")
             device_list = device_list[:1]
         dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
         refusal = quantization_refusal(quantization, device_list, dtype)

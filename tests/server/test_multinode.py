@@ -146,3 +146,11 @@ def test_a_mismatched_host_is_refused_and_a_missing_one_fails_the_head(checkpoin
         kill_group(joiner.pid)
         if "server" in box:
             box["server"].stop()
+
+
+def test_single_cannot_span_hosts():
+    """`single` runs on one device: asked for with --nnodes 2 it is refused before anything starts."""
+    from engine import LLM
+    from engine.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="cannot span hosts"):
+        LLM("tiny", devices="cpu", sp_strategy="single", nnodes=2, master_port=free_port())

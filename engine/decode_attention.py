@@ -57,13 +57,22 @@ def merge_over_workers(out: torch.Tensor, lse: torch.Tensor, world_size: int, gr
 
 def all_gather(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
     """x [...] -> [world_size, ...]; one collective."""
+    return stacked(start_all_gather(x, world_size, group)[0])
+
+
+def start_all_gather(x: torch.Tensor, world_size: int, group=None, async_op: bool = False):
+    """Gathers every worker's x -> (what `stacked` turns into [world_size, ...], the work if async_op):
+    one tensor on CUDA (all_gather_into_tensor), a list on gloo."""
+    x = x.contiguous()
     if x.is_cuda:
         out = torch.empty((world_size,) + x.shape, dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return out, dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
     parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.stack(parts)
+    return parts, dist.all_gather(parts, x, group=group, async_op=async_op)
+
+
+def stacked(gathered) -> torch.Tensor:
+    return torch.stack(gathered) if isinstance(gathered, list) else gathered
 
 
 def all_gather_rows(x: torch.Tensor, lengths: list[int], group=None) -> torch.Tensor:

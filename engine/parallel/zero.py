@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.decode_attention import stacked, start_all_gather
 from engine.model import LayerWeights
 from engine.parallel.burst_attention import BurstStrategy
 from engine.parallel.tensor_parallel import local_kv_heads, tp_check, tp_local_config, tp_slices
@@ -131,13 +132,13 @@ class LayerGather:
     def _start(self, i: int) -> None:
         local = self.layers[i]
         parts = [local.qkv, local.o, local.gate_up, local.down] + ([local.qkv_bias] if local.qkv_bias is not None else [])
-        gathered = [_gather_async(t, self.world_size, self.group) for t in parts]
+        gathered = [start_all_gather(t, self.world_size, self.group, async_op=True) for t in parts]
         self._arriving[i] = ([g for g, _ in gathered], [w for _, w in gathered])
 
     def _assemble(self, local: LayerWeights, buffers: list) -> LayerWeights:
         """The gathered [W, ...] slices in the whole weights' layout."""
-        qkv, o, gate_up, down = (_stacked(b) for b in buffers[:4])
-        bias = _stacked(buffers[4]).reshape(-1).index_select(0, self.qkv_index) if len(buffers) > 4 else None
+        qkv, o, gate_up, down = (stacked(b) for b in buffers[:4])
+        bias = stacked(buffers[4]).reshape(-1).index_select(0, self.qkv_index) if len(buffers) > 4 else None
         return LayerWeights(
             qkv=qkv.flatten(0, 1).index_select(0, self.qkv_index),              # [(H + 2 Hkv) D, hidden]
             qkv_bias=bias,
@@ -145,17 +146,3 @@ class LayerGather:
             gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
             down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
             input_norm=local.input_norm, post_norm=local.post_norm)
-
-
-def _gather_async(t: torch.Tensor, world_size: int, group):
-    """Starts gathering every worker's t -> (what `_stacked` turns into [W, *t.shape], the work)."""
-    t = t.contiguous()
-    if t.is_cuda:
-        out = torch.empty((world_size,) + t.shape, dtype=t.dtype, device=t.device)
-        return out, dist.all_gather_into_tensor(out, t, group=group, async_op=True)
-    parts = [torch.empty_like(t) for _ in range(world_size)]                  # gloo: a list
-    return parts, dist.all_gather(parts, t, group=group, async_op=True)
-
-
-def _stacked(gathered) -> torch.Tensor:
-    return torch.stack(gathered) if isinstance(gathered, list) else gathered

@@ -40,13 +40,19 @@ def test_empty_partials_never_give_nan():
 
 
 def test_merge_is_stable_for_large_scores():
+    """Scores in the thousands (exp overflows fp32 beyond 88): the fp32 merge of two halves stays finite
+    and matches attention over all keys at once (the reference scores in fp32 whatever q's dtype) as
+    closely as fp32 log-sum-exps allow: near 4500 their spacing is 4.9e-4, and exp(lse_i - lse) carries
+    that into the output (worst 7e-4 over 3000 draws, lse within 6e-7 relative; the earlier 1e-4 on
+    the output passed by luck and failed in a fresh-clone run)."""
     q, k, v = torch.randn(4, 2, 8) * 40, torch.randn(16, 2, 8) * 40, torch.randn(16, 2, 8)
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), False, 1.0)
     (o1, l1), (o2, l2) = reference_attention(q, k[:8], v[:8], False, 1.0), reference_attention(q, k[8:], v[8:], False, 1.0)
-    out, lse = o1.float(), l1.clone()
+    out, lse = o1.clone(), l1.clone()
     merge_into(out, lse, o2, l2)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-3, rtol=1e-6)
 
 
 def test_merge_stacked_masked_ignores_invalid_partials():

@@ -5,6 +5,7 @@ what the server accepts: roles, required content, value ranges, and the OpenAI f
 does not do (tools, a non-empty logit_bias, penalties, suffix), each refused with a 400 naming the
 field. What needs the model (vocabulary, context length) is checked in server/prompts.py.
 Responses are built in server/completions.py and server/chat.py in OpenAI's shapes."""
+import array
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError,
@@ -134,8 +135,11 @@ class CompletionRequest(SamplingFields):
     def _token_ids_at_once(cls, value, handler):
         """A prompt of token ids, its types checked in one pass in pydantic-core (TOKEN_IDS; the union's
         per-element validators cost about 60 ms at 128K tokens), its range with the vocabulary in
-        server/prompts.py. Anything else (text, several prompts, a bad type) takes the full validation
-        and its error messages."""
+        server/prompts.py. An int32 array.array is what server/fast_json.py made of a flat list of JSON
+        integers (no JSON value parses to one): already typed. Anything else (text, several prompts, a
+        bad type) takes the full validation and its error messages."""
+        if type(value) is array.array:
+            return value
         if type(value) is list and value and type(value[0]) is int:
             try:
                 return TOKEN_IDS.validate_python(value)

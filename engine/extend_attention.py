@@ -35,9 +35,8 @@ from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
-from kernels.merge import merge_stacked
-from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, num_sms, paged_attention,
-                                     prefix_run_count, prefix_runs, split_prefix_attention)
+from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, merge_partials, num_sms,
+                                     paged_attention, prefix_run_count, prefix_runs, split_prefix_attention)
 
 WAYS = ("local", "whole", "ring")
 
@@ -99,8 +98,7 @@ class ExtendAttention:
         self.pool.write(layer, self.slots, k, v)
         outs = torch.stack([new[0].float()] + [o for o, _ in cached])                         # [P, n_w, H, D]
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
-        out, _ = merge_stacked(outs, lses)
-        return out.to(q.dtype)
+        return merge_partials(outs, lses, q.dtype)[0]
 
     def _prefix_runs(self, layer: int, q: torch.Tensor) -> PrefixRuns | None:
         """With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix on this worker

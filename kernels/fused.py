@@ -6,6 +6,8 @@
     store_kv(k_cache, v_cache, slots, k, v)                          k, v rows into a paged layer cache
     silu_and_mul(gate_up) -> silu(gate) * up
     quantize_fp8_rows(x) -> (x_fp8, scales) or None                 kernels/fp8.py's per-token quantization
+    merge_(out, lse, block_out, block_lse)                           a partial attention result absorbed
+                                                                     in place (kernels/merge.py's merge_into)
 
 A decode step of an 8B model spends as much GPU time on these as on its weights' GEMMs when each is
 a chain of torch ops (measured on an H200, llama3-8b, 8K context: 41 kernels a layer, 2.0 of 6.7 ms
@@ -20,6 +22,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from kernels.merge import merge_into
 
 log = logging.getLogger(__name__)
 _TRITON = os.environ.get("BURSTSERVE_FUSED_TRITON", "1") != "0"
@@ -83,6 +87,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- torch (CPU, and the reference)
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """out [R, H, D] (any float dtype, rows may be a slice), lse [R, H] fp32 absorb a partial result
+    over other keys, block_out [R, H, D], block_lse [R, H], in place (any strides, D contiguous):
+    fp32 math, out rounded once. The ring's merge: one read of each and one write, where the torch
+    ops (kernels/merge.py merge_into) take ~10 kernels and an fp32 copy of out."""
+    kern = _kernels(out.device)
+    if kern is not None and out.shape[0] > 0:
+        try:
+            return _merge_triton(kern["merge"], out, lse, block_out, block_lse)
+        except Exception as e:
+            _failed(e)
+    merge_into(out, lse, block_out, block_lse)
+
 
 def _rms_norm_torch(x, weight, eps):
     xf = x.float()
@@ -217,6 +235,29 @@ def _build() -> dict:
         tl.store(q_ptr + row * k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, amax / 448.0)
 
+    def merge_kernel(o_ptr, l_ptr, bo_ptr, bl_ptr, H, s_or, s_oh, s_lr, s_lh, s_bor, s_boh, s_blr, s_blh,
+                     D: tl.constexpr, H_PAD: tl.constexpr):
+        """Program = one row, all its heads: (o, l) absorbs (bo, bl) by LSE in fp32; a partial with
+        lse -inf weighs 0, two give o = 0, l = -inf."""
+        r = tl.program_id(0).to(tl.int64)
+        hs = tl.arange(0, H_PAD)
+        hm = hs < H
+        la = tl.load(l_ptr + r * s_lr + hs * s_lh, mask=hm, other=float("-inf")).to(tl.float32)
+        lb = tl.load(bl_ptr + r * s_blr + hs * s_blh, mask=hm, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(la, lb)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        wa = tl.exp(la - m_safe)
+        wb = tl.exp(lb - m_safe)
+        s = wa + wb                                   # 0 (neither has keys) or >= 1
+        s1 = tl.where(s > 0, s, 1.0)
+        ds = tl.arange(0, D)[None, :]
+        mask = hm[:, None]
+        oa = tl.load(o_ptr + r * s_or + hs[:, None] * s_oh + ds, mask=mask, other=0.0).to(tl.float32)
+        ob = tl.load(bo_ptr + r * s_bor + hs[:, None] * s_boh + ds, mask=mask, other=0.0).to(tl.float32)
+        o = oa * (wa / s1)[:, None] + ob * (wb / s1)[:, None]
+        tl.store(o_ptr + r * s_or + hs[:, None] * s_oh + ds, o.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(l_ptr + r * s_lr + hs * s_lh, tl.where(s > 0, tl.log(s1) + m_safe, float("-inf")), mask=hm)
+
     # sizes and strides unspecialized: one compile per dtype and constexpr combination
     return {
         "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
@@ -224,6 +265,8 @@ def _build() -> dict:
         "store_kv": triton.jit(store_kv_kernel, do_not_specialize=["k_stride", "v_stride", "n"]),
         "silu_and_mul": triton.jit(silu_and_mul_kernel, do_not_specialize=["inter", "x_stride"]),
         "quantize_fp8": triton.jit(quantize_fp8_kernel, do_not_specialize=["k", "x_stride"]),
+        "merge": triton.jit(merge_kernel, do_not_specialize=["H", "s_or", "s_oh", "s_lr", "s_lh", "s_bor", "s_boh",
+                                                             "s_blr", "s_blh"]),
     }
 
 
@@ -274,3 +317,12 @@ def _silu_and_mul_triton(kernel, gate_up):
     block = min(1024, _pow2(inter))
     kernel[(s, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
     return out
+
+
+def _merge_triton(kernel, out, lse, block_out, block_lse):
+    r, h, d = out.shape
+    if out.stride(2) != 1 or block_out.stride(2) != 1 or d != _pow2(d) or lse.dtype != torch.float32:
+        raise ValueError("merge_: D must be contiguous and a power of 2, lse fp32")
+    kernel[(r,)](out, lse, block_out, block_lse, h, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                 block_out.stride(0), block_out.stride(1), block_lse.stride(0), block_lse.stride(1),
+                 D=d, H_PAD=_pow2(h))

@@ -17,9 +17,14 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """In place: out [S, H, D] fp32, lse [S, H] fp32 absorb block_out [S, H, D] (any dtype), block_lse [S, H]."""
+    """In place: out [S, H, D], lse [S, H] fp32 absorb block_out [S, H, D] (any dtype), block_lse [S, H].
+    Computed in fp32; an out of a narrower dtype (bf16) is rounded once, when written back.
+    kernels.fused.merge_ is the same in one kernel on CUDA."""
     new_lse, w_old, w_new = _weights(lse, block_lse.float())
-    out.mul_(w_old.unsqueeze(-1)).add_(block_out.float() * w_new.unsqueeze(-1))
+    if out.dtype == torch.float32:
+        out.mul_(w_old.unsqueeze(-1)).add_(block_out.float() * w_new.unsqueeze(-1))
+    else:
+        out.copy_(out.float() * w_old.unsqueeze(-1) + block_out.float() * w_new.unsqueeze(-1))
     lse.copy_(new_lse)
 
 

@@ -290,16 +290,15 @@ def split_prefix_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Ten
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's queries q [m, H, D] against its sequence's cached keys (flash-attn-4, one call over the
     runs, no mask) and, unless k is None, causally against its own k, v [m, Hkv, D] (backend: an
-    AttentionBackend), the partials merged by LSE in fp32 -> (out [m, H, D] in q's dtype, lse [m, H]
-    fp32). 2 kernel calls (1 without k) and ~8 small kernels."""
+    AttentionBackend), the partials merged by LSE in fp32 (merge_partials: one Triton kernel) -> (out
+    [m, H, D] in q's dtype, lse [m, H] fp32). 3 kernel calls (2 without k) and ~4 small kernels."""
     c, (m, h, _) = runs.used.shape[0], q.shape
     out, lse = _fa4_call(q.repeat(c, 1, 1), k_cache, v_cache, runs.table, runs.cu, runs.used, scale, False, m)
     outs, lses = out.view(c, m, h, -1), lse.reshape(c, m, h)                         # [c, m, H, D], [c, m, H]
     if k is not None:
         new_out, new_lse = backend(q, k, v, True, scale)
         outs, lses = torch.cat([outs, new_out[None]]), torch.cat([lses, new_lse[None]])   # [c + 1, ...]
-    merged, merged_lse = merge_stacked(outs, lses)
-    return merged.to(q.dtype), merged_lse
+    return merge_partials(outs, lses, q.dtype)
 
 
 # ---------------------------------------------------------------- split helpers (Triton or torch)

@@ -20,7 +20,7 @@ from engine.parallel.ring import RingCommunicator, RingPass
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend, reference_attention
-from kernels.merge import merge_into
+from kernels.fused import merge_
 
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
@@ -38,15 +38,23 @@ class BurstAttention:
         return self.forward(q, kv)[0]
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> out [n, H, D] in q's dtype, lse [n, H] fp32."""
+        """-> out [n, H, D] in q's dtype, lse [n, H] fp32. Every merge is computed in fp32; the
+        accumulator itself is fp32 only while two or more merges remain, so one worker returns its
+        block's result as it is and two merge once straight into it (one rounding either way, as
+        with an fp32 accumulator converted at the end)."""
         acc = {}
+        merges_left = self.ring_pass.world_size - 1
 
         def attend(source: int, block: torch.Tensor) -> None:
+            nonlocal merges_left
             rows, block_out, block_lse = self._attend_block(q, block, source)
             if not acc:   # the first block is this worker's own: it covers every query row
-                acc["out"], acc["lse"] = block_out.float(), block_lse.clone()
-            else:
-                merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
+                acc["out"], acc["lse"] = block_out, block_lse.clone()
+                return
+            if merges_left > 1 and acc["out"].dtype != torch.float32:
+                acc["out"] = acc["out"].float()
+            merge_(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
+            merges_left -= 1
 
         self.ring_pass.run(kv, attend)
         return acc["out"].to(q.dtype), acc["lse"]

@@ -280,6 +280,32 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
+@pytest.mark.parametrize("acc_dtype", [torch.bfloat16, torch.float32])
+def test_ring_merge_on_cuda_matches_the_torch_merge(acc_dtype):
+    """kernels.fused.merge_ (BurstAttention's merge of a block into its accumulator, in place): rows
+    m: of an accumulator, flash-attn-4's transposed LSE views, rows with no keys on one side or both,
+    against kernels.merge.merge_into (the same fp32 arithmetic, one rounding into a bf16 out)."""
+    from kernels import fused
+    from kernels.merge import merge_into
+    kern = fused._built()
+    assert kern is not None, "Triton kernels did not build"
+    n, m, h, d = 4096, 1500, 32, 128
+    acc = (torch.randn(n, h, d, device=DEV) * 2).to(acc_dtype)
+    acc_lse = (torch.randn(h, n, device=DEV) * 5).t()
+    blk = (torch.randn(n - m, h, d, device=DEV) * 2).to(torch.bfloat16)
+    blk_lse = (torch.randn(h, n - m, device=DEV) * 5).t()
+    acc_lse[m:m + 9, 3] = float("-inf")
+    blk_lse[:9, 3:5] = float("-inf")
+    want, want_lse = acc.clone(), acc_lse.clone()
+    merge_into(want[m:], want_lse[m:], blk, blk_lse)
+    fused._merge_triton(kern["merge"], acc[m:], acc_lse[m:], blk, blk_lse)
+    tol = dict(atol=1e-5, rtol=1e-5) if acc_dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(acc, want, **tol)
+    torch.testing.assert_close(acc_lse, want_lse, atol=1e-5, rtol=1e-6)
+    assert (acc[m:m + 9, 3] == 0).all() and torch.isneginf(acc_lse[m:m + 9, 3]).all()
+    assert torch.equal(acc[:m], want[:m])
+
+
 @pytest.mark.parametrize("workers,rows", [(2, 1), (2, 256), (3, 64), (8, 17)])
 def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
     """The cross-worker merge (engine.decode_attention.merge_over_workers) through the split path's

@@ -21,6 +21,21 @@ def test_merge_into_equals_full_attention():
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-5)
 
 
+def test_merge_into_a_bf16_output_rounds_once():
+    """An accumulator in bf16 absorbs a partial with fp32 arithmetic: the fp32 merge, rounded once."""
+    q, k, v = torch.randn(9, 4, 16), torch.randn(30, 2, 16), torch.randn(30, 2, 16)
+    (a, la), (b, lb) = _split_attention(q, k, v, [0, 13, 30])
+    want, want_lse = a.clone(), la.clone()
+    merge_into(want, want_lse, b, lb)
+    out, lse = a.bfloat16(), la.clone()
+    merge_into(out, lse, b.bfloat16(), lb)
+    fp32_of_bf16_inputs = a.bfloat16().float()
+    merge_into(fp32_of_bf16_inputs, la.clone(), b.bfloat16().float(), lb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, fp32_of_bf16_inputs.bfloat16())
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse)
+
+
 def test_merge_stacked_equals_full_attention():
     q, k, v = torch.randn(3, 4, 8), torch.randn(20, 4, 8), torch.randn(20, 4, 8)
     ref_out, ref_lse = reference_attention(q, k, v, False, 0.25)

@@ -27,7 +27,8 @@ def kind_of(name: str) -> str:
         return "copy"
     if "gemm" in low or "nvjet" in low or "xmma" in low or "cutlass" in low or "matmul" in low:
         return "gemm"
-    if "triton" in low or low.startswith(("_rms", "_rope", "_silu", "_store", "_quant")):
+    if low.startswith(("rms_norm_kernel", "rope_kernel", "silu_and_mul_kernel", "store_kv_kernel",
+                       "quantize_fp8_kernel", "merge_kernel", "_prep_kernel", "_merge_kernel")):   # kernels/ Triton
         return "triton"
     return "elementwise"
 

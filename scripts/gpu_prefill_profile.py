@@ -1,10 +1,16 @@
-"""Where a prefill's time goes on one GPU (llama3-8b preset, bf16, burst on one worker), against the
-floor arithmetic of issue 13: per prompt length, the wall time of ModelRunner.prefill, the GPU time by
-kind of kernel under torch.profiler (attention, GEMMs, fused Triton kernels, other elementwise, copies),
-the host's share (wall minus GPU busy), each kind's FLOP rate, and what a new prompt length costs the
-first time. Usage: python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)"""
+"""Where a prefill's time goes on G GPUs (llama3-8b preset, bf16, burst; G = CP, default 1), against the
+floor arithmetic of issue 13: per prompt length, the wall time of ModelRunner.prefill, worker 0's GPU
+time by kind of kernel under torch.profiler (attention, GEMMs, fused Triton kernels, other elementwise,
+copies; NCCL apart: it runs on the ring's own stream), the ring's exposed exchange wait, the host's
+share, each kind's FLOP rate, and what a new prompt length costs the first time. With G > 1 the G
+workers are this script's own processes (NCCL, as engine/worker.py sets them up), each a ModelRunner.
+Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)"""
+import os
 import sys
 import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -13,6 +19,8 @@ from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
+WORLD = int(os.environ.get("CP", "1"))
+MODEL, DEVICE = os.environ.get("MODEL", "llama3-8b"), os.environ.get("DEVICE", "cuda")   # DEVICE=cpu MODEL=tiny: a dry run
 GEMM_TFLOPS, ATTENTION_TFLOPS = 783.0, 644.0     # issue 13's kernel rates on one H200 (bf16 GEMM, causal attention)
 KINDS = ("attention", "gemm", "triton", "elementwise", "copy", "nccl")
 
@@ -43,7 +51,8 @@ def flops(cfg, n: int) -> tuple[float, float]:
 
 
 def by_kind(prof) -> tuple[dict[str, float], int, list[tuple[str, float]]]:
-    """GPU ms by kind, kernel count, and the top kernels by GPU ms."""
+    """GPU ms by kind, kernel count, and the top kernels by GPU ms (NCCL's kernels on their own
+    stream overlap the others: their time is not part of the compute stream's busy time)."""
     ms = dict.fromkeys(KINDS, 0.0)
     names: dict[str, float] = {}
     count = 0
@@ -57,57 +66,80 @@ def by_kind(prof) -> tuple[dict[str, float], int, list[tuple[str, float]]]:
     return ms, count, sorted(names.items(), key=lambda kv: -kv[1])[:12]
 
 
-engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=4)
-cfg, max_model_len = resolve_model(engine)
-dev = torch.device("cuda:0")
-runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
-print(f"attention backend: {runner.backend.name}; GPU {torch.cuda.get_device_name(0)}\n")
-prompt = torch.randint(0, cfg.vocab_size, (max(LENGTHS),))
-seq = iter(range(1, 1 << 20))
+def run(rank: int) -> None:
+    cuda = DEVICE == "cuda"
+    devices = [f"cuda:{i}" for i in range(WORLD)] if cuda else ["cpu"] * WORLD
+    dev = torch.device(devices[rank])
+    if cuda:
+        torch.cuda.set_device(dev)
+    if WORLD > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=WORLD,
+                                **({"device_id": dev} if cuda else {}))
+    engine = EngineConfig(model=MODEL, devices=devices, dtype="bfloat16" if cuda else "float32", max_num_seqs=4)
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, rank, dev, None, max_model_len)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"attention backend: {runner.backend.name}; {WORLD} x {torch.cuda.get_device_name(0) if cuda else 'cpu'}\n")
+    prompt = torch.randint(0, cfg.vocab_size, (max(LENGTHS),), generator=torch.Generator().manual_seed(0))
+    seq = iter(range(1, 1 << 20))
+
+    def prefill(n: int) -> tuple[float, float]:
+        """-> (wall s, exposed exchange s) of one prefill of the prompt's first n tokens."""
+        s = next(seq)
+        wall0 = time.perf_counter()
+        result = runner.prefill(s, prompt[:n])
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - wall0
+        runner.free([s])
+        return wall, result.get("exposed_seconds", 0.0)
+
+    rows, firsts, tops = [], [], {}
+    for n in LENGTHS:
+        prefill(n)                                   # warm this length
+        timed = [prefill(n) for _ in range(3)]
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            profiled, exposed = prefill(n)
+        ms, count, top = by_kind(prof)
+        linear, attention = flops(cfg, n)
+        walls = [w for w, _ in timed]
+        rows.append((n, min(walls), sum(walls) / 3, profiled, exposed, ms, count, linear, attention))
+        tops[n] = top
+        new = n - 64                                 # a length never seen: its first call against its second
+        firsts.append((new, prefill(new)[0], prefill(new)[0]))
+
+    say(f"## prefill on {WORLD} GPU(s), worker 0: wall time against GPU time by kind (ms) and the floor\n")
+    say("| tokens | wall mean (min) | compute busy | attention | GEMM | Triton fused | other elementwise | copies "
+        "| NCCL (own stream) | exposed exchange | host gap | kernels | floor (GEMM 783, attn 644 TF/s) | floor / wall |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, lo, mean, profiled, exposed, ms, count, linear, attention in rows:
+        busy = sum(v for k, v in ms.items() if k != "nccl")
+        floor = (linear / GEMM_TFLOPS / 1e9 + attention / ATTENTION_TFLOPS / 1e9) / WORLD    # ms
+        say(f"| {n} | {mean * 1e3:.1f} ({lo * 1e3:.1f}) | {busy:.1f} | {ms['attention']:.1f} | {ms['gemm']:.1f} | "
+            f"{ms['triton']:.1f} | {ms['elementwise']:.1f} | {ms['copy']:.1f} | {ms['nccl']:.1f} | {exposed * 1e3:.1f} | "
+            f"{(profiled - exposed) * 1e3 - busy:.1f} | {count} | {floor:.1f} | {floor / (mean * 1e3):.0%} |")
+    say("\n## rates on worker 0: its share of the FLOPs over each kind's GPU time (TFLOP/s)\n")
+    say("| tokens | linear TFLOP | GEMM TFLOP/s | attention TFLOP | attention TFLOP/s |\n|---|---|---|---|---|")
+    for n, lo, mean, profiled, exposed, ms, count, linear, attention in rows:
+        rate = lambda f, t: f / WORLD / max(t, 1e-9) / 1e9          # noqa: E731  (ms -> TFLOP/s)
+        say(f"| {n} | {linear / WORLD / 1e12:.1f} | {rate(linear, ms['gemm']):.0f} | "
+            f"{attention / WORLD / 1e12:.1f} | {rate(attention, ms['attention']):.0f} |")
+    say("\n## a new prompt length: its first prefill against its second (s)\n")
+    say("| tokens | first | second | first - second |\n|---|---|---|---|")
+    for new, first, second in firsts:
+        say(f"| {new} | {first:.3f} | {second:.3f} | {first - second:.3f} |")
+    for n, top in tops.items():
+        say(f"\n## top kernels at {n} tokens on worker 0 (GPU ms)\n\n| kernel | ms | kind |\n|---|---|---|")
+        for name, t in top:
+            say(f"| {name.replace('|', '/')} | {t:.2f} | {kind_of(name)} |")
+    if WORLD > 1:
+        dist.destroy_process_group()
 
 
-def prefill(n: int) -> float:
-    s = next(seq)
-    wall0 = time.perf_counter()
-    runner.prefill(s, prompt[:n])
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - wall0
-    runner.free([s])
-    return wall
-
-
-rows, firsts, tops = [], [], {}
-for n in LENGTHS:
-    prefill(n)                                   # warm this length
-    walls = [prefill(n) for _ in range(3)]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        profiled = prefill(n)
-    ms, count, top = by_kind(prof)
-    linear, attention = flops(cfg, n)
-    rows.append((n, min(walls), sum(walls) / 3, profiled, ms, count, linear, attention))
-    tops[n] = top
-    new = n - 64                                 # a length never seen: its first call against its second
-    firsts.append((new, prefill(new), prefill(new)))
-
-print("## prefill on one GPU: wall time against GPU time by kind (ms) and the floor\n")
-print("| tokens | wall mean (min) | GPU busy | attention | GEMM | Triton fused | other elementwise | copies | host gap | kernels | floor (GEMM 783, attn 644 TF/s) | floor / wall |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for n, lo, mean, profiled, ms, count, linear, attention in rows:
-    busy = sum(ms.values())
-    floor = linear / GEMM_TFLOPS / 1e9 + attention / ATTENTION_TFLOPS / 1e9    # ms
-    print(f"| {n} | {mean * 1e3:.1f} ({lo * 1e3:.1f}) | {busy:.1f} | {ms['attention']:.1f} | {ms['gemm']:.1f} | "
-          f"{ms['triton']:.1f} | {ms['elementwise']:.1f} | {ms['copy']:.1f} | {profiled * 1e3 - busy:.1f} | {count} | "
-          f"{floor:.1f} | {floor / (mean * 1e3):.0%} |")
-print("\n## rates: FLOPs over each kind's GPU time (TFLOP/s)\n")
-print("| tokens | linear TFLOP | GEMM TFLOP/s | attention TFLOP | attention TFLOP/s |\n|---|---|---|---|---|")
-for n, lo, mean, profiled, ms, count, linear, attention in rows:
-    print(f"| {n} | {linear / 1e12:.1f} | {linear / ms['gemm'] / 1e9:.0f} | {attention / 1e12:.1f} | "
-          f"{attention / ms['attention'] / 1e9:.0f} |")
-print("\n## a new prompt length: its first prefill against its second (s)\n")
-print("| tokens | first | second | first - second |\n|---|---|---|---|")
-for new, first, second in firsts:
-    print(f"| {new} | {first:.3f} | {second:.3f} | {first - second:.3f} |")
-for n, top in tops.items():
-    print(f"\n## top kernels at {n} tokens (GPU ms)\n\n| kernel | ms | kind |\n|---|---|---|")
-    for name, t in top:
-        print(f"| {name.replace('|', '/')} | {t:.2f} | {kind_of(name)} |")
+if __name__ == "__main__":
+    if WORLD == 1:
+        run(0)
+    else:
+        mp.spawn(run, nprocs=WORLD)

@@ -10,4 +10,4 @@ trap pack EXIT
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$out/env.txt" 2>&1
 CP=${CP:-1} timeout 540 python3 scripts/gpu_prefill_profile.py "${LENGTHS:-8192,32768,131072}" 2>&1 | grep -v -i "warn\|exe_args" | tee "$out/prefill_profile.txt"
 # and where a flash-attn-4 call's ~100 us of host time goes (cProfile)
-[ -n "${SKIP_FA4_HOST:-}" ] || [ "${CP:-1}" != 1 ] || timeout 120 python3 scripts/gpu_fa4_host.py 2>&1 | grep -v -i "exe_args" | tee "$out/fa4_host.txt"
+[ -n "${SKIP_FA4_HOST:-}" ] || [ "${CP:-1}" != 1 ] || timeout 120 python3 scripts/gpu_fa4_host.py --cprofile 2>&1 | grep -v -i "exe_args" | tee "$out/fa4_host.txt"

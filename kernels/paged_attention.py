@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBackend, enable_fa4_compile_cache, reference_attention, select_backend
+from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
+                               select_backend)
 from kernels.merge import merge_stacked, merge_stacked_masked
 
 log = logging.getLogger(__name__)
@@ -165,11 +166,9 @@ def choose_num_chunks(rows: int, num_kv_heads: int, max_keys: int, num_sms: int)
 
 
 def _fa4_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqused_k, scale, causal, max_seqlen_q):
-    from flash_attn.cute import flash_attn_varlen_func
     page_table = guarded_table(page_table)
-    out, lse = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-                                      page_table=page_table, max_seqlen_q=max_seqlen_q,
-                                      softmax_scale=scale, causal=causal, return_lse=True)
+    out, lse = fa4_forward(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, page_table=page_table,
+                           max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=causal)
     return out, lse.transpose(0, 1)                    # lse [H, total_q] -> [total_q, H]
 
 

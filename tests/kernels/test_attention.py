@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from kernels import attention
 from kernels.attention import AttentionBackend, _flash_aten, available_backends, select_backend
 
 
@@ -47,3 +48,40 @@ def test_cpu_flash_bf16_within_bf16_rounding():
 def test_auto_on_cpu_picks_the_flash_kernel():
     assert available_backends(torch.device("cpu")) == ["flash", "reference"]
     assert select_backend(torch.device("cpu"), torch.float32, 8, 2, 32).name == "flash"
+
+
+def _fake_flash_attn_4(monkeypatch, private):
+    """flash_attn.cute as modules whose functions record their calls (flash-attn-4 is not on CPU machines)."""
+    import sys
+    import types
+    calls = []
+    cute, interface = types.ModuleType("flash_attn.cute"), types.ModuleType("flash_attn.cute.interface")
+    cute.flash_attn_func = lambda *a, **kw: calls.append(("public dense", kw)) or ("out", "lse")
+    cute.flash_attn_varlen_func = lambda *a, **kw: calls.append(("public varlen", kw)) or ("out", "lse")
+    interface._flash_attn_fwd = private(calls)
+    cute.interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    monkeypatch.setattr(attention, "_FA4_DIRECT", [True])
+    return calls
+
+
+def test_fa4_forward_calls_the_private_forward_and_returns_out_and_lse(monkeypatch):
+    calls = _fake_flash_attn_4(monkeypatch, lambda calls: lambda *a, **kw: calls.append(("private", kw))
+                               or ("out", "lse", None, None, None))
+    assert attention.fa4_forward(1, 2, 3, softmax_scale=0.5, causal=True) == ("out", "lse")
+    assert calls == [("private", {"return_lse": True, "softmax_scale": 0.5, "causal": True})]
+
+
+def test_fa4_forward_falls_back_to_the_public_functions_for_good(monkeypatch):
+    def private(calls):
+        def refuse(*a, page_table=None, **kw):
+            calls.append(("private", kw))
+            raise TypeError("unexpected keyword argument")
+        return refuse
+    calls = _fake_flash_attn_4(monkeypatch, private)
+    assert attention.fa4_forward(1, 2, 3, cu_seqlens_q=4, page_table=5, causal=False) == ("out", "lse")
+    assert attention.fa4_forward(1, 2, 3, softmax_scale=0.5, causal=True) == ("out", "lse")
+    assert [c[0] for c in calls] == ["private", "public varlen", "public dense"]
+    assert calls[1][1] == {"return_lse": True, "cu_seqlens_q": 4, "page_table": 5, "causal": False}

@@ -21,18 +21,7 @@ KIND=${KIND:-cuda}
 GPUS=${GPUS:-8}
 { date -u; [ "$KIND" = cuda ] && nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
 
-# sweep NAME LIMIT WORKERS ARGS...: one offline sweep in its own process, a status line and its table
-sweep() {
-  local name=$1 limit=$2 workers=$3; shift 3
-  local start=$SECONDS
-  mkdir -p "$out/$name"
-  timeout "$limit" python3 -m server.cli bench sweep --offline --devices "$KIND" -cp "$workers" "$@" --label "$name" \
-      --output-dir "$out/$name" > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
-  local rc=$?
-  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
-  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -4
-  grep -E "^\|" "$out/$name/stdout.log" | tail -4
-}
+sweep() { local name=$1 limit=$2 workers=$3; shift 3; offline_sweep "$name" "$limit" "$KIND" "$workers" "$@"; }   # gpu_env.sh
 case "${PARTS:-million}" in
   million)
     n=${MILLION:-1048576}

@@ -18,18 +18,7 @@ trap pack EXIT
 { date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
 PARTS=${PARTS:-tests 8b 70b}
 
-# sweep NAME LIMIT ARGS...: one offline sweep in its own process; its results.json listed for the merge
-sweep() {
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  mkdir -p "$out/$name"
-  timeout "$limit" python3 -m server.cli bench sweep --offline --devices cuda -cp "${CP:-2}" "$@" --label "$name" \
-      --output-dir "$out/$name" > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
-  local rc=$?
-  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
-  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -4
-  grep -E "^\|" "$out/$name/stdout.log" | tail -6
-}
+sweep() { local name=$1 limit=$2; shift 2; offline_sweep "$name" "$limit" cuda "${CP:-2}" "$@"; }   # gpu_env.sh
 if [[ " $PARTS " == *" tests "* ]]; then
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu -k "every_strategy and burst-zero" 2>&1 \
       | grep -E "logit diff|passed|failed|Error" | tee "$out/tests.log"

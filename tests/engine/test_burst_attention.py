@@ -51,3 +51,21 @@ def test_ring_matches_single_device(world_size, seq_len, heads, kv_heads, causal
         torch.testing.assert_close(out, ref_out[pos], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse[pos], atol=1e-5, rtol=1e-5)
         assert exchanges == world_size - 1
+
+
+def test_kv_view_is_the_stacked_message_without_a_copy():
+    """engine.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
+    the qkv projection's rows (v follows k there), and as a stack wherever they do not lie so."""
+    from engine.model_runner import kv_view
+    n, h, hkv, d = random.randint(1, 9), 4, 2, 8
+    qkv = torch.randn(n, (h + 2 * hkv) * d)
+    _, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(n, hkv, d), v.view(n, hkv, d)
+    kv = kv_view(k, v)
+    assert kv.data_ptr() == k.data_ptr() and torch.equal(kv, torch.stack([k, v], dim=1))
+    qkv.add_(1.0)                                           # a view: it sees the rows change
+    assert torch.equal(kv, torch.stack([k, v], dim=1))
+    k2, v2 = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    swapped = kv_view(v, k)                                 # k after v: not that layout, stacked
+    assert torch.equal(kv_view(k2, v2), torch.stack([k2, v2], dim=1))
+    assert torch.equal(swapped, torch.stack([v, k], dim=1)) and swapped.data_ptr() != v.data_ptr()

@@ -86,21 +86,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# ---------------------------------------------------------------- torch (CPU, and the reference)
-
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """out [R, H, D] (any float dtype, rows may be a slice), lse [R, H] fp32 absorb a partial result
-    over other keys, block_out [R, H, D], block_lse [R, H], in place (any strides, D contiguous):
-    fp32 math, out rounded once. The ring's merge: one read of each and one write, where the torch
-    ops (kernels/merge.py merge_into) take ~10 kernels and an fp32 copy of out."""
+    over other keys, block_out [R, H, D], block_lse [R, H], in place (any strides): fp32 math, out
+    rounded once. The ring's merge: one read of each and one write, where the torch ops
+    (kernels/merge.py merge_into) take ~10 kernels and an fp32 copy of out. Layouts the kernel does
+    not take (D not contiguous or not a power of 2) go through the torch ops."""
     kern = _kernels(out.device)
-    if kern is not None and out.shape[0] > 0:
+    d = out.shape[-1]
+    fits = (out.stride(2) == 1 and block_out.stride(2) == 1 and d == _pow2(d) and lse.dtype == torch.float32
+            and block_lse.dtype == torch.float32)
+    if kern is not None and out.shape[0] > 0 and fits:
         try:
             return _merge_triton(kern["merge"], out, lse, block_out, block_lse)
         except Exception as e:
             _failed(e)
     merge_into(out, lse, block_out, block_lse)
 
+
+# ---------------------------------------------------------------- torch (CPU, and the reference)
 
 def _rms_norm_torch(x, weight, eps):
     xf = x.float()
@@ -321,8 +325,6 @@ def _silu_and_mul_triton(kernel, gate_up):
 
 def _merge_triton(kernel, out, lse, block_out, block_lse):
     r, h, d = out.shape
-    if out.stride(2) != 1 or block_out.stride(2) != 1 or d != _pow2(d) or lse.dtype != torch.float32:
-        raise ValueError("merge_: D must be contiguous and a power of 2, lse fp32")
     kernel[(r,)](out, lse, block_out, block_lse, h, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                  block_out.stride(0), block_out.stride(1), block_lse.stride(0), block_lse.stride(1),
                  D=d, H_PAD=_pow2(h))

@@ -28,7 +28,7 @@ from engine.parallel.sharding import balanced_shards, owner_of_position, whole_k
 from engine.parallel.vocab import VocabShards
 from engine.parallel.zero import LayerGather
 from engine.helix_decode import HelixDecodeAttention
-from engine.prompt_logprobs import as_entries, gather_scores, score_rows
+from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
@@ -322,17 +322,28 @@ class ModelRunner:
         """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets
         the entries."""
         if self.model.vocab is not None:          # the LM head cut by vocabulary: every worker scores every row
-            counts = all_gather(torch.tensor([hidden.shape[0]], device=self.device), self.world_size, self.data_group)
-            lengths = counts.flatten().tolist()
-            hidden = all_gather_rows(hidden, lengths, self.data_group)
-            positions = all_gather_rows(positions.to(self.device), lengths, self.data_group)
-            parts = [score_rows(self.model, hidden, positions, token_ids, top)]
+            parts = self._score_rows_of_everyone(hidden, positions.to(self.device), token_ids, top)
         elif self.strategy.replicated_kv:
             parts = [score_rows(self.model, hidden, positions, token_ids, top)] if self.rank == 0 else []
         else:
             parts = gather_scores(score_rows(self.model, hidden, positions, token_ids, top), self.world_size,
                                   self.data_group)
         return as_entries(parts, token_ids) if self.rank == 0 else None
+
+    def _score_rows_of_everyone(self, hidden, positions, token_ids, top: int) -> list[dict]:
+        """Every worker's rows scored on every worker (the LM head is a collective call), gathered a
+        window at a time: at most CHUNK_ROWS rows [.., hidden] in flight, not the whole prompt's
+        (8 GB a worker at 1M tokens of an 8B model)."""
+        counts = all_gather(torch.tensor([hidden.shape[0]], device=self.device), self.world_size, self.data_group)
+        lengths = counts.flatten().tolist()
+        width = max(1, CHUNK_ROWS // self.world_size)                    # rows a worker adds to one window
+        parts = []
+        for start in range(0, max(lengths), width):                      # the same windows on every worker
+            window = [min(max(n - start, 0), width) for n in lengths]
+            rows = slice(start, start + width)
+            parts.append(score_rows(self.model, all_gather_rows(hidden[rows], window, self.data_group),
+                                    all_gather_rows(positions[rows], window, self.data_group), token_ids, top))
+        return parts
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int],

@@ -7,6 +7,9 @@
 # ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
+# PARTS (default "tests kernels sweep"): "load" adds issue 11's HTTP load, `burstserve bench load` with 48
+# prompts of 8K tokens, 128 output tokens, concurrency 16, on a default server and on one with chunked
+# prefill (--max-num-batched-tokens 8192, the ITL target's default 50 ms).
 # Results: $OUT/results.tgz (pytest log, one results.json / table per configuration).
 set -uo pipefail
 bash .fa4b/install.sh || exit 3
@@ -15,8 +18,10 @@ export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 trap pack EXIT
 { date -u; nvidia-smi -L; python3 -c "import torch, flash_attn.cute as c; print('torch', torch.__version__, 'flash_attn.cute', c.__version__)"; } 2>&1 | tee "$out/env.txt"
 OUTPUT_LEN=${OUTPUT_LEN:-128}
+PARTS=${PARTS:-tests kernels sweep}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 
-[ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+[ -n "${SKIP_TESTS:-}" ] || ! has tests || timeout "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     -k "one_gpu or cuda_graphs" 2>&1 | tail -40 | tee "$out/pytest.log"
 
 # bench NAME LIMIT ARGS...: one configuration in its own process
@@ -32,10 +37,32 @@ bench() {
   grep -E "^\|" "$out/$name/stdout.log" | tail -4
   [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -5
 }
-SKIP_TESTS=1 SKIP_BLOCKS=1 OUT=$out/kernels timeout 80 bash scripts/gpu_kernels.sh > "$out/kernels.log" 2>&1
-grep -A12 "paged decode, one layer" "$out/kernels.log"; grep -A5 "num_chunks sweep" "$out/kernels.log"
+if has kernels; then
+  SKIP_TESTS=1 SKIP_BLOCKS=1 OUT=$out/kernels timeout 80 bash scripts/gpu_kernels.sh > "$out/kernels.log" 2>&1
+  grep -A12 "paged decode, one layer" "$out/kernels.log"; grep -A5 "num_chunks sweep" "$out/kernels.log"
+fi
+if has sweep; then
 bench engine-1x8K 50 --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream"
 bench engine-1x128K 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream"
 bench engine-16x8K 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams"
 bench engine-64x2K 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams"
 BENCH_CP=1 bench transformers-1x 100 --sp-strategy transformers --lengths 8192 --label "transformers static+compile, 1 GPU"
+fi
+
+# load NAME LIMIT SERVE_ARGS...: `bench load` against a server started with these arguments
+load() {
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  mkdir -p "$out/$name"
+  timeout "$limit" python3 -m server.cli bench load --serve "--model llama3-8b --devices cuda -cp ${CP:-1} $*" \
+      --num-prompts 48 --input-len 8192 --output-len 128 --max-concurrency 16 --label "$name" \
+      --output-dir "$out/$name" > "$out/$name/stdout.log" 2> "$out/$name/stderr.log"
+  local rc=$?
+  echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
+  grep -E "^\| (completed|failed|duration|output_throughput|(mean|median|p99)_(ttft|tpot|itl)_ms) " "$out/$name/stdout.log"
+  [ $rc = 0 ] || grep -v -i warn "$out/$name/stderr.log" | tail -5
+}
+if has load; then
+  load load-default 200
+  load load-chunked 200 --max-num-batched-tokens 8192 ${LOAD_EXTRA:-}
+fi

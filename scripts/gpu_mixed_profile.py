@@ -62,3 +62,23 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
 busy, kernels, table = kernel_table(prof)
 print(f"\n## one mixed call of 256 + 8: GPU busy {busy:.1f} ms, kernels {kernels}\n")
 print(table)
+
+# Where the host's time goes: cProfile over one call of each, functions by own time (tottime), and the
+# host time alone (the forward issued without waiting: the call's wall time minus its final sync).
+import cProfile
+import io
+import pstats
+
+for name, fn in (("separate", separate), ("mixed", mixed)):
+    fn(256)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn(256)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(28)
+    print(f"\n## cProfile, one {name} call of 256 (+ 8 decode rows), top functions by own time\n\n```")
+    print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
+    print("```")

@@ -6,6 +6,7 @@ logits come back on worker 0 only.
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from engine.decode_attention import DecodeAttention, DecodeStep, all_gather, all
 from engine.decode_graphs import DecodeGraphs
 from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
+from engine.extend_graphs import ExtendGraphs
 from engine.devices import synchronize
 from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
@@ -46,6 +48,21 @@ def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             and v.data_ptr() == k.data_ptr() + hkv * d * k.element_size()):
         return k.as_strided((n, 2, hkv, d), (k.stride(0), hkv * d, d, 1))
     return torch.stack([k, v], dim=1)
+
+
+@dataclass
+class PlacedExtend:
+    """Where an incremental prefill's new tokens went (ModelRunner._place_extend), on this worker."""
+    way: str                      # engine/extend_attention.py's "local", "whole" or "ring"
+    shards: list                  # the new tokens over the workers (Shard, positions within the new tokens)
+    positions: torch.Tensor       # [m] int64 (host): the rows this worker runs, within the new tokens
+    cached: int                   # the sequence's tokens on this worker before them
+    host_slots: torch.Tensor      # [n_w] int64 (host): where this worker keeps new K/V (n_w = its shard's length)
+    keeps: bool                   # it keeps some of them
+
+    @property
+    def shards_tokens(self) -> int:
+        return sum(s.length for s in self.shards)
 
 
 class ModelRunner:
@@ -90,6 +107,7 @@ class ModelRunner:
         self.decode_attend = (HelixDecodeAttention(self.decode_attention, cfg, rank, self.world_size, data_group)
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
+        self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, (2, attn.num_kv_heads, cfg.head_dim),
@@ -164,7 +182,12 @@ class ModelRunner:
         Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
         self._sync()
         start_time = time.perf_counter()
-        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start)
+        placed = self._place_extend(seq_id, token_ids.shape[0], start)
+        if self._graphed_extend(placed):
+            logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
+                                            self.pool.rows[seq_id], placed.cached)      # [V], on every worker
+            return {**self._extend_result(logits, start, start_time, "extend", placed.way), "graphed": True}
+        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed=placed)
         if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
             wrapped = HelixDecodeAttention(attend, self.cfg, self.rank, self.world_size, self.data_group)
             hidden = self.model.forward(ids, positions, wrapped)        # the tp slices, as decode: no weight moves
@@ -201,21 +224,40 @@ class ModelRunner:
             result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
         return result
 
-    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, reserved: list[int] | None = None):
-        """Places n new tokens after the sequence's `start` cached ones (ledger, this worker's pages) ->
-        ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
-        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention). reserved: pages
-        per worker a decode step in the same call takes (see _extend_way)."""
-        n = token_ids.shape[0]
+    def _place_extend(self, seq_id: int, num_tokens: int, start: int, reserved: list[int] | None = None) -> "PlacedExtend":
+        """Places num_tokens new tokens after the sequence's `start` cached ones (its way, the ledger, this
+        worker's pages). reserved: pages per worker a decode step in the same call takes (see _extend_way)."""
         held = self.ledger.seqs[seq_id].tokens
-        way = self._extend_way(n, held, reserved)
-        shards = self._extend_shards(held, n, way)
+        way = self._extend_way(num_tokens, held, reserved)
+        shards = self._extend_shards(held, num_tokens, way)
         shard = self.strategy.shard_of(shards, self.rank)
-        positions = torch.arange(n) if way == "whole" else shard.positions()   # [m], within the new tokens
+        positions = torch.arange(num_tokens) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
         self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
-        slots = self.pool.extend(seq_id, shard.length)                   # [n_w]: the K/V this worker keeps
-        attend = ExtendAttention(self.pool, seq_id, cached, slots, shards, self.rank, self.backend, self.scale,
+        first = self.pool.lengths[seq_id]
+        self.pool.extend(seq_id, shard.length, on_device=False)
+        host_slots = self.pool.host_slots(seq_id, first, shard.length)  # [n_w]: the K/V this worker keeps
+        return PlacedExtend(way, shards, positions, cached, host_slots, keeps=shard.length > 0)
+
+    def _graphed_extend(self, placed: "PlacedExtend") -> bool:
+        """Whether an extend so placed replays a CUDA graph (engine/extend_graphs.py): its way runs every new
+        token on every worker in order ("whole", or "local" on one worker or tp), and a graph is that large.
+        The same answer on every worker (their ledgers agree)."""
+        n = placed.shards_tokens
+        return (self.extend_graphs is not None and self.extend_graphs.fits(n) and placed.way != "ring"
+                and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
+
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, reserved: list[int] | None = None,
+                      placed: "PlacedExtend | None" = None):
+        """Places n new tokens after the sequence's `start` cached ones (unless `placed` already did) ->
+        ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
+        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
+        n = token_ids.shape[0]
+        if placed is None:
+            placed = self._place_extend(seq_id, n, start, reserved)
+        way, shards, positions = placed.way, placed.shards, placed.positions
+        slots = placed.host_slots.to(self.device)
+        attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
                                  self.ring, self.engine.overlap, self.data_group, way)
         last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend

@@ -64,6 +64,7 @@ class ChunkedPrefill:
     adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
     queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
     extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
+    graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
 
 
 class Scheduler:
@@ -385,13 +386,14 @@ class Scheduler:
         way = result.pop("extend_way", None)
         if way is not None:
             job.extend_ways[way] = job.extend_ways.get(way, 0) + 1
+        job.graphed += int(result.pop("graphed", False))
         if job.done < len(ids):
             return False
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
                       adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
-                      extend_ways=dict(job.extend_ways))
+                      extend_ways=dict(job.extend_ways), graphed_extends=job.graphed)
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
         return True

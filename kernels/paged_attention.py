@@ -284,6 +284,18 @@ def prefix_runs(pages: list[int], cached: int, block_size: int, rows: int, runs:
                       torch.arange(0, (count + 1) * rows, rows, dtype=torch.int32, device=device), rows)
 
 
+def device_prefix_runs(table_row: torch.Tensor, cached: torch.Tensor, runs: int, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefix_runs built on the device, for a CUDA graph: table_row [1, P] int32 (a sequence's pages in
+    token order), cached [1] int32 (its keys before the new tokens, read only on the device) -> (table
+    [runs, ceil(P / runs)] int32 in the guarded_table layout, used [runs] int32): run j is pages
+    [j*p, (j+1)*p) with p = ceil(ceil(cached / block_size) / runs), used[j] of their slots, 0 for a run
+    past the keys (and all runs when cached is 0). The split path's prep (one Triton kernel on CUDA)."""
+    anchor = table_row.new_empty((1, 1, 1))                       # one row: the prep never copies a query
+    _, used, table = _split_inputs(anchor, cached, table_row, runs, block_size)
+    return table, used
+
+
 def split_prefix_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, runs: PrefixRuns, scale: float, backend
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,19 +376,24 @@ def _split_merge(out, lse, used, r, c, dtype):
     return o.to(dtype), l
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype,
+                   used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """P partials of the same rows, outs [P, R, H, D] and lses [P, R, H] (any strides, e.g. views into
     one gathered buffer) -> (out [R, H, D] in dtype, lse [R, H] fp32), merged by LSE in fp32; a partial
-    with lse -inf weighs 0. One Triton kernel on CUDA (the split path's merge), else
-    kernels.merge.merge_stacked (15 small kernels, 288 us of host time per call measured beside an
-    all-gather, one H200)."""
+    with lse -inf weighs 0. used [P] int32 (optional, on the device): partial p weighs 0 where used[p] == 0,
+    whatever it holds (a kernel's output for a run without keys is never read). One Triton kernel on
+    CUDA (the split path's merge), else kernels.merge.merge_stacked (15 small kernels, 288 us of host
+    time per call measured beside an all-gather, one H200)."""
     kern = _triton_kernels(outs.device)
     if kern is not None:
         try:
-            return _merge_partials_triton(kern[1], outs, lses, dtype)
+            return _merge_partials_triton(kern[1], outs, lses, dtype, used)
         except Exception as e:
             _triton_failed(e)
-    o, l = merge_stacked(outs, lses)
+    if used is not None:
+        o, l = merge_stacked_masked(outs, lses, (used > 0).view(-1, *([1] * (lses.ndim - 1))), dim=0)
+    else:
+        o, l = merge_stacked(outs, lses)
     return o.to(dtype), l
 
 
@@ -441,16 +458,16 @@ def _build_triton_kernels():
             tl.store(q_rep_ptr + i.to(tl.int64) * HD + offs, x, mask=mask)
 
     def _merge_kernel(o_ptr, lse_ptr, used_ptr, out_ptr, lse_out_ptr, c, H,
-                      s_or, s_oc, s_oh, s_lr, s_lc, s_lh,
+                      s_or, s_oc, s_oh, s_lr, s_lc, s_lh, s_ur, s_uc,
                       D: tl.constexpr, C_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_USED: tl.constexpr):
         """Program (r, h): merge the c partials of row r, head h by LSE (partial j of row r at
-        r*s_or + j*s_oc + h*s_oh in o, likewise in lse); with HAS_USED, partials with used[r*c + j] == 0
-        are never read (they weigh 0)."""
+        r*s_or + j*s_oc + h*s_oh in o, likewise in lse); with HAS_USED, partials with
+        used[r*s_ur + j*s_uc] == 0 are never read (they weigh 0)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         cs = tl.arange(0, C_PAD)
         if HAS_USED:
-            valid = tl.load(used_ptr + r * c + cs, mask=cs < c, other=0) > 0
+            valid = tl.load(used_ptr + r * s_ur + cs * s_uc, mask=cs < c, other=0) > 0
         else:
             valid = cs < c
         row = r.to(tl.int64)
@@ -474,7 +491,8 @@ def _build_triton_kernels():
     # integer arguments unspecialized (no recompile per value of c, strides, ...): one compile per
     # constexpr combination and pointer alignment
     return (triton.jit(_prep_kernel, do_not_specialize=["table_stride", "max_blocks", "c", "bs", "width"]),
-            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oc", "s_oh", "s_lr", "s_lc", "s_lh"]))
+            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oc", "s_oh", "s_lr", "s_lc", "s_lh",
+                                                         "s_ur", "s_uc"]))
 
 
 def _next_pow2(n: int) -> int:
@@ -509,18 +527,18 @@ def _split_merge_triton(merge, out, lse, used, r, c, dtype):
     o = torch.empty(r, h, d, dtype=dtype, device=out.device)
     l = torch.empty(r, h, dtype=torch.float32, device=out.device)
     merge[(r, h)](out, lse, used, o, l, c, h, c * out.stride(0), out.stride(0), out.stride(1),
-                  c * lse.stride(0), lse.stride(0), lse.stride(1),
+                  c * lse.stride(0), lse.stride(0), lse.stride(1), c, 1,
                   D=d, C_PAD=_next_pow2(c), D_PAD=_next_pow2(d), HAS_USED=True)
     return o, l
 
 
-def _merge_partials_triton(merge, outs, lses, dtype):
+def _merge_partials_triton(merge, outs, lses, dtype, used=None):
     p, r, h, d = outs.shape
     if outs.stride(3) != 1:
         outs = outs.contiguous()
     o = torch.empty(r, h, d, dtype=dtype, device=outs.device)
     l = torch.empty(r, h, dtype=torch.float32, device=outs.device)
-    merge[(r, h)](outs, lses, l, o, l, p, h, outs.stride(1), outs.stride(0), outs.stride(2),
-                  lses.stride(1), lses.stride(0), lses.stride(2),
-                  D=d, C_PAD=_next_pow2(p), D_PAD=_next_pow2(d), HAS_USED=False)
+    merge[(r, h)](outs, lses, l if used is None else used.contiguous(), o, l, p, h, outs.stride(1), outs.stride(0),
+                  outs.stride(2), lses.stride(1), lses.stride(0), lses.stride(2), 0, 1,
+                  D=d, C_PAD=_next_pow2(p), D_PAD=_next_pow2(d), HAS_USED=used is not None)
     return o, l

@@ -77,21 +77,26 @@ class PagePool:
         self.lengths[seq_id] = n + 1
         return self.slot(seq_id, n)
 
-    def extend(self, seq_id: int, count: int) -> torch.Tensor:
-        """Room for count more tokens -> their slots [count] int64 on the device."""
+    def extend(self, seq_id: int, count: int, on_device: bool = True) -> torch.Tensor | None:
+        """Room for count more tokens -> their slots [count] int64 on the device (None with on_device False:
+        host_slots gives them)."""
         n = self.lengths[seq_id]
         self._grow(seq_id, n + count)
         self.lengths[seq_id] = n + count
-        return self.slots(seq_id, n, count)
+        return self.slots(seq_id, n, count) if on_device else None
 
     def slot(self, seq_id: int, index: int) -> int:
         return self.pages[seq_id][index // self.block_size] * self.block_size + index % self.block_size
 
     def slots(self, seq_id: int, start: int, count: int) -> torch.Tensor:
         """[count] int64 slots of the sequence's tokens start .. start + count - 1, on the device."""
+        return self.host_slots(seq_id, start, count).to(self.device)
+
+    def host_slots(self, seq_id: int, start: int, count: int) -> torch.Tensor:
+        """slots(), on the host."""
         index = torch.arange(start, start + count)
         pages = torch.tensor(self.pages[seq_id], dtype=torch.int64)
-        return (pages[index // self.block_size] * self.block_size + index % self.block_size).to(self.device)
+        return pages[index // self.block_size] * self.block_size + index % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [n, Hkv, D] into slots [n] of one layer (one kernel on GPUs)."""

@@ -174,6 +174,44 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
             assert diff <= 0.1 * max(ref.abs().max().item(), 1.0), len(p)
 
 
+@pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
+def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_checkpoint, devices):
+    """engine/extend_graphs.py: a 3000-token prompt in chunks of 256 and 384 (each chunk after the first
+    replays a graph: one GPU "local", two "whole") and a 300-token question after it (the prefix cache's
+    extend, padded to the 384-row graph) give transformers' next-token logits (bf16 noise) and the eager
+    extend's (cuda_graphs=False) within bf16 noise."""
+    from engine import LLM, SamplingParams
+    from kernels.paged_attention import fa4_available
+    if torch.cuda.device_count() < len(devices.split(",")):
+        pytest.skip("needs 2 GPUs")
+    if not fa4_available(torch.device("cuda:0")):
+        pytest.skip("extend CUDA graphs need flash-attn-4")
+    path, model = hf_bf16_checkpoint
+    prompt = [random.randrange(2000) for _ in range(3000)]
+    question = prompt + [random.randrange(2000) for _ in range(300)]
+    results = {}
+    for graphs in (True, False):
+        for chunk in (256, 384):
+            with LLM(path, devices=devices, dtype="bfloat16", max_num_batched_tokens=chunk, itl_target_ms=None,
+                     cuda_graphs=graphs) as llm:
+                out = llm.generate(prompt, SamplingParams(max_tokens=1))[0]
+                stats = out.metrics.prefill_stats
+                assert stats["graphed_extends"] == (stats["chunks"] - 1 if graphs else 0), stats
+                results[graphs, chunk] = [llm.next_token_logits(prompt)]
+                asked = llm.generate(question, SamplingParams(max_tokens=1))[0].metrics.prefill_stats
+                assert asked["cached_tokens"] > 0 and asked["graphed_extends"] == int(graphs), asked
+                results[graphs, chunk].append(llm.next_token_logits(question))
+    for i, p in enumerate((prompt, question)):
+        ref = model(torch.tensor([p], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
+        bound = 0.1 * max(ref.abs().max().item(), 1.0)
+        for chunk in (256, 384):
+            graphed, eager = results[True, chunk][i], results[False, chunk][i]
+            d_ref, d_eager = (graphed - ref).abs().max().item(), (graphed - eager).abs().max().item()
+            print(f"extend graphs on {devices}, chunks of {chunk}, prompt {len(p)}: max |logit diff| against "
+                  f"transformers {d_ref:.4f}, against the eager extend {d_eager:.4f}")
+            assert d_ref <= bound and d_eager <= bound, (len(p), chunk, d_ref, d_eager)
+
+
 def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transformers(hf_bf16_checkpoint,
                                                                                      monkeypatch):
     """ModelRunner.extend on one GPU, in this process: a 100-token chunk after 4000 cached tokens with the

@@ -355,6 +355,24 @@ def _triton_interpreted_checks():
         torch.testing.assert_close(o.float(), t_o.to(dtype).float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
         torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
         assert (o[4] == 0).all() and torch.isneginf(l[4]).all()
+    # merge_partials with `used` (engine/extend_graphs.py): partials whose used entry is 0 hold garbage and
+    # are never read; the same as the torch merge of the others
+    used3 = torch.tensor([2, 0, 7], dtype=torch.int32)
+    garbage = gathered.clone()
+    garbage[1] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        o, l = pa._merge_partials_triton(merge, garbage[..., :16], garbage[..., 16], dtype, used3)
+        t_o, t_l = merge_stacked(gathered[[0, 2], ..., :16], gathered[[0, 2], ..., 16])
+        torch.testing.assert_close(o.float(), t_o.to(dtype).float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
+    # device_prefix_runs through the prep kernel: prefix_runs' tables and counts, empty runs after them
+    row = torch.randint(1, 100, (1, 70), dtype=torch.int32)
+    for cached in (1, 300, 1000):
+        t_tab, t_used = pa._split_inputs(q[:1], torch.tensor([cached], dtype=torch.int32), row, 4, 16)[2:0:-1]
+        tab, used4 = pa._split_inputs_triton(prep, q[:1], torch.tensor([cached], dtype=torch.int32), row, 4, 16)[2:0:-1]
+        assert torch.equal(tab, t_tab) and torch.equal(used4, t_used)
+        ref = pa.prefix_runs(row[0].tolist(), cached, 16, 1, 4, torch.device("cpu"))
+        assert torch.equal(used4[:ref.used.shape[0]], ref.used) and (used4[ref.used.shape[0]:] == 0).all()
     # the whole fa4 path through the kernels (flash-attn-4 itself replaced by the reference)
     pa._fa4_call = _fake_fa4_call
     pa._triton_kernels = lambda device: (prep, merge)

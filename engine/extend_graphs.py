@@ -1,0 +1,167 @@
+"""A small incremental prefill as a CUDA graph: the next chunk of a chunked prefill, or a short prompt after
+its cached prefix, in the "local" and "whole" ways of engine/extend_attention.py, one graph per chunk size.
+
+Why: a late chunk of a long prompt (256 new tokens after 116K cached) launches ~540 kernels eagerly, and
+its host time decides how long it takes: 34-47 ms for the same ~31 ms of GPU work, depending on the
+machine's CPU (one H200, 2026-11-24, scripts/gpu_mixed_profile.py). On two workers every layer also meets
+a collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
+call.
+
+Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS); a chunk of n tokens runs in
+the smallest of at least n rows, rows n.. being padding (token 0, the positions after the chunk, the scratch
+slot): they come after the real rows, so the chunk's causal attention keeps them out of the real rows, and
+their results are dropped. Captured at worker start on every worker in the same order (the collectives
+inside must line up), after an eager warm-up that compiles the kernels.
+
+Static inputs, one int64 buffer copied in before each replay: token ids [m], positions [m], slots [m] (where
+this worker writes the new K/V: the scratch slot for padding rows and on a worker that does not keep them),
+then meta [4]: the sequence's row of the pool's page table, its keys on this worker before the chunk, 1 if
+this worker keeps the chunk's K/V, the row whose logits come back.
+
+Attention per layer (GraphedChunkAttention): the chunk's queries against this worker's cached keys cut into
+runs of pages (kernels.paged_attention.device_prefix_runs: built once a replay, on the device, from the
+page-table row and the cached count; one flash-attn-4 call over all runs without a mask) and causally
+against the chunk's own K/V (the backend's dense call; weighing 0 on a worker that does not keep them),
+merged by LSE in one kernel that skips runs without keys; on several workers ("whole") the rows' partials
+are merged over the workers with one all-gather, as a decode step's are. The same code runs eagerly
+without capture (`capture=False`): the CPU tests check it against the eager extend.
+"""
+import logging
+import os
+import time
+
+import torch
+
+from engine.decode_attention import merge_over_workers
+from kernels.paged_attention import (MAX_RUNS, device_prefix_runs, fa4_available, merge_partials, num_sms,
+                                     paged_attention)
+
+log = logging.getLogger(__name__)
+
+STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
+MAX_TOKENS = 1024           # larger chunks keep the GPU busy eagerly (a 1024-token late chunk: 140 ms of GPU work)
+SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
+META = 4                    # page-table row, cached keys here, keeps the new K/V (1/0), the row to return
+ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward
+
+
+def runs_for(rows: int, q_per_kv: int, num_kv_heads: int, sms: int) -> int:
+    """Runs of the cached keys for a chunk of `rows` queries: enough CTAs to fill the SMs (the kernel runs
+    one per 128 packed query rows per kv head; see kernels.paged_attention.prefix_run_count, which also
+    caps runs by the cached length: here the runs are fixed per graph, and a run without keys costs
+    nothing but its CTAs)."""
+    ctas = -(-rows * q_per_kv // 128) * num_kv_heads
+    return max(1, min(sms // max(ctas, 1), MAX_RUNS))
+
+
+class GraphedChunkAttention:
+    """One replay's attention for every layer: see the module docstring. Built inside the captured forward,
+    from the static inputs' views."""
+
+    def __init__(self, runner, slots: torch.Tensor, meta: torch.Tensor, runs: int):
+        self.pool, self.scale, self.backend = runner.pool, runner.scale, runner.backend
+        self.world_size, self.group = runner.strategy.kv_workers, runner.data_group
+        self.slots, self.runs = slots, runs
+        row = runner.pool.table.index_select(0, meta[0:1])                           # [1, P] int32
+        self.table, used = device_prefix_runs(row, meta[1:2].to(torch.int32), runs, runner.pool.block_size)
+        self.used = torch.cat([used, meta[2:3].to(torch.int32)])                      # [runs + 1]: the new K/V last
+        m = slots.shape[0]
+        self.cu = torch.arange(0, (runs + 1) * m, m, dtype=torch.int32, device=slots.device)   # [runs + 1]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]."""
+        m, h, _ = q.shape
+        self.pool.write(layer, self.slots, k, v)
+        q_runs = q.repeat(self.runs, 1, 1) if self.runs > 1 else q                     # [runs * m, H, D]
+        out, lse = paged_attention(q_runs, self.pool.k[layer], self.pool.v[layer], self.table, self.cu, self.used[:-1],
+                                   self.scale, causal=False, num_chunks=1, max_seqlen_q=m, rows_see_keys=True)
+        new_out, new_lse = self.backend(q, k, v, True, self.scale)                      # the chunk's own keys
+        outs = torch.cat([out.view(self.runs, m, h, -1), new_out[None]])               # [runs + 1, m, H, D]
+        lses = torch.cat([lse.reshape(self.runs, m, h), new_lse[None]])                 # [runs + 1, m, H]
+        out, lse = merge_partials(outs, lses, q.dtype, self.used)
+        if self.world_size == 1:
+            return out
+        return merge_over_workers(out, lse, self.world_size, self.group)
+
+
+class ExtendGraphs:
+    @classmethod
+    def create(cls, runner, engine) -> "ExtendGraphs | None":
+        """Graphs for this worker's small extends, or None (eager), as DecodeGraphs decides: CUDA with
+        flash-attn-4 (its paged call reads lengths only on the device), not burst-zero (its extends run on
+        the weight slices)."""
+        if runner.whole_layers is not None or engine.max_num_batched_tokens is None and not engine.enable_prefix_caching:
+            return None
+        sizes = [m for m in SIZES if m < runner.max_model_len + STEP]        # up to the first that holds any prompt
+        if runner.device.type != "cuda":               # the tests' way to run the graphs' forward, uncaptured
+            return cls(runner, sizes, capture=False) if os.environ.get(ON_CPU_ENV) == "1" else None
+        if not engine.cuda_graphs or not fa4_available(runner.device):
+            return None
+        return cls(runner, sizes)
+
+    def __init__(self, runner, sizes: list[int], capture: bool = True):
+        self.runner, self.sizes = runner, sizes
+        cfg = runner.attn_cfg
+        sms = num_sms(runner.device) if runner.device.type == "cuda" else 132
+        self.runs = {m: runs_for(m, cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, sms) for m in sizes}
+        self.inputs = torch.zeros(3 * sizes[-1] + META, dtype=torch.int64, device=runner.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            start = time.perf_counter()
+            self._capture_all()
+            log.info("extend CUDA graphs for chunks of %s tokens captured in %.1f s", sizes, time.perf_counter() - start)
+
+    def fits(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.sizes[-1]
+
+    def run(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor | None, table_row: int, cached: int
+            ) -> torch.Tensor:
+        """token_ids [n] int64 (host): the sequence's tokens start .. start+n-1, all run on this worker;
+        slots [n] int64 (host) where this worker keeps their K/V, or None if it does not; table_row: the
+        sequence's row of the pool's page table; cached: its keys on this worker before them -> the last
+        token's logits [V] fp32 (device)."""
+        n = token_ids.shape[0]
+        m = next(x for x in self.sizes if x >= n)
+        host = torch.zeros(3 * m + META, dtype=torch.int64)
+        host[:n] = token_ids
+        host[m:2 * m] = torch.arange(start, start + m)
+        if slots is not None:
+            host[2 * m:2 * m + n] = slots                                               # padding: the scratch slot
+        host[3 * m:] = torch.tensor([table_row, cached, int(slots is not None), n - 1])
+        self.inputs[:3 * m + META].copy_(host)     # blocking: the host buffer is not kept (see DecodeGraphs.run)
+        if m in self.graphs:
+            self.graphs[m].replay()
+            return self.outputs[m][0]
+        return self.forward(m)[0]
+
+    def forward(self, m: int) -> torch.Tensor:
+        """The chunk of m rows from the static inputs -> logits [1, V] fp32 of the meta's row."""
+        ids, positions, slots = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:3 * m]
+        meta = self.inputs[3 * m:3 * m + META]
+        attend = GraphedChunkAttention(self.runner, slots, meta, self.runs[m])
+        hidden = self.runner.model.forward(ids, positions, attend)                      # [m, hidden]
+        return self.runner.model.logits(hidden.index_select(0, meta[3:4]))             # [1, V]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        runner = self.runner
+        device = runner.device
+        for m in self.sizes:                        # the warm-up's inputs: scratch pages, a run of keys each
+            self.inputs[3 * m:3 * m + META] = torch.tensor([runner.pool.pad_row, self.runs[m] * runner.pool.block_size,
+                                                            1, m - 1])
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):                      # warm-up: kernel compilation, allocator
+                for m in self.sizes:
+                    self.forward(m)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        for m in reversed(self.sizes):              # largest first: the others reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[m] = self.forward(m)
+            self.graphs[m] = graph
+        torch.cuda.synchronize(device)

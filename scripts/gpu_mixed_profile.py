@@ -34,6 +34,15 @@ def separate(n):
     done, positions = done + n, [p + 1 for p in positions]
 
 
+def separate_eager(n):
+    """separate() with the extend run eagerly (no engine/extend_graphs.py graph)."""
+    graphs, runner.extend_graphs = runner.extend_graphs, None
+    try:
+        separate(n)
+    finally:
+        runner.extend_graphs = graphs
+
+
 def mixed(n):
     global done, positions
     runner.extend_and_decode(2, prompt[done:done + n], done, streams, tokens, positions)
@@ -41,10 +50,10 @@ def mixed(n):
 
 
 print(f"## a chunk after ~{ctx} cached tokens and a decode step of 8 x 1K sequences\n")
-print("| chunk | separate ms | mixed ms |\n|---|---|---|")
+print("| chunk | separate ms | separate, eager extend ms | mixed ms |\n|---|---|---|---|")
 for n in (256, 512, 1024):
     times = {}
-    for name, fn in (("separate", separate), ("mixed", mixed)):
+    for name, fn in (("separate", separate), ("separate_eager", separate_eager), ("mixed", mixed)):
         fn(n)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -52,7 +61,7 @@ for n in (256, 512, 1024):
             fn(n)
         torch.cuda.synchronize()
         times[name] = (time.perf_counter() - t0) / 3 * 1e3
-    print(f"| {n} (after {done}) | {times['separate']:.1f} | {times['mixed']:.1f} |")
+    print(f"| {n} (after {done}) | {times['separate']:.1f} | {times['separate_eager']:.1f} | {times['mixed']:.1f} |")
 
 from torch.profiler import ProfilerActivity, profile
 

@@ -43,6 +43,11 @@ MAX_TOKENS = 1024           # larger chunks keep the GPU busy eagerly (a 1024-to
 SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
 META = 4                    # page-table row, cached keys here, keeps the new K/V (1/0), the row to return
 ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward
+MIXED_BUCKETS = (8, 32, 128, 512)   # --mixed-batch: a step's decode rows padded up to one of these (and max_num_seqs)
+
+
+def mixed_buckets(max_num_seqs: int) -> list[int]:
+    return [b for b in MIXED_BUCKETS if b < max_num_seqs] + [max_num_seqs]
 
 
 def runs_for(rows: int, q_per_kv: int, num_kv_heads: int, sms: int) -> int:
@@ -93,34 +98,44 @@ class ExtendGraphs:
         if runner.whole_layers is not None or engine.max_num_batched_tokens is None and not engine.enable_prefix_caching:
             return None
         sizes = [m for m in SIZES if m < runner.max_model_len + STEP]        # up to the first that holds any prompt
+        decode = mixed_buckets(engine.max_num_seqs) if engine.mixed_batch else []
         if runner.device.type != "cuda":               # the tests' way to run the graphs' forward, uncaptured
-            return cls(runner, sizes, capture=False) if os.environ.get(ON_CPU_ENV) == "1" else None
+            return cls(runner, sizes, decode, capture=False) if os.environ.get(ON_CPU_ENV) == "1" else None
         if not engine.cuda_graphs or not fa4_available(runner.device):
             return None
-        return cls(runner, sizes)
+        return cls(runner, sizes, decode)
 
-    def __init__(self, runner, sizes: list[int], capture: bool = True):
-        self.runner, self.sizes = runner, sizes
+    def __init__(self, runner, sizes: list[int], decode_buckets: list[int] = (), capture: bool = True):
+        """sizes: the chunk sizes graphed; decode_buckets (--mixed-batch): each size also with a decode step of
+        up to that many sequences in the same forward pass (ModelRunner.extend_and_decode)."""
+        self.runner, self.sizes, self.decode_buckets = runner, sizes, list(decode_buckets)
         cfg = runner.attn_cfg
         sms = num_sms(runner.device) if runner.device.type == "cuda" else 132
         self.runs = {m: runs_for(m, cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, sms) for m in sizes}
         self.inputs = torch.zeros(3 * sizes[-1] + META, dtype=torch.int64, device=runner.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # a mixed call's decode step: DecodeGraphs' five rows, padding rows past the batch
+        self.step_padding = torch.zeros(5, max(self.decode_buckets, default=0), dtype=torch.int64, device=runner.device)
+        self.step_padding[4] = runner.pool.pad_row
+        self.step_inputs = self.step_padding.clone()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (chunk rows, decode rows)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if capture:
             start = time.perf_counter()
             self._capture_all()
-            log.info("extend CUDA graphs for chunks of %s tokens captured in %.1f s", sizes, time.perf_counter() - start)
+            log.info("extend CUDA graphs for chunks of %s tokens%s captured in %.1f s", sizes,
+                     f" (and with decode steps of {self.decode_buckets} sequences)" if self.decode_buckets else "",
+                     time.perf_counter() - start)
 
-    def fits(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= self.sizes[-1]
+    def fits(self, num_tokens: int, decode_rows: int = 0) -> bool:
+        return 0 < num_tokens <= self.sizes[-1] and decode_rows <= max(self.decode_buckets, default=0)
 
-    def run(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor | None, table_row: int, cached: int
-            ) -> torch.Tensor:
+    def run(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor | None, table_row: int, cached: int,
+            step_inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_ids [n] int64 (host): the sequence's tokens start .. start+n-1, all run on this worker;
         slots [n] int64 (host) where this worker keeps their K/V, or None if it does not; table_row: the
-        sequence's row of the pool's page table; cached: its keys on this worker before them -> the last
-        token's logits [V] fp32 (device)."""
+        sequence's row of the pool's page table; cached: its keys on this worker before them; step_inputs
+        (a mixed call): a decode step's [5, B] int64 (host, ModelRunner._decode_inputs) -> (the last token's
+        logits [V] fp32, the decode rows' logits [B, V] fp32 or None), on the device."""
         n = token_ids.shape[0]
         m = next(x for x in self.sizes if x >= n)
         host = torch.zeros(3 * m + META, dtype=torch.int64)
@@ -130,18 +145,39 @@ class ExtendGraphs:
             host[2 * m:2 * m + n] = slots                                               # padding: the scratch slot
         host[3 * m:] = torch.tensor([table_row, cached, int(slots is not None), n - 1])
         self.inputs[:3 * m + META].copy_(host)     # blocking: the host buffer is not kept (see DecodeGraphs.run)
-        if m in self.graphs:
-            self.graphs[m].replay()
-            return self.outputs[m][0]
-        return self.forward(m)[0]
+        b = bucket = 0
+        if step_inputs is not None:
+            b = step_inputs.shape[1]
+            bucket = next(x for x in self.decode_buckets if x >= b)
+            self.step_inputs[:, :b].copy_(step_inputs)
+            self.step_inputs[:, b:bucket] = self.step_padding[:, b:bucket]
+        if (m, bucket) in self.graphs:
+            self.graphs[m, bucket].replay()
+            logits = self.outputs[m, bucket]
+        else:
+            logits = self.forward(m, bucket)
+        return logits[0], (logits[1:1 + b] if step_inputs is not None else None)
 
-    def forward(self, m: int) -> torch.Tensor:
-        """The chunk of m rows from the static inputs -> logits [1, V] fp32 of the meta's row."""
+    def forward(self, m: int, b: int = 0) -> torch.Tensor:
+        """The chunk of m rows (and b decode rows) from the static inputs -> logits [1 + b, V] fp32: the meta's
+        row's, then the decode rows'."""
+        runner = self.runner
         ids, positions, slots = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:3 * m]
         meta = self.inputs[3 * m:3 * m + META]
-        attend = GraphedChunkAttention(self.runner, slots, meta, self.runs[m])
-        hidden = self.runner.model.forward(ids, positions, attend)                      # [m, hidden]
-        return self.runner.model.logits(hidden.index_select(0, meta[3:4]))             # [1, V]
+        chunk = GraphedChunkAttention(runner, slots, meta, self.runs[m])
+        attend = chunk
+        if b:
+            step = self.step_inputs[:, :b]
+            runner._begin_decode_step(step, None)
+            ids, positions = torch.cat([ids, step[0]]), torch.cat([positions, step[1]])
+
+            def attend(layer, q, k, v):                     # rows: m of the chunk, then b decode
+                return torch.cat([chunk(layer, q[:m], k[:m], v[:m]),
+                                  runner.decode_attention(layer, q[m:], k[m:], v[m:])])
+
+        hidden = runner.model.forward(ids, positions, attend)                          # [m + b, hidden]
+        rows = torch.cat([meta[3:4], torch.arange(m, m + b, device=meta.device)]) if b else meta[3:4]
+        return runner.model.logits(hidden.index_select(0, rows))                      # [1 + b, V]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -150,18 +186,19 @@ class ExtendGraphs:
         for m in self.sizes:                        # the warm-up's inputs: scratch pages, a run of keys each
             self.inputs[3 * m:3 * m + META] = torch.tensor([runner.pool.pad_row, self.runs[m] * runner.pool.block_size,
                                                             1, m - 1])
+        shapes = [(m, b) for m in self.sizes for b in [0] + self.decode_buckets]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):                      # warm-up: kernel compilation, allocator
-                for m in self.sizes:
-                    self.forward(m)
+                for m, b in shapes:
+                    self.forward(m, b)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        for m in reversed(self.sizes):              # largest first: the others reuse its memory
+        for m, b in reversed(shapes):               # largest first: the others reuse its memory
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[m] = self.forward(m)
-            self.graphs[m] = graph
+                self.outputs[m, b] = self.forward(m, b)
+            self.graphs[m, b] = graph
         torch.cuda.synchronize(device)

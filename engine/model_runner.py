@@ -184,8 +184,8 @@ class ModelRunner:
         start_time = time.perf_counter()
         placed = self._place_extend(seq_id, token_ids.shape[0], start)
         if self._graphed_extend(placed):
-            logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
-                                            self.pool.rows[seq_id], placed.cached)      # [V], on every worker
+            logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
+                                               self.pool.rows[seq_id], placed.cached)   # [V], on every worker
             return {**self._extend_result(logits, start, start_time, "extend", placed.way), "graphed": True}
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed=placed)
         if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
@@ -203,12 +203,22 @@ class ModelRunner:
         """A chunk of a prompt (as `extend`) and one decode step of other sequences (as `decode`) in one
         forward pass (Sarathi's mixed batch): each worker's rows are its share of the chunk followed by the
         B decode tokens, so the weights are read once for both; per layer the chunk's rows attend through
-        ExtendAttention and the decode rows through DecodeAttention, eagerly. Returns `extend`'s result,
-        and on worker 0 under "decode" what `decode` returns."""
+        ExtendAttention and the decode rows through DecodeAttention: one CUDA graph replay where
+        engine/extend_graphs.py has one for the chunk's size and way and the batch, else eagerly. Returns
+        `extend`'s result, and on worker 0 under "decode" what `decode` returns."""
         self._sync()
         start_time = time.perf_counter()
         step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
-        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, step_pages)
+        placed = self._place_extend(seq_id, token_ids.shape[0], start, step_pages)
+        if self._graphed_extend(placed, len(seq_ids)):
+            step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
+            logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
+                                                           self.pool.rows[seq_id], placed.cached, step_inputs)
+            result = {**self._extend_result(logits, start, start_time, "extend+decode", placed.way), "graphed": True}
+            if self.rank == 0:
+                result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
+            return result
+        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed=placed)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
@@ -239,12 +249,12 @@ class ModelRunner:
         host_slots = self.pool.host_slots(seq_id, first, shard.length)  # [n_w]: the K/V this worker keeps
         return PlacedExtend(way, shards, positions, cached, host_slots, keeps=shard.length > 0)
 
-    def _graphed_extend(self, placed: "PlacedExtend") -> bool:
-        """Whether an extend so placed replays a CUDA graph (engine/extend_graphs.py): its way runs every new
-        token on every worker in order ("whole", or "local" on one worker or tp), and a graph is that large.
-        The same answer on every worker (their ledgers agree)."""
+    def _graphed_extend(self, placed: "PlacedExtend", decode_rows: int = 0) -> bool:
+        """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
+        (engine/extend_graphs.py): its way runs every new token on every worker in order ("whole", or "local"
+        on one worker or tp), and a graph is that large. The same answer on every worker (their ledgers agree)."""
         n = placed.shards_tokens
-        return (self.extend_graphs is not None and self.extend_graphs.fits(n) and placed.way != "ring"
+        return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != "ring"
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
 
     def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, reserved: list[int] | None = None,

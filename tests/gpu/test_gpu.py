@@ -212,6 +212,38 @@ def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_check
             assert d_ref <= bound and d_eager <= bound, (len(p), chunk, d_ref, d_eager)
 
 
+def test_mixed_batch_in_cuda_graphs_matches_eager_and_transformers(hf_bf16_checkpoint):
+    """--mixed-batch with CUDA graphs: a 3000-token prompt in chunks of 256 while 3 requests decode, each
+    chunk and their decode step one graph replay (engine/extend_graphs.py); every request's tokens and
+    logprobs are the eager mixed batch's (bf16 noise) up to a near-tie, and transformers' greedy tokens."""
+    from engine import LLM, SamplingParams
+    from kernels.paged_attention import fa4_available
+    if not fa4_available(torch.device("cuda:0")):
+        pytest.skip("extend CUDA graphs need flash-attn-4")
+    path, model = hf_bf16_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (100, 500, 1000, 3000)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    runs = {}
+    for graphs in (True, False):
+        with LLM(path, devices="cuda:0", dtype="bfloat16", max_num_batched_tokens=256, itl_target_ms=None,
+                 mixed_batch=True, max_num_seqs=8, cuda_graphs=graphs, enable_prefix_caching=False) as llm:
+            outs = llm.generate(prompts, params)
+        stats = outs[-1].metrics.prefill_stats
+        assert stats["strategy"] == "extend+decode" and stats["graphed_extends"] == (stats["chunks"] - 1 if graphs else 0)
+        runs[graphs] = [o.outputs[0] for o in outs]
+    for prompt, g, e in zip(prompts, runs[True], runs[False]):
+        _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 40, with_scales=True)
+        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b), len(g.token_ids))
+        print(f"mixed batch, graphs vs eager, prompt {len(prompt)}: {same} of 40 tokens identical")
+        for i in range(same):
+            t = g.token_ids[i]
+            assert abs(g.logprobs[i][t] - e.logprobs[i][t]) < 0.1, (len(prompt), i)
+        for i, (a, b) in enumerate(zip(g.token_ids, ref_tokens)):
+            if a != b:
+                assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
+                break
+
+
 def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transformers(hf_bf16_checkpoint,
                                                                                      monkeypatch):
     """ModelRunner.extend on one GPU, in this process: a 100-token chunk after 4000 cached tokens with the

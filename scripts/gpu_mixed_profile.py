@@ -13,7 +13,7 @@ from engine.model_runner import ModelRunner
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 114688
 dev = torch.device("cuda:0")
-engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16, mixed_batch=True)
 cfg, max_model_len = resolve_model(engine)
 runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
 prompt = torch.randint(0, 250, (ctx + 65536,))
@@ -34,13 +34,15 @@ def separate(n):
     done, positions = done + n, [p + 1 for p in positions]
 
 
-def separate_eager(n):
-    """separate() with the extend run eagerly (no engine/extend_graphs.py graph)."""
-    graphs, runner.extend_graphs = runner.extend_graphs, None
-    try:
-        separate(n)
-    finally:
-        runner.extend_graphs = graphs
+def eagerly(fn):
+    """fn with the extend run eagerly (no engine/extend_graphs.py graph; decode steps still graphed)."""
+    def run(n):
+        graphs, runner.extend_graphs = runner.extend_graphs, None
+        try:
+            fn(n)
+        finally:
+            runner.extend_graphs = graphs
+    return run
 
 
 def mixed(n):
@@ -50,10 +52,11 @@ def mixed(n):
 
 
 print(f"## a chunk after ~{ctx} cached tokens and a decode step of 8 x 1K sequences\n")
-print("| chunk | separate ms | separate, eager extend ms | mixed ms |\n|---|---|---|---|")
+print("| chunk | separate ms | separate, eager extend ms | mixed ms | mixed, eager ms |\n|---|---|---|---|---|")
 for n in (256, 512, 1024):
     times = {}
-    for name, fn in (("separate", separate), ("separate_eager", separate_eager), ("mixed", mixed)):
+    for name, fn in (("separate", separate), ("separate_eager", eagerly(separate)), ("mixed", mixed),
+                     ("mixed_eager", eagerly(mixed))):
         fn(n)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -61,7 +64,8 @@ for n in (256, 512, 1024):
             fn(n)
         torch.cuda.synchronize()
         times[name] = (time.perf_counter() - t0) / 3 * 1e3
-    print(f"| {n} (after {done}) | {times['separate']:.1f} | {times['separate_eager']:.1f} | {times['mixed']:.1f} |")
+    print(f"| {n} (after {done}) | {times['separate']:.1f} | {times['separate_eager']:.1f} | {times['mixed']:.1f} "
+          f"| {times['mixed_eager']:.1f} |")
 
 from torch.profiler import ProfilerActivity, profile
 

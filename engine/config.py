@@ -158,9 +158,10 @@ class EngineConfig:
     extend_ring_min_tokens: int = 4096      # on several workers, an incremental prefill of at least this many new
                                             # tokens is sharded over them (K/V ring + pass-Q); fewer run whole on
                                             # every worker, one keeping their K/V (engine/extend_attention.py)
-    mixed_batch: bool = False               # a chunk after the first and the running sequences' decode step in
-                                            # one forward pass (weights read once); off: the eager decode half
-                                            # made a late 256-token chunk host-bound (docs/benchmarks.md)
+    mixed_batch: bool | None = None         # a chunk after the first and the running sequences' decode step in
+                                            # one forward pass (weights read once). None (auto): where the worker
+                                            # replays it as CUDA graphs (engine/extend_graphs.py); eagerly the
+                                            # decode half made a late 256-token chunk host-bound (docs/benchmarks.md)
 
     @property
     def page_size(self) -> int:

@@ -98,7 +98,8 @@ class ExtendGraphs:
         if runner.whole_layers is not None or engine.max_num_batched_tokens is None and not engine.enable_prefix_caching:
             return None
         sizes = [m for m in SIZES if m < runner.max_model_len + STEP]        # up to the first that holds any prompt
-        decode = mixed_buckets(engine.max_num_seqs) if engine.mixed_batch else []
+        chunked = engine.max_num_batched_tokens is not None
+        decode = mixed_buckets(engine.max_num_seqs) if chunked and engine.mixed_batch is not False else []
         if runner.device.type != "cuda":               # the tests' way to run the graphs' forward, uncaptured
             return cls(runner, sizes, decode, capture=False) if os.environ.get(ON_CPU_ENV) == "1" else None
         if not engine.cuda_graphs or not fa4_available(runner.device):

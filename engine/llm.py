@@ -60,7 +60,7 @@ class LLM:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool = False,
+                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool | None = None,
                  extend_ring_min_tokens: int = 4096, nnodes: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int = 29500, join_timeout: float = 300.0):
         self.cluster = ClusterConfig(nnodes, 0, master_addr, master_port, join_timeout)
@@ -90,7 +90,7 @@ class LLM:
         if sp_strategy == "burst-zero" and quantization != "none":
             raise InvalidRequestError("burst-zero gathers bfloat16 weights; --quantization fp8 is not supported with "
                                       "it", "quantization")
-        if sp_strategy == "burst-zero" and mixed_batch:
+        if sp_strategy == "burst-zero" and mixed_batch:                     # (None: auto, off for burst-zero)
             raise InvalidRequestError("burst-zero runs a chunk on whole weights and decode on their slices, so a chunk "
                                       "and a decode step cannot be one forward pass: leave --mixed-batch off",
                                       "mixed_batch")

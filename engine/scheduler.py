@@ -67,6 +67,18 @@ class ChunkedPrefill:
     graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
 
 
+def mixed_batch_on(runner) -> bool:
+    """--mixed-batch as asked, or by default (None) where worker 0 replays the mixed pass as CUDA graphs
+    (engine/extend_graphs.py; every worker decides alike): a late 256-token chunk and 8 streams' step in one
+    graph took 36 ms against 40 ms for the two graphs apart, where the eager mixed pass, bound by the host,
+    took 57 ms (one H200, docs/benchmarks.md)."""
+    asked = runner.engine.mixed_batch
+    if asked is not None:
+        return asked
+    graphs = getattr(runner, "extend_graphs", None)
+    return graphs is not None and bool(graphs.decode_buckets)
+
+
 class Scheduler:
     def __init__(self, call: Callable, requests: "queue.Queue", outputs: "queue.Queue", max_num_seqs: int,
                  max_model_len: int, eos_token_ids: list[int], kv):
@@ -92,7 +104,7 @@ class Scheduler:
                                 self.ledger.block_size) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
-        self.mixed = kv.engine.mixed_batch                      # a chunk and the others' decode step in one call
+        self.mixed = mixed_batch_on(kv)                         # a chunk and the others' decode step in one call
         self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
         self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
@@ -330,7 +342,7 @@ class Scheduler:
 
     def _chunk_with_decode(self) -> bool:
         """The long prompt's next chunk and a decode step of the running sequences in one forward pass
-        (--mixed-batch, off by default; Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
+        (--mixed-batch: see mixed_batch_on; Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
         one (the first chunk is a prefill by the prompt's strategy), and nothing was done."""
         job = self.prefilling
         if job.done == 0:

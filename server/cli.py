@@ -83,10 +83,11 @@ def serve_parser(sub) -> None:
                    help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
                         "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
                         "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always")
-    p.add_argument("--mixed-batch", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--mixed-batch", action=argparse.BooleanOptionalAction, default=None,
                    help="with --max-num-batched-tokens: a chunk after a prompt's first and the running requests' "
-                        "decode step run as one forward pass (the weights read once for both; the decode half "
-                        "runs eagerly, not from its CUDA graph). Default: a chunk, then a decode step")
+                        "decode step run as one forward pass (the weights read once for both). Default: on where "
+                        "the workers replay that pass as CUDA graphs (CUDA with flash-attn-4, chunks up to 1024 "
+                        "tokens graphed), else a chunk, then a decode step; --no-mixed-batch: never")
     p.add_argument("--extend-ring-min-tokens", type=int, default=4096, metavar="N",
                    help="on several workers, a prompt chunk or the part of a prompt after its cached prefix of at "
                         "least N tokens is sharded over the workers (K/V ring, queries passed to the cache); "

@@ -65,18 +65,21 @@ class ChunkedPrefill:
     queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
     extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
     graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
+    mixed: int = 0                # of them, with the running sequences' decode step in the same call
 
 
-def mixed_batch_on(runner) -> bool:
-    """--mixed-batch as asked, or by default (None) where worker 0 replays the mixed pass as CUDA graphs
-    (engine/extend_graphs.py; every worker decides alike): a late 256-token chunk and 8 streams' step in one
-    graph took 36 ms against 40 ms for the two graphs apart, where the eager mixed pass, bound by the host,
-    took 57 ms (one H200, docs/benchmarks.md)."""
+def mixed_batch_limit(runner) -> int | None:
+    """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk; 0
+    with --no-mixed-batch), or by default (None) the chunks that worker 0 replays with a decode step as one
+    CUDA graph (engine/extend_graphs.py; every worker decides alike), 0 where none: a late 256-token chunk
+    and 8 streams' step in one graph took 36 ms against 40 ms for the two graphs apart, where the eager
+    mixed pass, bound by the host, took 57 ms, and its first call of a large chunk 152 ms (one H200,
+    docs/benchmarks.md)."""
     asked = runner.engine.mixed_batch
     if asked is not None:
-        return asked
+        return None if asked else 0
     graphs = getattr(runner, "extend_graphs", None)
-    return graphs is not None and bool(graphs.decode_buckets)
+    return graphs.sizes[-1] if graphs is not None and graphs.decode_buckets else 0
 
 
 class Scheduler:
@@ -104,7 +107,8 @@ class Scheduler:
                                 self.ledger.block_size) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
-        self.mixed = mixed_batch_on(kv)                         # a chunk and the others' decode step in one call
+        self.mixed_limit = mixed_batch_limit(kv)                # a chunk up to this (None: any) and the others'
+        self.mixed = self.mixed_limit != 0                      # decode step in one call
         self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
         self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
@@ -342,18 +346,17 @@ class Scheduler:
 
     def _chunk_with_decode(self) -> bool:
         """The long prompt's next chunk and a decode step of the running sequences in one forward pass
-        (--mixed-batch: see mixed_batch_on; Sarathi's mixed batch: the weights read once for both) -> False when it cannot be
-        one (the first chunk is a prefill by the prompt's strategy), and nothing was done."""
+        (--mixed-batch: see mixed_batch_limit; Sarathi's mixed batch: the weights read once for both) -> False when it cannot
+        be one (the first chunk is a prefill by the prompt's strategy; a chunk above the limit), and nothing was done."""
         job = self.prefilling
-        if job.done == 0:
+        if job.done == 0 or self.mixed_limit is not None and self._next_mixed_chunk(job) > self.mixed_limit:
             return False
         batch = self._make_room(list(self.running))      # may requeue the prompt (it gives way first)
         if self.prefilling is None or not batch:
             if batch:
                 self._decode_batch(batch)
             return True
-        remaining = len(job.seq.request.prompt_token_ids) - job.done
-        n = self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining   # the step is one call
+        n = self._next_mixed_chunk(job)
         step = self.ledger.step_new_pages([s.seq_id for s in batch])
         if not self._fits([c + d for c, d in zip(self.kv.chunk_pages(job.seq.seq_id, n, step), step)]):
             self._requeue_prefilling()                  # the running sequences took the pages: it gives way
@@ -362,6 +365,11 @@ class Scheduler:
         if self._advance(job, n, decode=batch):
             self.prefilling = None
         return True
+
+    def _next_mixed_chunk(self, job: ChunkedPrefill) -> int:
+        """The size of the job's next chunk run with a decode step (the step is in the same call)."""
+        remaining = len(job.seq.request.prompt_token_ids) - job.done
+        return self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining
 
     def _decode_batch(self, batch: list[RunningSequence]) -> None:
         args = self._decode_args(batch)
@@ -399,13 +407,15 @@ class Scheduler:
         if way is not None:
             job.extend_ways[way] = job.extend_ways.get(way, 0) + 1
         job.graphed += int(result.pop("graphed", False))
+        job.mixed += int(decode is not None)
         if job.done < len(ids):
             return False
         logits = result.pop("logits")
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
                       adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
-                      extend_ways=dict(job.extend_ways), graphed_extends=job.graphed)
+                      extend_ways=dict(job.extend_ways), graphed_extends=job.graphed,
+                      mixed_chunks=job.mixed)
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
         return True

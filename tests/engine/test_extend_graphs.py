@@ -101,3 +101,30 @@ def test_graphed_mixed_batches_give_every_request_its_solo_tokens(checkpoint, mo
             assert_same_logprobs(got, want, 1e-4)
     stats = outs[-1].metrics.prefill_stats
     assert stats["chunks"] == 10 and stats["strategy"] == "extend+decode" and stats["graphed_extends"] == 9
+
+
+def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):
+    """--mixed-batch unset: a chunk runs with the decode step in one pass only where the workers have that
+    graph (chunks up to 1024 tokens): a 2400-token prompt in chunks of 1100 while 3 requests decode runs
+    its second chunk (1100) apart and its last (200) mixed; without the graphs (CPU) never mixed. Every
+    request gets its solo tokens."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
+    long = [random.randrange(vocab) for _ in range(2400)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    common = dict(devices="cpu", enable_prefix_caching=False, dtype="float32", max_model_len=4096)
+    with LLM(path, **common) as llm:
+        solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
+    for graphs in (True, False):
+        if graphs:
+            monkeypatch.setenv(ON_CPU_ENV, "1")
+        else:
+            monkeypatch.delenv(ON_CPU_ENV)
+        with LLM(path, **common, max_num_batched_tokens=1100, itl_target_ms=None, max_num_seqs=8) as llm:
+            outs = llm.generate(short + [long], params)
+        assert [o.outputs[0].token_ids for o in outs] == solo
+        stats = outs[-1].metrics.prefill_stats
+        assert stats["chunks"] == 3 and stats["largest_chunk"] == 1100 and stats["smallest_chunk"] == 200
+        assert stats["strategy"] == ("extend+decode" if graphs else "extend")     # the last chunk's call
+        assert stats["graphed_extends"] == stats["mixed_chunks"] == int(graphs)

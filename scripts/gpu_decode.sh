@@ -9,7 +9,8 @@
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
 # PARTS (default "tests kernels sweep"): "load" adds issue 11's HTTP load, `burstserve bench load` with 48
 # prompts of 8K tokens, 128 output tokens, concurrency 16, on a default server and on one with chunked
-# prefill (--max-num-batched-tokens 8192, the ITL target's default 50 ms).
+# prefill (--max-num-batched-tokens LOAD_CHUNK, default 2048: an 8K prompt in chunks, the ITL target's
+# default 50 ms, the mixed batch where graphed).
 # Results: $OUT/results.tgz (pytest log, one results.json / table per configuration).
 set -uo pipefail
 bash .fa4b/install.sh || exit 3
@@ -64,5 +65,5 @@ load() {
 }
 if has load; then
   load load-default 200
-  load load-chunked 200 --max-num-batched-tokens 8192 ${LOAD_EXTRA:-}
+  load load-chunked 200 --max-num-batched-tokens "${LOAD_CHUNK:-2048}" ${LOAD_EXTRA:-}
 fi

@@ -13,18 +13,26 @@ slot): they come after the real rows, so the chunk's causal attention keeps them
 their results are dropped. Captured at worker start on every worker in the same order (the collectives
 inside must line up), after an eager warm-up that compiles the kernels.
 
-Static inputs, one int64 buffer copied in before each replay: token ids [m], positions [m], slots [m] (where
-this worker writes the new K/V: the scratch slot for padding rows and on a worker that does not keep them),
-then meta [4]: the sequence's row of the pool's page table, its keys on this worker before the chunk, 1 if
-this worker keeps the chunk's K/V, the row whose logits come back.
+On W workers holding the sequence's K/V ("whole" way: one worker keeps the chunk's K/V) the chunk's rows are
+split: worker r runs rows r*M .. (r+1)*M - 1 through the GEMMs (M: the smallest size with W x M >= n), so
+the padding rows all come after the chunk's; a graph of M rows serves chunks of up to W x M tokens.
 
-Attention per layer (GraphedChunkAttention): the chunk's queries against this worker's cached keys cut into
-runs of pages (kernels.paged_attention.device_prefix_runs: built once a replay, on the device, from the
-page-table row and the cached count; one flash-attn-4 call over all runs without a mask) and causally
-against the chunk's own K/V (the backend's dense call; weighing 0 on a worker that does not keep them),
-merged by LSE in one kernel that skips runs without keys; on several workers ("whole") the rows' partials
-are merged over the workers with one all-gather, as a decode step's are. The same code runs eagerly
-without capture (`capture=False`): the CPU tests check it against the eager extend.
+Static inputs, one int64 buffer copied in before each replay: this worker's token ids [M] and positions
+[M], slots [W M] (where the keeper writes the chunk's K/V, every row's; the scratch slot for padding rows
+and on the other workers), then meta [5]: the sequence's row of the pool's page table, its keys on this
+worker before the chunk, 1 if this worker keeps the chunk's K/V, the worker holding the chunk's last row
+and that row's index there.
+
+Attention per layer: the chunk's queries against this worker's cached keys cut into runs of pages
+(kernels.paged_attention.device_prefix_runs: built once a replay, on the device, from the page-table row
+and the cached count; one flash-attn-4 call over all runs without a mask) and causally against the
+chunk's own K/V (the backend's dense call; weighing 0 on a worker that does not keep them), merged by LSE
+in one kernel that skips runs without keys (GraphedChunkAttention.partial). On W workers
+(ShardedChunkAttention) one all-gather first gives every worker all W x M rows' q, k, v, each attends them
+all to the keys it holds, and one all-to-all returns every worker the W partials of its own rows, merged
+in fp32 (pass-Q over the chunk: the GEMMs split, two collectives a layer). The chunk's last row's hidden
+state is all-gathered for its logits. The same code runs without capture (`capture=False`): the CPU tests
+check it against transformers and the eager extend.
 """
 import logging
 import os
@@ -32,7 +40,9 @@ import time
 
 import torch
 
-from engine.decode_attention import merge_over_workers
+import torch.distributed as dist
+
+from engine.decode_attention import all_gather
 from kernels.paged_attention import (MAX_RUNS, device_prefix_runs, fa4_available, merge_partials, num_sms,
                                      paged_attention)
 
@@ -41,7 +51,8 @@ log = logging.getLogger(__name__)
 STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
 MAX_TOKENS = 1024           # larger chunks keep the GPU busy eagerly (a 1024-token late chunk: 140 ms of GPU work)
 SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
-META = 4                    # page-table row, cached keys here, keeps the new K/V (1/0), the row to return
+META = 5                    # page-table row, cached keys here, keeps the new K/V (1/0), the worker and its row
+                            # whose logits return
 ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward
 MIXED_BUCKETS = (8, 32, 128, 512)   # --mixed-batch: a step's decode rows padded up to one of these (and max_num_seqs)
 
@@ -74,7 +85,12 @@ class GraphedChunkAttention:
         self.cu = torch.arange(0, (runs + 1) * m, m, dtype=torch.int32, device=slots.device)   # [runs + 1]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]."""
+        """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D] (one worker holds every key: "local")."""
+        return self.partial(layer, q, k, v)[0]
+
+    def partial(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The chunk's rows q [m, H, D] against this worker's keys (its cached ones; the chunk's own k, v
+        [m, Hkv, D] causally where it keeps them, written to its slots first) -> (out [m, H, D], lse [m, H])."""
         m, h, _ = q.shape
         self.pool.write(layer, self.slots, k, v)
         q_runs = q.repeat(self.runs, 1, 1) if self.runs > 1 else q                     # [runs * m, H, D]
@@ -83,10 +99,27 @@ class GraphedChunkAttention:
         new_out, new_lse = self.backend(q, k, v, True, self.scale)                      # the chunk's own keys
         outs = torch.cat([out.view(self.runs, m, h, -1), new_out[None]])               # [runs + 1, m, H, D]
         lses = torch.cat([lse.reshape(self.runs, m, h), new_lse[None]])                 # [runs + 1, m, H]
-        out, lse = merge_partials(outs, lses, q.dtype, self.used)
-        if self.world_size == 1:
-            return out
-        return merge_over_workers(out, lse, self.world_size, self.group)
+        return merge_partials(outs, lses, q.dtype, self.used)
+
+
+class ShardedChunkAttention(GraphedChunkAttention):
+    """The chunk's rows split over the W workers (each runs M of the W x M rows through the GEMMs): per layer
+    one all-gather gives every worker all rows' q, k, v; each attends all of them to the keys it holds (as
+    GraphedChunkAttention.partial), and one all-to-all returns every worker the W partials of its own M
+    rows, merged in fp32."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [M, H, D], k and v [M, Hkv, D] (this worker's rows) -> out [M, H, D]."""
+        m, h, d = q.shape
+        hkv = k.shape[1]
+        rows = torch.cat([q, k, v], dim=1)                                              # [M, H + 2 Hkv, D]
+        every = all_gather(rows, self.world_size, self.group).view(self.world_size * m, h + 2 * hkv, d)
+        out, lse = self.partial(layer, *every.split([h, hkv, hkv], dim=1))             # [W M, H, D], [W M, H]
+        packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)                    # [W M, H, D + 1]
+        mine = torch.empty_like(packed)              # block j: worker j's partial of this worker's rows
+        dist.all_to_all_single(mine, packed, group=self.group)
+        mine = mine.view(self.world_size, m, h, d + 1)
+        return merge_partials(mine[..., :-1], mine[..., -1], q.dtype)[0]
 
 
 class ExtendGraphs:
@@ -110,10 +143,12 @@ class ExtendGraphs:
         """sizes: the chunk sizes graphed; decode_buckets (--mixed-batch): each size also with a decode step of
         up to that many sequences in the same forward pass (ModelRunner.extend_and_decode)."""
         self.runner, self.sizes, self.decode_buckets = runner, sizes, list(decode_buckets)
+        self.workers = runner.strategy.kv_workers          # > 1: the chunk's rows split over them ("whole" way)
         cfg = runner.attn_cfg
         sms = num_sms(runner.device) if runner.device.type == "cuda" else 132
-        self.runs = {m: runs_for(m, cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, sms) for m in sizes}
-        self.inputs = torch.zeros(3 * sizes[-1] + META, dtype=torch.int64, device=runner.device)
+        self.runs = {m: runs_for(self.workers * m, cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, sms)
+                     for m in sizes}
+        self.inputs = torch.zeros((2 + self.workers) * sizes[-1] + META, dtype=torch.int64, device=runner.device)
         # a mixed call's decode step: DecodeGraphs' five rows, padding rows past the batch
         self.step_padding = torch.zeros(5, max(self.decode_buckets, default=0), dtype=torch.int64, device=runner.device)
         self.step_padding[4] = runner.pool.pad_row
@@ -128,7 +163,7 @@ class ExtendGraphs:
                      time.perf_counter() - start)
 
     def fits(self, num_tokens: int, decode_rows: int = 0) -> bool:
-        return 0 < num_tokens <= self.sizes[-1] and decode_rows <= max(self.decode_buckets, default=0)
+        return 0 < num_tokens <= self.workers * self.sizes[-1] and decode_rows <= max(self.decode_buckets, default=0)
 
     def run(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor | None, table_row: int, cached: int,
             step_inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -137,15 +172,19 @@ class ExtendGraphs:
         sequence's row of the pool's page table; cached: its keys on this worker before them; step_inputs
         (a mixed call): a decode step's [5, B] int64 (host, ModelRunner._decode_inputs) -> (the last token's
         logits [V] fp32, the decode rows' logits [B, V] fp32 or None), on the device."""
-        n = token_ids.shape[0]
-        m = next(x for x in self.sizes if x >= n)
-        host = torch.zeros(3 * m + META, dtype=torch.int64)
-        host[:n] = token_ids
-        host[m:2 * m] = torch.arange(start, start + m)
+        n, w = token_ids.shape[0], self.workers
+        m = next(x for x in self.sizes if w * x >= n)       # rows a worker runs: its block of the chunk, padded
+        first = self.runner.rank * m if w > 1 else 0
+        mine = token_ids[first:first + m]
+        base = (2 + w) * m
+        host = torch.zeros(base + META, dtype=torch.int64)
+        host[:mine.shape[0]] = mine
+        host[m:2 * m] = torch.arange(start + first, start + first + m)
         if slots is not None:
-            host[2 * m:2 * m + n] = slots                                               # padding: the scratch slot
-        host[3 * m:] = torch.tensor([table_row, cached, int(slots is not None), n - 1])
-        self.inputs[:3 * m + META].copy_(host)     # blocking: the host buffer is not kept (see DecodeGraphs.run)
+            host[2 * m:2 * m + n] = slots                       # all n rows' K/V; padding: the scratch slot
+        owner = (n - 1) // m
+        host[base:] = torch.tensor([table_row, cached, int(slots is not None), owner, n - 1 - owner * m])
+        self.inputs[:base + META].copy_(host)     # blocking: the host buffer is not kept (see DecodeGraphs.run)
         b = bucket = 0
         if step_inputs is not None:
             b = step_inputs.shape[1]
@@ -160,12 +199,13 @@ class ExtendGraphs:
         return logits[0], (logits[1:1 + b] if step_inputs is not None else None)
 
     def forward(self, m: int, b: int = 0) -> torch.Tensor:
-        """The chunk of m rows (and b decode rows) from the static inputs -> logits [1 + b, V] fp32: the meta's
-        row's, then the decode rows'."""
-        runner = self.runner
-        ids, positions, slots = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:3 * m]
-        meta = self.inputs[3 * m:3 * m + META]
-        chunk = GraphedChunkAttention(runner, slots, meta, self.runs[m])
+        """The chunk's m rows of this worker (and b decode rows) from the static inputs -> logits [1 + b, V]
+        fp32: the chunk's last row's (the meta's worker and row), then the decode rows'."""
+        runner, w = self.runner, self.workers
+        base = (2 + w) * m
+        ids, positions, slots = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:base]   # slots [w m]
+        meta = self.inputs[base:base + META]
+        chunk = (ShardedChunkAttention if w > 1 else GraphedChunkAttention)(runner, slots, meta, self.runs[m])
         attend = chunk
         if b:
             step = self.step_inputs[:, :b]
@@ -177,16 +217,19 @@ class ExtendGraphs:
                                   runner.decode_attention(layer, q[m:], k[m:], v[m:])])
 
         hidden = runner.model.forward(ids, positions, attend)                          # [m + b, hidden]
-        rows = torch.cat([meta[3:4], torch.arange(m, m + b, device=meta.device)]) if b else meta[3:4]
-        return runner.model.logits(hidden.index_select(0, rows))                      # [1 + b, V]
+        last = hidden.index_select(0, meta[4:5])                                        # [1, hidden]
+        if w > 1:                                                    # the owner's row, on every worker
+            last = all_gather(last, w, runner.data_group).view(w, -1).index_select(0, meta[3:4])
+        return runner.model.logits(torch.cat([last, hidden[m:m + b]]) if b else last)   # [1 + b, V]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         runner = self.runner
         device = runner.device
         for m in self.sizes:                        # the warm-up's inputs: scratch pages, a run of keys each
-            self.inputs[3 * m:3 * m + META] = torch.tensor([runner.pool.pad_row, self.runs[m] * runner.pool.block_size,
-                                                            1, m - 1])
+            base = (2 + self.workers) * m
+            self.inputs[base:base + META] = torch.tensor([runner.pool.pad_row, self.runs[m] * runner.pool.block_size,
+                                                          1, 0, m - 1])
         shapes = [(m, b) for m in self.sizes for b in [0] + self.decode_buckets]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)

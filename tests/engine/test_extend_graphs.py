@@ -27,10 +27,12 @@ def _generate(llm, prompts):
 
 
 @pytest.mark.parametrize("workers,chunk,ways", [(1, 64, {"local": 3}), (2, 50, {"whole": 3}),
-                                                (3, 37, {"whole": 3}), (2, 130, {"whole": 3})])
+                                                (3, 37, {"whole": 3}), (2, 130, {"whole": 3}), (3, 300, {"whole": 3})])
 def test_graphed_chunks_match_transformers(checkpoint, monkeypatch, workers, chunk, ways):
-    """Chunks of 37-130 tokens run in the graphs of 128 and 256 rows (padding rows after them); every
-    graph cuts the cached keys into several runs, the first chunks' runs mostly without keys."""
+    """Chunks of 37-300 tokens run in the graphs of 128 and 256 rows a worker (on several workers the rows
+    split over them: 300 on 3 as 128 + 128 + 44, 130 on 2 as 128 + 2, 37 on 3 all on the first; padding
+    rows after the chunk's); every graph cuts the cached keys into several runs, the first chunks' runs
+    mostly without keys."""
     monkeypatch.setenv(ON_CPU_ENV, "1")
     path, model = checkpoint
     vocab = model.config.vocab_size

@@ -26,8 +26,6 @@ import torch
 from engine.config import ModelConfig
 
 MIN_CHUNK = 256          # smaller chunks read the weights for too little work (and launch as many kernels)
-ALIGN = 64               # chunk sizes are multiples of this (or of a smaller page size): late in a 128K prompt a
-                         # 256-token chunk filled 35 of a 50 ms target and 384 did not fit (one H200)
 HISTORY = 48             # calls the model is fitted to (the latest: the GPU's clocks and kernels drift)
 OUTLIER = 2.5            # a call this many times slower than the fit predicts is left out of it (a kernel
                          # built on first use took 3.0 s where 0.27 s was usual, and the next chunks were
@@ -45,7 +43,7 @@ def attention_flop_ratio(cfg: ModelConfig) -> float:
 class ChunkSizer:
     def __init__(self, max_tokens: int, itl_target_s: float | None, flop_ratio: float, align: int = 1):
         """max_tokens: the largest chunk (--max-num-batched-tokens); itl_target_s: None sizes every chunk
-        max_tokens; align: chunk sizes are multiples of it when they can be (min(ALIGN, the KV page size))."""
+        max_tokens; align: chunk sizes are multiples of it when they can be (the KV page size)."""
         self.max_tokens, self.itl_target_s, self.flop_ratio = max_tokens, itl_target_s, flop_ratio
         self.align = align
         self.min_tokens = min(max_tokens, MIN_CHUNK)

@@ -7,7 +7,7 @@ machine's CPU (one H200, 2026-11-24, scripts/gpu_mixed_profile.py). On two worke
 a collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
 call.
 
-Graphs: one for each chunk size in SIZES (multiples of 64 up to 512, of 128 up to MAX_TOKENS); a chunk of n tokens runs in
+Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS); a chunk of n tokens runs in
 the smallest of at least n rows, rows n.. being padding (token 0, the positions after the chunk, the scratch
 slot): they come after the real rows, so the chunk's causal attention keeps them out of the real rows, and
 their results are dropped. Captured at worker start on every worker in the same order (the collectives
@@ -48,9 +48,9 @@ from kernels.paged_attention import (MAX_RUNS, device_prefix_runs, fa4_available
 
 log = logging.getLogger(__name__)
 
-STEP = 128                  # sizes: multiples of 64 up to 512 (engine/chunk_sizer.py aligns chunks to 64: a late
-MAX_TOKENS = 1024           # chunk sized to the ITL target), then of 128; larger chunks keep the GPU busy eagerly
-SIZES = tuple(range(64, 513, 64)) + tuple(range(640, MAX_TOKENS + 1, STEP))   # (a late 1024-token chunk: 140 ms)
+STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
+MAX_TOKENS = 1024           # larger chunks keep the GPU busy eagerly (a 1024-token late chunk: 140 ms of GPU work)
+SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
 META = 5                    # page-table row, cached keys here, keeps the new K/V (1/0), the worker and its row
                             # whose logits return
 ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward

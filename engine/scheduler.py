@@ -24,7 +24,7 @@ import torch
 
 from engine.outputs import Request, StepOutput
 from engine.cache.prefix_cache import PrefixCache
-from engine.chunk_sizer import ALIGN, ChunkSizer, attention_flop_ratio
+from engine.chunk_sizer import ChunkSizer, attention_flop_ratio
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
@@ -104,7 +104,7 @@ class Scheduler:
         self.chunk_tokens = kv.engine.max_num_batched_tokens    # None: a prompt is prefilled in one call
         target = kv.engine.itl_target_ms
         self.sizer = ChunkSizer(self.chunk_tokens, target / 1e3 if target else None, attention_flop_ratio(kv.cfg),
-                                min(ALIGN, self.ledger.block_size)) if self.chunk_tokens else None
+                                self.ledger.block_size) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
         self.mixed_limit = mixed_batch_limit(kv)                # a chunk up to this (None: any) and the others'

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.extend_graphs import ON_CPU_ENV
 from hf_reference import assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 12
@@ -84,12 +85,18 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
         assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
 
 
-@pytest.mark.parametrize("workers,strategy,ring_min", [(1, "burst", 4096), (2, "burst", 4096), (3, "burst", 4096),
-                                                       (2, "burst", 0), (2, "tp", 4096)])
-def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, workers, strategy, ring_min):
+@pytest.mark.parametrize("workers,strategy,ring_min,graphs", [
+    (1, "burst", 4096, False), (2, "burst", 4096, False), (3, "burst", 4096, False), (2, "burst", 0, False),
+    (2, "tp", 4096, False), (1, "burst", 4096, True), (2, "burst", 4096, True), (2, "tp", 4096, True)])
+def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, monkeypatch, workers, strategy, ring_min,
+                                                              graphs):
     """--mixed-batch: a chunk after the first and the running requests' decode step are
     one forward pass; every request gets its solo tokens and logprobs (fp32, <= 1e-4), and the long
-    prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not."""
+    prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not. graphs: the
+    same through the extend graphs' forward, uncaptured (engine/extend_graphs.py; the 3 decode rows padded
+    to the 8-row bucket; on 2 workers burst's chunk rows split over them, tp's run whole)."""
+    if graphs:
+        monkeypatch.setenv(ON_CPU_ENV, "1")
     path, model = checkpoint
     vocab = model.config.vocab_size
     short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
@@ -100,7 +107,7 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, worker
     with LLM(path, **common) as llm:
         solo = [o.outputs[0] for o in llm.generate(short + [long], params)]
     for mixed in (True, False):
-        with LLM(path, **common, max_num_batched_tokens=64, mixed_batch=mixed) as llm:
+        with LLM(path, **common, max_num_batched_tokens=64, mixed_batch=mixed, max_num_seqs=8) as llm:
             outs = llm.generate(short + [long], params)
         for o, ref in zip(outs, solo):
             assert o.outputs[0].token_ids == ref.token_ids
@@ -108,6 +115,7 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, worker
                 assert_same_logprobs(got, want, 1e-4)
         stats = outs[-1].metrics.prefill_stats
         assert stats["chunks"] == 10 and stats["strategy"] == ("extend+decode" if mixed else "extend")
+        assert stats["mixed_chunks"] == (9 if mixed else 0) and stats["graphed_extends"] == (9 if graphs else 0)
 
 
 def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoint):

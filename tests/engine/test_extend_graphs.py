@@ -1,8 +1,10 @@
 """The small extends' CUDA-graph forward (engine/extend_graphs.py), run uncaptured on CPU workers
 (BURSTSERVE_EXTEND_GRAPHS_ON_CPU=1): chunks padded up to the graph sizes, prefix runs without keys, the
 chunk's K/V kept by one worker ("whole") or the only one ("local"), give transformers' logits (<= 1e-4,
-fp32) and greedy tokens, and the same tokens as the eager extend; a cached prefix's question too. The
-captured graphs against the eager extend on a GPU: tests/gpu/test_gpu.py."""
+fp32) and greedy tokens, and the same tokens as the eager extend; a cached prefix's question too; the
+mixed batch by default only where graphed (the mixed batch through the graphs' forward:
+tests/engine/test_chunked_prefill.py). The captured graphs against the eager extend on a GPU:
+tests/gpu/test_gpu.py."""
 import random
 
 import pytest
@@ -77,32 +79,6 @@ def test_runs_fill_the_sms_and_sizes_are_page_multiples():
     """llama3-8b's shapes on 132 SMs: 256 queries make 64 CTAs (2 runs), 384 or more fill the GPU alone."""
     assert [runs_for(m, 4, 8, 132) for m in (128, 256, 384, 1024)] == [4, 2, 1, 1]
     assert all(m % 128 == 0 for m in SIZES) and SIZES[0] == 128
-
-
-@pytest.mark.parametrize("workers,strategy", [(1, "burst"), (2, "burst"), (2, "tp")])
-def test_graphed_mixed_batches_give_every_request_its_solo_tokens(checkpoint, monkeypatch, workers, strategy):
-    """--mixed-batch through the graphs' forward: each chunk after the first and the running requests' decode
-    step (3 rows padded to the 8-row bucket) in one pass; every request gets its solo tokens and logprobs
-    (fp32, <= 1e-4)."""
-    from hf_reference import assert_same_logprobs
-    path, model = checkpoint
-    vocab = model.config.vocab_size
-    short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
-    long = [random.randrange(vocab) for _ in range(600)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
-    common = dict(devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
-                  sp_strategy=strategy)
-    with LLM(path, **common) as llm:
-        solo = [o.outputs[0] for o in llm.generate(short + [long], params)]
-    monkeypatch.setenv(ON_CPU_ENV, "1")
-    with LLM(path, **common, max_num_batched_tokens=64, mixed_batch=True, max_num_seqs=8) as llm:
-        outs = llm.generate(short + [long], params)
-    for o, ref in zip(outs, solo):
-        assert o.outputs[0].token_ids == ref.token_ids
-        for got, want in zip(o.outputs[0].logprobs, ref.logprobs):
-            assert_same_logprobs(got, want, 1e-4)
-    stats = outs[-1].metrics.prefill_stats
-    assert stats["chunks"] == 10 and stats["strategy"] == "extend+decode" and stats["graphed_extends"] == 9
 
 
 def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):

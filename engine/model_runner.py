@@ -244,9 +244,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
         self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
-        first = self.pool.lengths[seq_id]
-        self.pool.extend(seq_id, shard.length, on_device=False)
-        host_slots = self.pool.host_slots(seq_id, first, shard.length)  # [n_w]: the K/V this worker keeps
+        host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
         return PlacedExtend(way, shards, positions, cached, host_slots, keeps=shard.length > 0)
 
     def _graphed_extend(self, placed: "PlacedExtend", decode_rows: int = 0) -> bool:

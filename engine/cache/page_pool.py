@@ -77,13 +77,13 @@ class PagePool:
         self.lengths[seq_id] = n + 1
         return self.slot(seq_id, n)
 
-    def extend(self, seq_id: int, count: int, on_device: bool = True) -> torch.Tensor | None:
-        """Room for count more tokens -> their slots [count] int64 on the device (None with on_device False:
-        host_slots gives them)."""
+    def extend(self, seq_id: int, count: int) -> torch.Tensor:
+        """Room for count more tokens -> their slots [count] int64 on the host (a CUDA graph copies them
+        in with its other inputs; an eager extend moves them to the device)."""
         n = self.lengths[seq_id]
         self._grow(seq_id, n + count)
         self.lengths[seq_id] = n + count
-        return self.slots(seq_id, n, count) if on_device else None
+        return self.host_slots(seq_id, n, count)
 
     def slot(self, seq_id: int, index: int) -> int:
         return self.pages[seq_id][index // self.block_size] * self.block_size + index % self.block_size

@@ -31,6 +31,7 @@ from engine.structured_output import StructuredRequest, check_tokenizer, parse_r
 from engine.tokenizer import load_tokenizer
 from kernels.fp8 import QUANTIZATIONS, quantization_refusal
 from engine.weights import weight_files
+from engine.control import close_parent_ends, make_pipes
 from engine.worker import worker_main
 from kernels.attention import ATTENTION_BACKENDS, backend_refusal
 
@@ -304,11 +305,16 @@ class LLM:
         ctx = mp.get_context("spawn")
         self._requests, self._outputs = ctx.Queue(), ctx.Queue()
         init = self.cluster.workers_init_method if self._head else f"tcp://127.0.0.1:{_free_port()}"
+        # the control plane (engine/control.py): pipes when every worker is here, gloo across hosts
+        local = self._head is None and self.engine.world_size > 1
+        writers, readers = make_pipes(ctx, self.engine.world_size) if local else ([], [None] * self._local_workers)
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f"burstserve-worker{r}",
-                                   args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs))
+                                   args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs,
+                                         (writers if r == 0 else readers[r]) if local else None))
                        for r in range(self._local_workers)]
         for p in self._procs:
             p.start()
+        close_parent_ends(writers, readers)
         info = {}
         while len(info) < len(self._procs):
             msg = self._next_message()

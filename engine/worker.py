@@ -2,8 +2,9 @@
 
 Started by `LLM` with torch.multiprocessing (spawn), or by `torchrun` (RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment; see `main`). There is exactly one way for worker 0
-to drive the rest: `call(name, *args)` broadcasts (name, args) on a gloo control group and runs
-the same method locally; every other worker loops receiving and running those calls.
+to drive the rest: `call(name, *args)` sends (name, args) over the control plane (engine/control.py:
+pipes when every worker is on worker 0's host, a gloo group otherwise) and runs the same method
+locally; every other worker loops receiving and running those calls.
 """
 import gc
 import logging
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, resolve_model
+from engine.control import GlooControl, PipeControl
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 
@@ -26,15 +28,19 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL = 0.001
 
 
-def worker_main(rank: int, engine: EngineConfig, init_method: str | None, requests, outputs) -> None:
-    """Entry point of worker `rank`. init_method None: read the rendezvous from the environment."""
+def worker_main(rank: int, engine: EngineConfig, init_method: str | None, requests, outputs, pipes=None) -> None:
+    """Entry point of worker `rank`. init_method None: read the rendezvous from the environment. pipes
+    (every worker on one host): worker 0's write ends (a list), another worker's read end; None: gloo."""
     logging.basicConfig(level=os.environ.get("BURSTSERVE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     try:
         device = _setup_device(rank, engine)
         cfg, max_model_len = resolve_model(engine)
-        data_group, control = _init_groups(rank, engine, device, init_method)
+        data_group, gloo = _init_groups(rank, engine, device, init_method, gloo_control=pipes is None)
+        control = None if engine.world_size == 1 else (
+            GlooControl(gloo) if pipes is None else
+            PipeControl(writers=pipes) if rank == 0 else PipeControl(reader=pipes))
         runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
         freeze_heap()
         outputs.put(("ready", rank, runner.info()))
@@ -69,22 +75,22 @@ def _setup_device(rank: int, engine: EngineConfig) -> torch.device:
     return device
 
 
-def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_method: str | None):
-    """Data plane: NCCL on GPUs, gloo on CPU. Control plane: a separate gloo group."""
+def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_method: str | None,
+                 gloo_control: bool = True):
+    """Data plane: NCCL on GPUs, gloo on CPU. Control plane (gloo_control): a separate gloo group."""
     if engine.world_size == 1:
         return None, None
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                             world_size=engine.world_size, **kwargs)
-    control = dist.new_group(backend="gloo")
-    return None, control
+    return None, dist.new_group(backend="gloo") if gloo_control else None
 
 
 def _make_call(runner: ModelRunner, control, world_size: int):
     def call(name: str, *args):
         if world_size > 1:
-            dist.broadcast_object_list([name, args], src=0, group=control)
+            control.send(name, args)
         if name == "shutdown":
             return None
         return getattr(runner, name)(*args)
@@ -93,9 +99,7 @@ def _make_call(runner: ModelRunner, control, world_size: int):
 
 def _follow(runner: ModelRunner, control) -> None:
     while True:
-        message = [None, None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        name, args = message
+        name, args = control.receive()
         if name == "shutdown":
             return
         getattr(runner, name)(*args)

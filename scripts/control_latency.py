@@ -4,7 +4,8 @@ chunk, a 128K-token prefill).
 
 Per call: `send` = the time worker 0 spends in `send` before it can run its own share of the call;
 `last in` = from the start of that send to the slowest other worker holding the unpickled call (one
-system-wide monotonic clock). Calls are 2 ms apart, as a decode loop's are (latency, not throughput).
+system-wide monotonic clock). Calls are 2 ms apart, as a decode loop's are (latency, not throughput); a
+barrier before each kind of call (every worker started and waiting).
 CPU only: `python scripts/control_latency.py [W ...]` (default 2 4). Prints a markdown table.
 """
 import statistics
@@ -30,14 +31,14 @@ def messages() -> dict[str, tuple[str, tuple]]:
 
 def worker(rank: int, world: int, port: int, kind: str, pipes, results) -> None:
     torch.set_num_threads(1)
-    control = None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if kind == "gloo":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         control = GlooControl(dist.new_group(backend="gloo"))
     else:
         control = PipeControl(writers=pipes) if rank == 0 else PipeControl(reader=pipes)
     times = {}
     for label, (name, args) in messages().items():
+        dist.barrier()                      # every worker started and waiting, as in the engine
         sends, arrivals = [], []
         for _ in range(CALLS):
             if rank == 0:
@@ -50,9 +51,8 @@ def worker(rank: int, world: int, port: int, kind: str, pipes, results) -> None:
                 arrivals.append(time.monotonic_ns())
         times[label] = sends if rank == 0 else arrivals
     results.put((rank, times))
-    if kind == "gloo":
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def measure(world: int, kind: str, port: int) -> dict[str, tuple[float, float]]:
@@ -80,7 +80,7 @@ def main() -> None:
     print("| workers | call | gloo send us | gloo last in us | pipes send us | pipes last in us |")
     print("|---|---|---|---|---|---|")
     for i, world in enumerate(worlds):
-        gloo, pipe = measure(world, "gloo", 29700 + i), measure(world, "pipe", 0)
+        gloo, pipe = measure(world, "gloo", 29700 + 2 * i), measure(world, "pipe", 29701 + 2 * i)
         for label in messages():
             print(f"| {world} | {label} | {gloo[label][0]:.0f} | {gloo[label][1]:.0f} | "
                   f"{pipe[label][0]:.0f} | {pipe[label][1]:.0f} |", flush=True)

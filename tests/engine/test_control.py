@@ -41,7 +41,8 @@ def _messages(seed):
             ("prefill", (7, big, None)),
             ("info", ()),
             ("odd tensors", (torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(4, 6)[:, ::2],    # not contiguous
-                             torch.empty(0, dtype=torch.int64), torch.tensor(rng.randrange(9)))),
+                             torch.empty(0, dtype=torch.int64), torch.tensor(rng.randrange(9)),
+                             torch.randint(-(1 << 40), 1 << 40, (1 << 17,)))),      # int64 beyond int32's range
             ("extend", (3, big[: rng.randrange(1, 5000)], rng.randrange(10000)))]
 
 

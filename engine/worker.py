@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # 5 ms held a finished request's token in the output queue's feeder thread while the scheduler filled
 # the prefix cache: "back" 4-6 ms at 128K tokens on one H200). Set in the workers and the server.
 GIL_SWITCH_INTERVAL = 0.001
+PROFILE_ENV = "BURSTSERVE_PROFILE_SCHEDULER"     # a file: worker 0's scheduler loop runs under cProfile (profiled)
 
 
 def worker_main(rank: int, engine: EngineConfig, init_method: str | None, requests, outputs, pipes=None) -> None:
@@ -46,7 +47,8 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         outputs.put(("ready", rank, runner.info()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
-            Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, cfg.eos_token_ids, runner).run()
+            scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, cfg.eos_token_ids, runner)
+            profiled(scheduler.run, os.environ.get(PROFILE_ENV))
             call("shutdown")
         else:
             _follow(runner, control)
@@ -56,6 +58,19 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def profiled(run, path: str | None) -> None:
+    """run(); with a path (BURSTSERVE_PROFILE_SCHEDULER), under cProfile, its stats written there when run
+    returns (the engine's shutdown): where worker 0's host time goes between GPU calls."""
+    if not path:
+        return run()
+    import cProfile
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(run)
+    finally:
+        profile.dump_stats(path)
 
 
 def freeze_heap() -> None:

@@ -139,6 +139,9 @@ def _add_offline_args(m, strategy_help: str) -> None:
     m.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
     m.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="offline: fp8 linears (serve's --quantization; over HTTP give it in --serve's arguments)")
+    m.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",
+                   help="offline, --sp-strategy burst-zero: prompts of at most N tokens on the weight slices "
+                        "(serve's flag; default: measured at start on GPUs)")
 
 
 def _at_least(low: int):

@@ -135,14 +135,16 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
 
 def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) -> dict:
     """The LLM arguments of an offline run from its command line (--model, --devices, -cp, --dtype,
-    --sp-strategy, --attention-backend, --no-overlap), with `extra` ones added."""
+    --sp-strategy, --attention-backend, --no-overlap, --quantization, --zero-sliced-max-tokens), with `extra`
+    ones added."""
     # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
     # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
     # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
     return dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                 dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
                 overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                quantization=getattr(args, "quantization", "none"), **extra)
+                quantization=getattr(args, "quantization", "none"),
+                zero_sliced_max_tokens=getattr(args, "zero_sliced_max_tokens", None), **extra)
 
 
 @contextlib.contextmanager
@@ -210,4 +212,6 @@ def prefill_details(metrics: list) -> dict:
     return {"mean_exchange_ms": mean("exchange_seconds") * 1e3, "mean_exposed_ms": mean("exposed_seconds") * 1e3,
             "hidden_fraction": mean("hidden_fraction"), "mean_setup_ms": mean("setup_seconds") * 1e3,
             "mean_wrapup_ms": mean("wrapup_seconds") * 1e3, "mean_call_ms": mean("call_seconds") * 1e3,
-            "peak_memory_gib": max(s.get("peak_memory_bytes", 0) for s in stats) / 2**30}
+            "peak_memory_gib": max(s.get("peak_memory_bytes", 0) for s in stats) / 2**30,
+            # the way each prompt ran (auto: ulysses or burst; burst-zero: gathered or burst-zero-sliced)
+            "prefill_ways": "/".join(sorted({s["strategy"] for s in stats if s.get("strategy")}))}

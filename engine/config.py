@@ -142,6 +142,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     sp_strategy: str = "burst"
     auto_ulysses_max_tokens: int = 16384    # sp_strategy "auto": prompts up to this length use ulysses, longer burst
+    zero_sliced_max_tokens: int | None = None   # burst-zero: prompts up to this length run on the weight slices
+                                            # (engine/parallel/zero_sliced.py); None: measured at start on GPUs
     overlap: bool = True
     seed: int = 0
     kernel: str = "auto"

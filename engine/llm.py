@@ -62,7 +62,7 @@ class LLM:
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool | None = None,
-                 extend_ring_min_tokens: int = 4096, nnodes: int = 1, master_addr: str = "127.0.0.1",
+                 extend_ring_min_tokens: int = 4096, zero_sliced_max_tokens: int | None = None, nnodes: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int = 29500, join_timeout: float = 300.0):
         self.cluster = ClusterConfig(nnodes, 0, master_addr, master_port, join_timeout)
         problem = self.cluster.problem()
@@ -78,6 +78,9 @@ class LLM:
         if auto_ulysses_max_tokens < 0:
             raise InvalidRequestError(f"auto_ulysses_max_tokens must be >= 0, not {auto_ulysses_max_tokens}",
                                       "auto_ulysses_max_tokens")
+        if zero_sliced_max_tokens is not None and zero_sliced_max_tokens < 0:
+            raise InvalidRequestError(f"zero_sliced_max_tokens must be >= 0, not {zero_sliced_max_tokens}",
+                                      "zero_sliced_max_tokens")
         _check_kv_options(kv_cache_tokens, gpu_memory_utilization, block_size)
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
@@ -114,7 +117,8 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
                                    quantization=quantization, mixed_batch=mixed_batch,
                                    extend_ring_min_tokens=extend_ring_min_tokens,
-                                   auto_ulysses_max_tokens=auto_ulysses_max_tokens)
+                                   auto_ulysses_max_tokens=auto_ulysses_max_tokens,
+                                   zero_sliced_max_tokens=zero_sliced_max_tokens)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker

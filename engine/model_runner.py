@@ -29,6 +29,7 @@ from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import balanced_shards, owner_of_position, whole_keeper, whole_shards
 from engine.parallel.vocab import VocabShards
 from engine.parallel.zero import LayerGather
+from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
 from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
@@ -106,6 +107,7 @@ class ModelRunner:
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.decode_attend = (HelixDecodeAttention(self.decode_attention, cfg, rank, self.world_size, data_group)
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
+        self.sliced_max_tokens = self._sliced_max_tokens()   # burst-zero: prompts this short run on the slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
@@ -120,6 +122,8 @@ class ModelRunner:
         """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32), timings, and with
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
+        if prompt_logprobs is None and token_ids.shape[0] <= self.sliced_max_tokens:
+            return self._prefill_on_slices(seq_id, token_ids, entered)
         shards = self.strategy.shards(token_ids.shape[0])
         chosen = self.strategy.for_prompt(token_ids.shape[0], self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q [n, H, D], kv) -> [n, H, D]
@@ -171,6 +175,43 @@ class ModelRunner:
                 result["prompt_logprobs"] = entries
         result["wrapup_seconds"] = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
         return result
+
+    def _prefill_on_slices(self, seq_id: int, token_ids: torch.Tensor, entered: float) -> dict:
+        """burst-zero, a short prompt: every worker runs all of it through its weight slices (tensor parallel),
+        the K/V left in burst's layout (engine/parallel/zero_sliced.py). Returns as prefill does."""
+        n = token_ids.shape[0]
+        shards = self.strategy.shards(n)
+        self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        shard = self.strategy.shard_of(shards, self.rank)
+        self.ledger.add(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, 0))
+        self.pool.add(seq_id, shard.length)
+        attend = SlicedPrefillAttention(self.pool, self.pool.slots(seq_id, 0, shard.length), shards, self.rank,
+                                        self.cfg, self.backend, self.scale, self.data_group)
+        hidden = self.model.forward(token_ids.to(self.device), torch.arange(n, device=self.device), attend)   # [N, hidden]
+        logits = self.model.logits(hidden[-1:])[0]                               # [V], on every worker
+        self._sync()
+        end = time.perf_counter()
+        result = {"prefill_seconds": end - start, "strategy": SLICED, "setup_seconds": start - entered}
+        if self.device.type == "cuda":
+            result["peak_memory_bytes"] = self._peak_memory_all_workers()
+        if self.rank == 0:
+            result["logits"] = logits.cpu()
+        result["wrapup_seconds"] = time.perf_counter() - end
+        return result
+
+    def _sliced_max_tokens(self) -> int:
+        """burst-zero: the longest prompt run on the weight slices (--zero-sliced-max-tokens; unset: measured
+        on GPUs, none on CPU); 0 for every other strategy."""
+        if self.whole_layers is None:
+            return 0
+        if self.engine.zero_sliced_max_tokens is not None:
+            return self.engine.zero_sliced_max_tokens
+        if self.device.type != "cuda":
+            return 0
+        return measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype)
 
     @torch.inference_mode()
     def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:
@@ -510,7 +551,8 @@ class ModelRunner:
         total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
-                "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None}
+                "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
+                "zero_sliced_max_tokens": self.sliced_max_tokens}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)

@@ -3,10 +3,12 @@
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_zero.sh      (within ~30 s of the first)
-# PARTS (default "tests 8b 70b"):
+# PARTS (default "tests 8b short 70b"):
 #   tests  the 2-GPU GPU tests of burst-zero against transformers (bf16);
 #   8b     llama3-8b, `bench sweep --offline` at 8K/32K/128K with 64 output tokens: burst-zero (weights
 #          sliced) against burst (weights whole), same run: TTFT and time per output token;
+#   short  llama3-8b at 1K-8K: burst-zero with short prompts on the weight slices (the threshold measured
+#          at start, in the log) against --zero-sliced-max-tokens 0 (every prompt gathered) and burst;
 #   70b    llama3-70b at 128K (LONG_70B), 16 output tokens: burst-zero, tp, tp-v3 (TTFT, TPOT, peak
 #          memory per GPU), and transformers on one GPU (its 141 GB of weights: OOM).
 # Results: $OUT/results.tgz, one directory per configuration, merged tables in merged-8b/ and merged-70b/.
@@ -16,7 +18,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 trap pack EXIT
 { date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
-PARTS=${PARTS:-tests 8b 70b}
+PARTS=${PARTS:-tests 8b short 70b}
 
 sweep() { local name=$1 limit=$2; shift 2; offline_sweep "$name" "$limit" cuda "${CP:-2}" "$@"; }   # gpu_env.sh
 if [[ " $PARTS " == *" tests "* ]]; then
@@ -28,6 +30,14 @@ if [[ " $PARTS " == *" 8b "* ]]; then
     sweep "8b-$s" 240 --model llama3-8b --sp-strategy "$s" --lengths 8192,32768,131072 --output-len 64 --repeats 2 --warmup 1
   done
   python3 -m server.cli bench merge "$out"/8b-*/results.json --output-dir "$out/merged-8b" > /dev/null
+fi
+if [[ " $PARTS " == *" short "* ]]; then
+  short="--model llama3-8b --lengths 1024,2048,4096,8192 --repeats 3 --warmup 1"
+  BURSTSERVE_LOG_LEVEL=INFO sweep "short-burst-zero" 200 $short --sp-strategy burst-zero
+  grep -h "run on the weight slices" "$out/short-burst-zero/stderr.log" | head -2
+  sweep "short-burst-zero-gathered" 200 $short --sp-strategy burst-zero --zero-sliced-max-tokens 0
+  sweep "short-burst" 200 $short --sp-strategy burst
+  python3 -m server.cli bench merge "$out"/short-*/results.json --output-dir "$out/merged-short" > /dev/null
 fi
 if [[ " $PARTS " == *" 70b "* ]]; then
   for s in burst-zero tp tp-v3; do

@@ -95,6 +95,10 @@ def serve_parser(sub) -> None:
                         "0: always sharded")
     p.add_argument("--auto-ulysses-max-tokens", type=int, default=16384,
                    help="--sp-strategy auto: the longest prompt that uses ulysses")
+    p.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",
+                   help="--sp-strategy burst-zero: prompts of at most N tokens run on the weight slices as they "
+                        "lie (tensor parallel, no layer gathered; K/V kept in burst's layout). Default: measured "
+                        "at start on GPUs (a layer's gather against a row's GEMMs), none on CPU. 0: never")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then cuDNN, "
                         "PyTorch's FA2; on CPU PyTorch's CPU flash kernel, then the reference) or one by name")
@@ -164,6 +168,7 @@ def serve(args) -> None:
                   dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
                   auto_ulysses_max_tokens=args.auto_ulysses_max_tokens,
+                  zero_sliced_max_tokens=args.zero_sliced_max_tokens,
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,

@@ -116,6 +116,14 @@ class LayerGather:
             w.wait()
         return self._assemble(self.layers[i], buffers)
 
+    def layer_alone(self, i: int) -> LayerWeights:
+        """Layer i's whole weights, gathered now and nothing behind it (to time one gather; collective)."""
+        self._start(i)
+        buffers, works = self._arriving.pop(i)
+        for w in works:
+            w.wait()
+        return self._assemble(self.layers[i], buffers)
+
     def reserve_bytes(self) -> int:
         """GPU memory a prefill's gathers take at most: three whole layers (one in use, the next arriving, a
         gathered one being put in order), for the KV pool's sizing to leave free."""

@@ -17,14 +17,19 @@ def checkpoint(tmp_path_factory):
     ("burst-nolao", 2), ("burst-nolao", 4), ("ring-rsa", 2), ("ring-rsa", 4), ("ulysses", 2), ("ulysses", 4),
     ("tp", 2), ("tp", 4), ("tp-v3", 2), ("tp-v3", 4), ("cqs", 3), ("cqs", 4), ("cqs", 2), ("single", 3), ("burst", 2),
     ("burst-zero", 2), ("burst-zero", 4),       # 4: two workers' query heads read each K/V head
+    ("burst-zero-sliced", 4),                   # the same, every prompt on the slices (engine/parallel/zero_sliced.py)
 ])
 def test_strategy_matches_transformers(checkpoint, strategy, workers):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
-    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy) as llm:
+    options = ({"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 1000} if strategy == "burst-zero-sliced"
+               else {"sp_strategy": strategy})
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", **options) as llm:
         assert llm.engine.world_size == (1 if strategy == "single" else workers)
         outs = llm.generate(prompts + prompts[-1:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert outs[-1].metrics.prefill_stats.get("shared_prefill")   # the repeated prompt forks the K/V
+        if strategy == "burst-zero-sliced":
+            assert {o.metrics.prefill_stats["strategy"] for o in outs[:-1]} == {"burst-zero-sliced"}
         for prompt, out in zip(prompts + prompts[-1:], outs):
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
@@ -94,3 +99,5 @@ def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint)
         assert out.metrics.prefill_stats["strategy"] == "burst"
     with pytest.raises(InvalidRequestError, match="auto_ulysses_max_tokens"):
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="auto", auto_ulysses_max_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="zero_sliced_max_tokens must be >= 0, not -1"):
+        LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="burst-zero", zero_sliced_max_tokens=-1)

@@ -331,16 +331,23 @@ def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto", "burst-zero"])
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto", "burst-zero",
+                                      "burst-zero-sliced"])
 def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, strategy):
-    """Also: the last prompt is sent twice, so its twin decodes from forked K/V."""
+    """Also: the last prompt is sent twice, so its twin decodes from forked K/V. burst-zero-sliced: burst-zero
+    with prompts up to 1000 tokens on the weight slices (its NCCL all-to-all of K/V), the 4099 gathered."""
     from engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 4099)]
     prompts.append(prompts[-1])
-    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy=strategy, auto_ulysses_max_tokens=1000) as llm:
+    options = ({"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 1000} if strategy == "burst-zero-sliced"
+               else {"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 0} if strategy == "burst-zero"
+               else {"sp_strategy": strategy})     # burst-zero: every prompt gathered (unset: measured at start)
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", auto_ulysses_max_tokens=1000, **options) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         assert outs[-1].metrics.prefill_stats.get("shared_prefill")
+        if strategy == "burst-zero-sliced":
+            assert [o.metrics.prefill_stats["strategy"] for o in outs[:3]] == ["burst-zero-sliced"] * 2 + ["burst-zero"]
         for prompt, out in zip(prompts, outs):
             ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()

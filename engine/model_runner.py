@@ -211,7 +211,7 @@ class ModelRunner:
             return self.engine.zero_sliced_max_tokens
         if self.device.type != "cuda":
             return 0
-        return measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype)
+        return measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype, self.data_group)
 
     @torch.inference_mode()
     def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:

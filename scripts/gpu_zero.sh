@@ -22,7 +22,7 @@ PARTS=${PARTS:-tests 8b short 70b}
 
 sweep() { local name=$1 limit=$2; shift 2; offline_sweep "$name" "$limit" cuda "${CP:-2}" "$@"; }   # gpu_env.sh
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu -k "every_strategy and burst-zero" 2>&1 \
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu -k "(every_strategy and burst-zero) or measures_which_prompts" 2>&1 \
       | grep -E "logit diff|passed|failed|Error" | tee "$out/tests.log"
 fi
 if [[ " $PARTS " == *" 8b "* ]]; then

@@ -72,9 +72,9 @@ class SlicedPrefillAttention:
 
 
 @torch.inference_mode()
-def measure_sliced_max_tokens(gather, world_size: int, device: torch.device, dtype: torch.dtype) -> int:
+def measure_sliced_max_tokens(gather, world_size: int, device: torch.device, dtype: torch.dtype, group=None) -> int:
     """W G / R (module docstring), from one timed gather of layer 0 (collective: every worker calls this)
-    and its whole weights' GEMMs on PROBE_ROWS random rows, each the best of 3."""
+    and its whole weights' GEMMs on PROBE_ROWS random rows, each the best of 3; the workers' smallest."""
     gathers, rows = [], []
     for _ in range(3):
         torch.cuda.synchronize(device)
@@ -90,7 +90,10 @@ def measure_sliced_max_tokens(gather, world_size: int, device: torch.device, dty
             F.linear(x, w)
         torch.cuda.synchronize(device)
         rows.append((time.perf_counter() - start) / PROBE_ROWS)
-    threshold = int(world_size * min(gathers) / min(rows))
+    # the same on every worker (each timed its own): a prompt must take the same way everywhere
+    threshold = torch.tensor([int(world_size * min(gathers) / min(rows))], device=device)
+    dist.all_reduce(threshold, op=dist.ReduceOp.MIN, group=group)
+    threshold = int(threshold.item())
     log.info("burst-zero: a layer's gather %.2f ms, a row through its whole GEMMs %.2f us: prompts of up to %d "
              "tokens run on the weight slices (--zero-sliced-max-tokens)", min(gathers) * 1e3, min(rows) * 1e6,
              threshold)

@@ -359,6 +359,27 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
                     break
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint):
+    """Unset, --zero-sliced-max-tokens is measured at start, the same on both workers, and a prompt under it
+    runs on the slices (one over it gathered), both with transformers' greedy tokens up to bf16 near-ties."""
+    from engine import LLM, SamplingParams
+    path, model = hf_bf16_checkpoint
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy="burst-zero") as llm:
+        limits = [info["zero_sliced_max_tokens"] for info in llm.worker_info]
+        print(f"burst-zero on 2 GPUs: prompts of up to {limits} tokens on the slices")
+        assert limits[0] == limits[1] > 0
+        prompts = [[random.randrange(2000) for _ in range(n)] for n in (max(1, limits[0] // 2), limits[0] + 300)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.metrics.prefill_stats["strategy"] for o in outs] == ["burst-zero-sliced", "burst-zero"]
+        for prompt, out in zip(prompts, outs):
+            _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 8, with_scales=True)
+            for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+                if a != b:
+                    assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
+                    break
+
+
 def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_checkpoint):
     """--quantization fp8 on one GPU. The engine's first-token logits equal the same checkpoint's
     LlamaModel with FP8 linears run whole on one device with the engine's attention kernel (the

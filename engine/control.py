@@ -88,7 +88,8 @@ def dumps(obj) -> bytes:
 
 
 def _reduce_tensor(t: torch.Tensor):
-    if t.device.type != "cpu" or t.is_sparse or t.requires_grad:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad or t.is_quantized or t.is_conj() \
+            or t.is_neg():
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     sent = t
     if t.dtype == torch.int64 and t.numel() >= NARROW_FROM:     # a prompt's token ids: half the bytes

@@ -316,9 +316,11 @@ class LLM:
                                    args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs,
                                          (writers if r == 0 else readers[r]) if local else None))
                        for r in range(self._local_workers)]
-        for p in self._procs:
-            p.start()
-        close_parent_ends(writers, readers)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            close_parent_ends(writers, readers)
         info = {}
         while len(info) < len(self._procs):
             msg = self._next_message()

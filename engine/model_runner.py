@@ -204,14 +204,22 @@ class ModelRunner:
 
     def _sliced_max_tokens(self) -> int:
         """burst-zero: the longest prompt run on the weight slices (--zero-sliced-max-tokens; unset: measured
-        on GPUs, none on CPU); 0 for every other strategy."""
+        on GPUs, none on CPU; at most a worker's share of max_model_len, the rows whose activations the KV
+        pool's sizing leaves room for); 0 for every other strategy. The attention kernel is warmed up for
+        the slices' heads (a request must not pay for its compilation)."""
         if self.whole_layers is None:
             return 0
-        if self.engine.zero_sliced_max_tokens is not None:
-            return self.engine.zero_sliced_max_tokens
-        if self.device.type != "cuda":
-            return 0
-        return measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype, self.data_group)
+        limit = self.engine.zero_sliced_max_tokens
+        if limit is None:
+            limit = (measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype,
+                                               self.data_group) if self.device.type == "cuda" else 0)
+        limit = min(limit, self.strategy.kv_share(self.max_model_len))
+        if limit and self.device.type == "cuda":
+            local = self.model.cfg
+            q = torch.randn(256, local.num_heads, local.head_dim, device=self.device, dtype=self.dtype)
+            kv = torch.randn(256, local.num_kv_heads, local.head_dim, device=self.device, dtype=self.dtype)
+            self.backend(q, kv, kv, True, self.scale)
+        return limit
 
     @torch.inference_mode()
     def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:

@@ -98,7 +98,8 @@ def serve_parser(sub) -> None:
     p.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",
                    help="--sp-strategy burst-zero: prompts of at most N tokens run on the weight slices as they "
                         "lie (tensor parallel, no layer gathered; K/V kept in burst's layout). Default: measured "
-                        "at start on GPUs (a layer's gather against a row's GEMMs), none on CPU. 0: never")
+                        "at start on GPUs (a layer's gather against a row's GEMMs and all-reduces), none on "
+                        "CPU; at most a worker's share of --max-model-len. 0: never. Other strategies: unused")
     p.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then cuDNN, "
                         "PyTorch's FA2; on CPU PyTorch's CPU flash kernel, then the reference) or one by name")

@@ -10,10 +10,14 @@ down), attention causal over all N tokens for its own heads, no weight moved. Th
 layer one all-to-all sends each worker the rows of its shard for the K/V heads computed here, and each K/V
 head is taken from the first worker that computes it (several may under GQA).
 
-Which prompts (`sliced_max_tokens`): those of at most --zero-sliced-max-tokens tokens; unset, on GPUs,
-measured at start (`measure_sliced_max_tokens`): a layer's gather takes G seconds, a row of the prompt
-R seconds through a whole layer's GEMMs, so a gathered prefill of N tokens waits on its gathers while
-(N / W) R < G; prompts below W G / R run sliced. On CPU, unset: none (the tests set it).
+Which prompts (ModelRunner.sliced_max_tokens): those of at most --zero-sliced-max-tokens tokens; unset, on
+GPUs, measured at start (`measure_sliced_max_tokens`): a layer's gather takes G seconds, a row of the
+prompt R seconds through a whole layer's GEMMs and A seconds in an all-reduce of hidden states. A
+gathered layer of N tokens takes about max(G, N R / W) (its gather behind the layer before), a sliced one
+N R / W + 2 N A (two all-reduces): sliced is faster while N < G / (R / W + 2 A). The K/V all-to-all
+(smaller than the all-reduces under GQA) is left out. On CPU, unset: none (the tests set it). Either way
+at most a worker's share of --max-model-len: the activation memory the KV pool's sizing leaves is for that
+many rows (engine/cache/sizing.py), and a sliced row takes less than a whole one.
 """
 import logging
 import time
@@ -73,28 +77,32 @@ class SlicedPrefillAttention:
 
 @torch.inference_mode()
 def measure_sliced_max_tokens(gather, world_size: int, device: torch.device, dtype: torch.dtype, group=None) -> int:
-    """W G / R (module docstring), from one timed gather of layer 0 (collective: every worker calls this)
-    and its whole weights' GEMMs on PROBE_ROWS random rows, each the best of 3; the workers' smallest."""
-    gathers, rows = [], []
+    """G / (R / W + 2 A) (module docstring), timed at start, best of 3 each (collective: every worker calls
+    this): G one gather of layer 0, R a row through its whole weights' GEMMs (PROBE_ROWS random rows), A a
+    row's share of an all-reduce of PROBE_ROWS hidden states; the workers' smallest result."""
+    gathers, rows, reduces = [], [], []
     for _ in range(3):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        gathers.append(_timed(device, lambda: gather.layer_alone(0)))
         whole = gather.layer_alone(0)
-        torch.cuda.synchronize(device)
-        gathers.append(time.perf_counter() - start)
-        inputs = [torch.randn(PROBE_ROWS, w.shape[1], device=device, dtype=dtype)
-                  for w in (whole.qkv, whole.o, whole.gate_up, whole.down)]
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for x, w in zip(inputs, (whole.qkv, whole.o, whole.gate_up, whole.down)):
-            F.linear(x, w)
-        torch.cuda.synchronize(device)
-        rows.append((time.perf_counter() - start) / PROBE_ROWS)
+        weights = (whole.qkv, whole.o, whole.gate_up, whole.down)
+        inputs = [torch.randn(PROBE_ROWS, w.shape[1], device=device, dtype=dtype) for w in weights]
+        rows.append(_timed(device, lambda: [F.linear(x, w) for x, w in zip(inputs, weights)]) / PROBE_ROWS)
+        hidden = torch.randn(PROBE_ROWS, whole.o.shape[0], device=device, dtype=dtype)
+        reduces.append(_timed(device, lambda: dist.all_reduce(hidden, group=group)) / PROBE_ROWS)
+    g, r, a = min(gathers), min(rows), min(reduces)
     # the same on every worker (each timed its own): a prompt must take the same way everywhere
-    threshold = torch.tensor([int(world_size * min(gathers) / min(rows))], device=device)
+    threshold = torch.tensor([int(g / (r / world_size + 2 * a))], device=device)
     dist.all_reduce(threshold, op=dist.ReduceOp.MIN, group=group)
     threshold = int(threshold.item())
-    log.info("burst-zero: a layer's gather %.2f ms, a row through its whole GEMMs %.2f us: prompts of up to %d "
-             "tokens run on the weight slices (--zero-sliced-max-tokens)", min(gathers) * 1e3, min(rows) * 1e6,
-             threshold)
+    log.info("burst-zero: a layer's gather %.2f ms, a row through its whole GEMMs %.3f us, a row's all-reduce "
+             "%.3f us: prompts of up to %d tokens run on the weight slices (--zero-sliced-max-tokens)",
+             g * 1e3, r * 1e6, a * 1e6, threshold)
     return threshold
+
+
+def _timed(device: torch.device, fn) -> float:
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -93,13 +93,15 @@ def test_a_worker_sees_eof_when_worker_0_is_gone_and_worker_0_an_error_when_a_wo
 
 
 def test_worker_0_killed_ends_the_engine_and_its_workers():
+    """Worker 0 gone: the engine raises and no worker is left (the LLM ends them; a worker's own EOF on its
+    pipe is the test above)."""
     llm = LLM("tiny", devices="cpu", context_parallel_size=3)
     try:
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2))
         llm._procs[0].kill()
         with pytest.raises(EngineDeadError):
             llm.generate([1, 2, 3] * 50, SamplingParams(max_tokens=20))
-        deadline = time.time() + 30                     # the others exit by themselves: EOF on their pipes
+        deadline = time.time() + 30
         while any(p.is_alive() for p in llm._procs[1:]) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(p.is_alive() for p in llm._procs[1:])

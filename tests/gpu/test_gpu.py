@@ -369,7 +369,8 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
         limits = [info["zero_sliced_max_tokens"] for info in llm.worker_info]
         print(f"burst-zero on 2 GPUs: prompts of up to {limits} tokens on the slices")
         assert limits[0] == limits[1] > 0
-        lengths = (max(1, limits[0] // 2), min(limits[0] + 300, 12000))     # the checkpoint holds 16384
+        lengths = (1, max(1, limits[0] // 2), min(limits[0] + 300, 12000))   # 1: worker 1 keeps no token;
+                                                                              # the checkpoint holds 16384
         prompts = [[random.randrange(2000) for _ in range(n)] for n in lengths]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         ways = ["burst-zero-sliced" if n <= limits[0] else "burst-zero" for n in lengths]

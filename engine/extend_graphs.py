@@ -7,7 +7,8 @@ machine's CPU (one H200, 2026-11-24, scripts/gpu_mixed_profile.py). On two worke
 a collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
 call.
 
-Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS); a chunk of n tokens runs in
+Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS rows a worker; with --mixed-batch the
+sizes up to MIXED_MAX_TOKENS also with a decode step); a chunk of n tokens runs in
 the smallest of at least n rows, rows n.. being padding (token 0, the positions after the chunk, the scratch
 slot): they come after the real rows, so the chunk's causal attention keeps them out of the real rows, and
 their results are dropped. Captured at worker start on every worker in the same order (the collectives
@@ -49,7 +50,13 @@ from kernels.paged_attention import (MAX_RUNS, device_prefix_runs, fa4_available
 log = logging.getLogger(__name__)
 
 STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
-MAX_TOKENS = 1024           # larger chunks keep the GPU busy eagerly (a 1024-token late chunk: 140 ms of GPU work)
+MAX_TOKENS = 2048           # rows a worker; larger chunks keep the GPU busy eagerly (a 1024-token late chunk:
+                            # 140 ms of GPU work). Up to 2048, not 1024: on 2 workers chunks of 2049-4095 tokens
+                            # (below --extend-ring-min-tokens) then split their GEMMs instead of running them
+                            # eagerly on both workers
+MIXED_MAX_TOKENS = 1024     # rows a worker of the sizes also captured with a decode step (--mixed-batch): larger
+                            # chunks run, then a decode step (one H200: a 1024-token chunk and 8 streams' step in
+                            # one graph was no faster than the two graphs apart, docs/benchmarks.md)
 SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
 META = 5                    # page-table row, cached keys here, keeps the new K/V (1/0), the worker and its row
                             # whose logits return
@@ -144,6 +151,8 @@ class ExtendGraphs:
         up to that many sequences in the same forward pass (ModelRunner.extend_and_decode)."""
         self.runner, self.sizes, self.decode_buckets = runner, sizes, list(decode_buckets)
         self.workers = runner.strategy.kv_workers          # > 1: the chunk's rows split over them ("whole" way)
+        mixed = [m for m in sizes if m <= MIXED_MAX_TOKENS] if self.decode_buckets else []
+        self.mixed_max_tokens = self.workers * mixed[-1] if mixed else 0   # the largest chunk mixed with a step
         cfg = runner.attn_cfg
         sms = num_sms(runner.device) if runner.device.type == "cuda" else 132
         self.runs = {m: runs_for(self.workers * m, cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, sms)
@@ -163,7 +172,9 @@ class ExtendGraphs:
                      time.perf_counter() - start)
 
     def fits(self, num_tokens: int, decode_rows: int = 0) -> bool:
-        return 0 < num_tokens <= self.workers * self.sizes[-1] and decode_rows <= max(self.decode_buckets, default=0)
+        if decode_rows:
+            return 0 < num_tokens <= self.mixed_max_tokens and decode_rows <= self.decode_buckets[-1]
+        return 0 < num_tokens <= self.workers * self.sizes[-1]
 
     def run(self, token_ids: torch.Tensor, start: int, slots: torch.Tensor | None, table_row: int, cached: int,
             step_inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -230,7 +241,7 @@ class ExtendGraphs:
             base = (2 + self.workers) * m
             self.inputs[base:base + META] = torch.tensor([runner.pool.pad_row, self.runs[m] * runner.pool.block_size,
                                                           1, 0, m - 1])
-        shapes = [(m, b) for m in self.sizes for b in [0] + self.decode_buckets]
+        shapes = [(m, b) for m in self.sizes for b in [0] + (self.decode_buckets if m <= MIXED_MAX_TOKENS else [])]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))

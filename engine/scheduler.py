@@ -79,7 +79,7 @@ def mixed_batch_limit(runner) -> int | None:
     if asked is not None:
         return None if asked else 0
     graphs = getattr(runner, "extend_graphs", None)
-    return graphs.sizes[-1] if graphs is not None and graphs.decode_buckets else 0
+    return graphs.mixed_max_tokens if graphs is not None else 0
 
 
 class Scheduler:

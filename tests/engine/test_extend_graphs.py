@@ -83,9 +83,9 @@ def test_runs_fill_the_sms_and_sizes_are_page_multiples():
 
 def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):
     """--mixed-batch unset: a chunk runs with the decode step in one pass only where the workers have that
-    graph (chunks up to 1024 tokens): a 2400-token prompt in chunks of 1100 while 3 requests decode runs
-    its second chunk (1100) apart and its last (200) mixed; without the graphs (CPU) never mixed. Every
-    request gets its solo tokens."""
+    graph (chunks up to 1024 tokens a worker; plain graphs go to 2048): a 2400-token prompt in chunks of 1100
+    while 3 requests decode runs its second chunk (1100, graphed) apart and its last (200) mixed; without the
+    graphs (CPU) never mixed. Every request gets its solo tokens."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
@@ -105,4 +105,4 @@ def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):
         stats = outs[-1].metrics.prefill_stats
         assert stats["chunks"] == 3 and stats["largest_chunk"] == 1100 and stats["smallest_chunk"] == 200
         assert stats["strategy"] == ("extend+decode" if graphs else "extend")     # the last chunk's call
-        assert stats["graphed_extends"] == stats["mixed_chunks"] == int(graphs)
+        assert stats["graphed_extends"] == 2 * int(graphs) and stats["mixed_chunks"] == int(graphs)

@@ -236,7 +236,7 @@ class ModelRunner:
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
             return {**self._extend_result(logits, start, start_time, "extend", placed.way), "graphed": True}
-        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed=placed)
+        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed)
         if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
             wrapped = HelixDecodeAttention(attend, self.cfg, self.rank, self.world_size, self.data_group)
             hidden = self.model.forward(ids, positions, wrapped)        # the tp slices, as decode: no weight moves
@@ -267,7 +267,7 @@ class ModelRunner:
             if self.rank == 0:
                 result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
             return result
-        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed=placed)
+        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
@@ -304,14 +304,11 @@ class ModelRunner:
         return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != "ring"
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
 
-    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, reserved: list[int] | None = None,
-                      placed: "PlacedExtend | None" = None):
-        """Places n new tokens after the sequence's `start` cached ones (unless `placed` already did) ->
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: "PlacedExtend"):
+        """An eager extend of the n new tokens `placed` put after the sequence's `start` cached ones ->
         ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
         and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
         n = token_ids.shape[0]
-        if placed is None:
-            placed = self._place_extend(seq_id, n, start, reserved)
         way, shards, positions = placed.way, placed.shards, placed.positions
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,

@@ -4,10 +4,12 @@ ones together in one batch, sample, and send each token back as soon as it exist
 KV pages (engine/cache): a request is admitted when its prompt's pages fit on every worker (with a
 small watermark left for the running sequences to grow); nothing is reserved for the tokens it may
 generate. When a decode step needs more pages than a worker has free, the newest running sequence
-is preempted (its pages freed) and later recomputed, before any new request: one prefill over its
-prompt and the tokens it had generated, after which it goes on sampling; a seeded request's noise
-depends only on its seed and the token's index (engine/sampling.py), so a seeded or greedy request
-gives the same tokens as if it had never been preempted (vLLM's recompute preemption).
+is preempted (its pages freed) and later recomputed, before any new request: its prompt and the
+tokens it had generated are prefilled as a prompt is (from the longest prefix the prefix cache holds,
+in chunks when longer than --max-num-batched-tokens, so a long sequence's recompute does not stop
+the others' streams), after which it goes on sampling; a seeded request's noise depends only on its
+seed and the token's index (engine/sampling.py), so a seeded or greedy request gives the same tokens
+as if it had never been preempted (vLLM's recompute preemption).
 
 Sampling: a decode step's tokens are drawn on worker 0's device for the whole batch (greedy,
 temperature, top-k, top-p; logprobs there too); only the rows under a grammar (response_format)
@@ -54,7 +56,8 @@ class RunningSequence:
 @dataclass
 class ChunkedPrefill:
     seq: RunningSequence
-    done: int = 0                 # prompt tokens already in the KV cache
+    tokens: list[int]             # what it prefills: the prompt, or a preempted sequence's prompt + generated
+    done: int = 0                 # of those, already in the KV cache
     cached: int = 0               # of those, taken from the prefix cache (the first chunk extends them)
     chunks: int = 0
     prefill_seconds: float = 0.0  # the workers' time over all chunks
@@ -66,6 +69,11 @@ class ChunkedPrefill:
     extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
     graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
     mixed: int = 0                # of them, with the running sequences' decode step in the same call
+
+    @property
+    def resumed(self) -> bool:
+        """Recomputing a preempted sequence (its next token continues its output; no first-token stats)."""
+        return bool(self.seq.generated)
 
 
 def mixed_batch_limit(runner) -> int | None:
@@ -93,6 +101,7 @@ class Scheduler:
         self.kv_capacity_per_worker = self.ledger.num_pages * self.ledger.block_size
         self.watermark = max(1, self.ledger.num_pages // 100)   # pages kept free for running sequences to grow
         self.num_preemptions = 0
+        self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
         self._step_outputs: list[StepOutput] | None = None    # collecting a decode step's outputs
         self._published: tuple | None = None
         self._published_at = 0.0
@@ -131,7 +140,7 @@ class Scheduler:
                         self._prefill_chunk()
                         if self.running:
                             self._decode()
-            elif self.preempted and self._can_admit(self._tokens_to_recompute(self.preempted[0])):
+            elif self.preempted and self._can_resume(self.preempted[0]):
                 self._resume(self.preempted.popleft())
             elif not self.preempted and self.waiting and self._can_admit_request(self.waiting[0]):
                 self._prefill(self.waiting.popleft())
@@ -140,13 +149,13 @@ class Scheduler:
             elif self.preempted or self.waiting:     # alone and still too large: refused up front, so never
                 self._refuse_head()
 
-    def _can_admit(self, num_tokens: int) -> bool:
+    def _can_admit(self, num_tokens: int, prompt: list[int] | None = None) -> bool:
         """First come, first served: the head waits for a batch slot and for its prompt's pages on every
-        worker, leaving the watermark free while others run."""
+        worker, leaving the watermark free while others run (prompt: see _fits)."""
         if len(self.running) >= self.max_num_seqs:
             return False
         keep = self.watermark if self.running else 0
-        return self._fits([n + keep for n in self.kv.prefill_pages(num_tokens)])
+        return self._fits([n + keep for n in self.kv.prefill_pages(num_tokens)], prompt=prompt)
 
     def _short_head_goes_first(self) -> bool:
         """While a long prompt prefills in chunks, may the first waiting request be prefilled before its
@@ -159,7 +168,8 @@ class Scheduler:
             return False
         keep = self.watermark if self.running else 0
         need = self.kv.prefill_pages(len(request.prompt_token_ids))
-        return self._fits([n + keep + r for n, r in zip(need, self._prefilling_reserve())])
+        return self._fits([n + keep + r for n, r in zip(need, self._prefilling_reserve())],
+                          prompt=request.prompt_token_ids)
 
     def _short(self, request: Request) -> bool:
         """At most one chunk's worth of tokens (a prompt-logprobs request, never chunked, may be longer)."""
@@ -172,28 +182,41 @@ class Scheduler:
         if job is None:
             return [0] * self.ledger.world_size
         held = [self.ledger.tokens(job.seq.seq_id, r) for r in range(self.ledger.world_size)]
-        final = self.kv.plan_pages(held, len(job.seq.request.prompt_token_ids) - job.done, self.chunk_tokens)
+        final = self.kv.plan_pages(held, len(job.tokens) - job.done, self.chunk_tokens)
         return [max(0, f + 1 - self.ledger.pages_of(job.seq.seq_id, r)) for r, f in enumerate(final)]
 
     def _fits_beside(self, need: list[int], keep_entry: int | None = None) -> bool:
         """_fits for a request admitted while a long prompt prefills: the pages it still needs stay free."""
         return self._fits([n + r for n, r in zip(need, self._prefilling_reserve())], keep_entry)
 
+    def _can_resume(self, seq: RunningSequence) -> bool:
+        """_can_admit for a preempted sequence's recompute (chunked when longer than a chunk)."""
+        n = self._tokens_to_recompute(seq)
+        return self._can_admit_tokens(n, self._chunk_long(n), seq.request.prompt_token_ids)
+
     def _can_admit_request(self, request: Request) -> bool:
-        """_can_admit for a new request's prompt, chunked or not (a chunked prompt's pages as its chunks place them)."""
-        n = len(request.prompt_token_ids)
-        if not self._chunked(request):
-            return self._can_admit(n)
+        """_can_admit for a new request's prompt, chunked or not."""
+        ids = request.prompt_token_ids
+        return self._can_admit_tokens(len(ids), self._chunked(request), ids)
+
+    def _can_admit_tokens(self, n: int, chunked: bool, prompt: list[int]) -> bool:
+        """_can_admit for n tokens to prefill, in one call or in chunks (pages as its chunks place them);
+        prompt: their first tokens (see _fits)."""
+        if not chunked:
+            return self._can_admit(n, prompt)
         if len(self.running) >= self.max_num_seqs:
             return False
         keep = self.watermark if self.running else 0
         # planned with chunks of chunk_tokens; adapted sizes end as level (every worker within one token of
         # N / workers), so on a cache with no running sequences the plan's largest share always fits
-        return self._fits([p + keep for p in self.kv.chunked_prefill_pages(n, self.chunk_tokens)])
+        return self._fits([p + keep for p in self.kv.chunked_prefill_pages(n, self.chunk_tokens)], prompt=prompt)
 
-    def _fits(self, need: list[int], keep_entry: int | None = None) -> bool:
+    def _fits(self, need: list[int], keep_entry: int | None = None, prompt: list[int] | None = None) -> bool:
         """Do `need` pages fit on every worker, after evicting prefix-cache entries (least recently used
-        first, never `keep_entry`)? Evicts nothing when even evicting every entry would not do."""
+        first, never `keep_entry`)? Evicts nothing when even evicting every entry would not do. With
+        `prompt` (what the pages are for), the entry holding its longest cached prefix goes last: the
+        prompt copies it once admitted, so a document's questions keep the document however recently
+        other sequences finished."""
         free = self.ledger.free_pages()
         if all(n <= f for n, f in zip(need, free)):
             return True
@@ -201,6 +224,10 @@ class Scheduler:
         evictable = [sum(self.ledger.pages_of(e, r) for e in entries) for r in range(len(free))]
         if not all(n <= f + e for n, f, e in zip(need, free, evictable)):
             return False
+        hit = self.prefix_cache.longest(prompt) if prompt else None
+        if hit is not None and hit[0] in entries:
+            entries.remove(hit[0])
+            entries.append(hit[0])
         for entry in entries:                          # least recently used first
             if all(n <= f for n, f in zip(need, self.ledger.free_pages())):
                 break
@@ -230,7 +257,7 @@ class Scheduler:
         kv = self.ledger.tokens_per_worker(skip=entries)         # in use; prefix-cache entries count as free (vLLM)
         waiting = len(self.waiting) + len(self.preempted) + (self.prefilling is not None)
         state = (len(self.running), waiting, tuple(kv), self.num_preemptions,
-                 cache.queries if cache else 0, cache.hits if cache else 0)
+                 cache.queries if cache else 0, cache.hits if cache else 0, self.recomputed_tokens)
         now = time.monotonic()
         if state == self._published or (now - self._published_at < 0.25 and self.running and
                                         state[:2] == self._published[:2]):
@@ -240,6 +267,7 @@ class Scheduler:
                                     "kv_capacity_per_worker": self.kv_capacity_per_worker,
                                     "kv_pages_free": self.ledger.free_pages(), "num_preemptions": state[3],
                                     "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
+                                    "num_recomputed_tokens": state[6],
                                     "kv_tokens_cached_per_worker": self.ledger.tokens_per_worker(only=entries)}))
 
     def _poll(self, block: bool) -> bool:
@@ -283,10 +311,10 @@ class Scheduler:
         cached = 0
         looked_up = time.perf_counter()
         if twin is None and self.prefix_cache is not None and request.params.prompt_logprobs is None:
-            cached = self._adopt_cached_prefix(seq)
+            cached = self._adopt_cached_prefix(seq, request.prompt_token_ids, self.chunk_tokens)
         if twin is None and (cached or self._chunked(request)):   # prefilled by extending what is cached
-            job = ChunkedPrefill(seq, done=cached, cached=cached, adopt_seconds=time.perf_counter() - looked_up,
-                                 queued_seconds=queued)
+            job = ChunkedPrefill(seq, request.prompt_token_ids, done=cached, cached=cached,
+                                 adopt_seconds=time.perf_counter() - looked_up, queued_seconds=queued)
             if self.prefilling is None:
                 self.prefilling = job
                 self._prefill_chunk()
@@ -316,17 +344,19 @@ class Scheduler:
     def _chunked(self, request: Request) -> bool:
         """Is this prompt prefilled in chunks of chunk_tokens (--max-num-batched-tokens)? Not one that
         wants prompt logprobs (they come out of one whole prefill)."""
-        return (self.chunk_tokens is not None and len(request.prompt_token_ids) > self.chunk_tokens
-                and request.params.prompt_logprobs is None)
+        return self._chunk_long(len(request.prompt_token_ids)) and request.params.prompt_logprobs is None
 
-    def _adopt_cached_prefix(self, seq: RunningSequence) -> int:
-        """The new sequence starts from a copy of the longest cached prefix of its prompt -> its length (0: none)."""
-        ids = seq.request.prompt_token_ids
+    def _chunk_long(self, num_tokens: int) -> bool:
+        """Is a prefill of num_tokens longer than one chunk (--max-num-batched-tokens)?"""
+        return self.chunk_tokens is not None and num_tokens > self.chunk_tokens
+
+    def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int], chunk: int | None) -> int:
+        """The sequence starts from a copy of the longest cached prefix of ids (what it prefills; the rest in
+        chunks of `chunk`, None: one call) -> its length (0: none)."""
         hit = self.prefix_cache.lookup(ids)
         if hit is None:
             return 0
         source, length = hit
-        chunk = self.chunk_tokens if seq.request.params.prompt_logprobs is None else None
         if not self._fits_beside(self.kv.adopt_pages(source, length, len(ids) - length, chunk), keep_entry=source):
             return 0                                     # the copy and its extension do not fit: a prefill, as admitted
         self.call("adopt", source, seq.seq_id, length)
@@ -336,7 +366,7 @@ class Scheduler:
         """The next chunk of the prompt being prefilled, sized by the chunk sizer (engine/chunk_sizer.py);
         after the last, its first token."""
         job = self.prefilling
-        remaining = len(job.seq.request.prompt_token_ids) - job.done
+        remaining = len(job.tokens) - job.done
         busy = bool(self.running) or bool(self.waiting and self._short(self.waiting[0]))   # someone to serve soon
         n = self.sizer.size(job.done, remaining, busy, self.step_seconds) if self.sizer else remaining
         if not self._make_room_for_chunk(job, n):
@@ -368,7 +398,7 @@ class Scheduler:
 
     def _next_mixed_chunk(self, job: ChunkedPrefill) -> int:
         """The size of the job's next chunk run with a decode step (the step is in the same call)."""
-        remaining = len(job.seq.request.prompt_token_ids) - job.done
+        remaining = len(job.tokens) - job.done
         return self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining
 
     def _decode_batch(self, batch: list[RunningSequence]) -> None:
@@ -382,7 +412,7 @@ class Scheduler:
         """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
         incremental prefill over the tokens before them (with `decode`: and a decode step of those running
         sequences in the same call); after the last, samples its first token -> done?"""
-        ids = job.seq.request.prompt_token_ids
+        ids = job.tokens
         chunk = token_tensor(ids[job.done:job.done + n])
         called = time.perf_counter()
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
@@ -411,6 +441,9 @@ class Scheduler:
         if job.done < len(ids):
             return False
         logits = result.pop("logits")
+        if job.resumed:                       # its cache is whole again: it samples on, no first-token stats
+            self._emit(job.seq, logits)
+            return True
         result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
                       adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
@@ -433,11 +466,14 @@ class Scheduler:
 
     def _requeue_prefilling(self) -> None:
         job, self.prefilling = self.prefilling, None
+        if job.resumed:                       # a preempted sequence's recompute: back among the preempted
+            self._preempt(job.seq)
+            return
         self._free([job.seq])
         self.waiting.appendleft(job.seq.request)
         self.num_preemptions += 1
         log.info("request %s preempted (KV cache full) after %d of its %d prompt tokens; it will be prefilled again",
-                 job.seq.request.request_id, job.done, len(job.seq.request.prompt_token_ids))
+                 job.seq.request.request_id, job.done, len(job.tokens))
 
     def _grammar(self, request: Request) -> SequenceGrammar | None:
         """A fresh matcher for a constrained request (each of n choices has its own); the grammar is
@@ -519,8 +555,18 @@ class Scheduler:
                  seq.request.request_id, len(seq.generated))
 
     def _resume(self, seq: RunningSequence) -> None:
-        """Recomputes a preempted sequence's cache (prompt + generated) and samples its next token."""
+        """Recomputes a preempted sequence's cache (prompt + generated) as a prompt is prefilled: from the
+        longest prefix the prefix cache holds, in chunks when longer than one (between them the others
+        decode), then samples its next token."""
         ids = seq.request.prompt_token_ids + seq.generated
+        cached = self._adopt_cached_prefix(seq, ids, self.chunk_tokens) if self.prefix_cache is not None else 0
+        self.recomputed_tokens += len(ids) - cached
+        log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",
+                 seq.request.request_id, len(ids), cached)
+        if cached or self._chunk_long(len(ids)):
+            self.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
+            self._prefill_chunk()
+            return
         result = self.call("prefill", seq.seq_id, token_tensor(ids), None)
         self._observe(len(ids), 0, result)
         self._emit(seq, result.pop("logits"))

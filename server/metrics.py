@@ -49,9 +49,11 @@ class Metrics:
                                       "cache.", lab, registry=r)
         self.prefix_hits = Counter("burstserve:prefix_cache_hits", "Prompt tokens found in the prefix cache "
                                    "(not prefilled again).", lab, registry=r)
-        self.prefix_queries.labels(self.model_name)
-        self.prefix_hits.labels(self.model_name)
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self.recomputed = Counter("burstserve:num_recomputed_tokens", "Tokens prefilled again to resume "
+                                  "preempted sequences (those found in the prefix cache not counted).", lab, registry=r)
+        for counter in (self.prefix_queries, self.prefix_hits, self.recomputed):
+            counter.labels(self.model_name)
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_recomputed_tokens": 0}
         self.kv_usage = Gauge("burstserve:kv_cache_usage_perc", "KV cache usage per worker (0-1).",
                               lab + ["worker"], registry=r)
 
@@ -90,7 +92,8 @@ class Metrics:
         if preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
             self.preemptions.labels(m).inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
-        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("num_recomputed_tokens", self.recomputed)):
             value = engine_stats.get(key, 0)
             if value > self._seen[key]:        # worker 0 counts; the counters follow it
                 counter.labels(m).inc(value - self._seen[key])

@@ -77,6 +77,15 @@ class PrefixCache:
         most len(prompt) - 1 (the last prompt token is always computed: its logits give the first
         token), or None if no entry shares a whole block. The entry becomes the most recently used."""
         self.queries += len(prompt)
+        hit = self.longest(prompt)
+        if hit is not None:
+            self._touch(hit[0])
+            self.hits += hit[1]
+        return hit
+
+    def longest(self, prompt: list[int]) -> tuple[int, int] | None:
+        """lookup's answer, without counting the query or touching the entry (for the scheduler's eviction
+        order: the entry a waiting prompt would copy from is evicted last)."""
         best = None
         keys = self._indexed_keys(prompt, len(prompt) - 1)
         for depth in range(len(keys), 0, -1):
@@ -93,6 +102,4 @@ class PrefixCache:
         tokens, limit = self.entries[seq_id], min(len(self.entries[seq_id]), len(prompt) - 1)
         while matched < limit and tokens[matched] == prompt[matched]:
             matched += 1
-        self._touch(seq_id)
-        self.hits += matched
         return seq_id, matched

@@ -100,6 +100,22 @@ def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
         assert hits > 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_admission_evicts_other_entries_before_the_one_it_will_copy(checkpoint, workers):
+    """A document is cached, then three other prompts finish (their entries more recently used); a
+    question about the document needs pages: the others' entries are evicted, not the document's
+    (least recently used), and the question copies the document's K/V."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    doc, *others = [[random.randrange(vocab) for _ in range(40 * workers)] for _ in range(4)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", block_size=4,
+             kv_cache_tokens=192, enable_prefix_caching=True) as llm:     # 48 pages a worker, 40 taken below
+        for prompt in [doc] + others:
+            llm.generate(prompt, one)
+        _exact(llm, model, doc + [random.randrange(vocab) for _ in range(6)], len(doc))
+
+
 def test_a_hit_whose_prefix_sits_unevenly_extends_without_passing_a_workers_share(checkpoint):
     """A 1024-token prompt at max_model_len 1024 on 2 workers, then its first 768 tokens and 256 new:
     worker 1 holds 512 of the cached 768, so the new tokens go to worker 0 (level placement), and a

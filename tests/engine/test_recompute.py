@@ -1,0 +1,106 @@
+"""A preempted sequence is recomputed as a prompt is prefilled (engine/scheduler.py): in chunks of
+--max-num-batched-tokens when it is longer than one, so the other sequences' decode steps run between
+the chunks instead of waiting for one long prefill, and from the longest prefix the prefix cache holds.
+Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset, fp32) so that every
+call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
+import queue
+import random
+import threading
+import time
+
+import torch
+
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+CHUNK = 16
+GEN = 24
+
+
+def _serve(engine: EngineConfig, batches: list[list[tuple[str, list[int]]]]):
+    """Runs worker 0's scheduler over one ModelRunner; each batch of (request id, prompt) is submitted
+    when the one before has finished (greedy, GEN tokens) -> (tokens by request id, the scheduler's
+    calls as (name, args), the ids of the sequences it preempted, the scheduler)."""
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
+    calls = []
+
+    def call(name, *args):
+        calls.append((name, args))
+        return getattr(runner, name)(*args)
+
+    requests, outputs = queue.Queue(), queue.Queue()
+    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
+    preempted = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    failure = []
+    thread = threading.Thread(target=lambda: _run(scheduler, failure), daemon=True)
+    thread.start()
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for batch in batches:
+        for rid, prompt in batch:
+            requests.put(("add", Request(rid, prompt, params, time.time())))
+        left = len(batch)
+        while left:
+            kind, item = outputs.get(timeout=120)[:2]
+            assert kind != "error", item
+            for out in (item if kind == "outs" else [item] if kind == "out" else []):
+                tokens.setdefault(out.request_id, []).append(out.token_id)
+                left -= out.finish_reason is not None
+    requests.put(("shutdown",))
+    thread.join(timeout=60)
+    assert not failure, failure
+    return tokens, calls, preempted, scheduler
+
+
+def _run(scheduler: Scheduler, failure: list) -> None:
+    try:
+        scheduler.run()
+    except Exception as e:              # seen by the test, not lost in the thread
+        failure.append(repr(e))
+        scheduler.outputs.put(("error", repr(e)))
+
+
+def _engine(**kw) -> EngineConfig:
+    return EngineConfig(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8,
+                        max_num_batched_tokens=CHUNK, itl_target_ms=None, **kw)
+
+
+def _prompts(count: int, low: int, high: int, prefix: list[int] = ()) -> list[tuple[str, list[int]]]:
+    return [(f"r{i}", list(prefix) + [random.randrange(256) for _ in range(random.randrange(low, high))])
+            for i in range(count)]
+
+
+def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
+    """Six prompts of 20-30 tokens that each grow by 24 in a pool of 40 pages of 4 tokens: decode
+    preempts; every recompute (prompt + generated, 21-53 tokens) runs in calls of at most 16 tokens."""
+    batch = _prompts(6, 20, 31)
+    want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096, enable_prefix_caching=False), [batch])
+    assert not preempted
+    got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=160, enable_prefix_caching=False), [batch])
+    assert preempted and scheduler.recomputed_tokens > CHUNK, (preempted, scheduler.recomputed_tokens)
+    assert got == want
+    sizes = [len(args[1]) for name, args in calls if name in ("prefill", "extend")]
+    assert max(sizes) <= CHUNK, sizes
+    resumed = {args[0] for name, args in calls if name == "extend"} & set(preempted)
+    assert resumed, "no preempted sequence was extended chunk by chunk"
+
+
+def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
+    """A 48-token document is cached; then six questions about it (document + 4-10 tokens) grow in a
+    pool of 64 pages: the preempted ones copy the document's K/V from its entry and recompute only
+    the rest, with the tokens of a pool large enough for all."""
+    doc = [random.randrange(256) for _ in range(48)]
+    batches = [[("doc", doc)], _prompts(6, 4, 11, prefix=doc)]
+    want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), batches)
+    assert not preempted
+    got, calls, preempted, _ = _serve(_engine(kv_cache_tokens=256), batches)
+    assert preempted, "the pool was large enough for every question at once"
+    assert got == want
+    adopted = {args[1] for name, args in calls if name == "adopt" and args[2] >= len(doc)}
+    assert adopted & set(preempted), (adopted, preempted)

@@ -4,6 +4,7 @@ Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` call
 model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
 distributed KV cache. Tensors are [tokens, ...] with no batch dimension.
 """
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.rope import inverse_frequencies, rope_cos_sin
 from kernels import fp8, fused
-from kernels.fp8 import Fp8Weight
+from kernels.fp8 import FP8_UNFUSED_ENV, Fp8Weight
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,6 +71,10 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
         self.dtype = self.embed.dtype
         self.layers = [self._layer(weights, i, quantization) for i in range(cfg.num_layers)]
+        # FP8 linears: the norms before q/k/v and gate/up and the silu before down write their rows
+        # quantized (kernels/fp8.py: one kernel each on GPUs, the same bits); FP8_UNFUSED_ENV=1 keeps the
+        # bf16 rows and quantizes them apart (the benchmarks' A/B)
+        self.fp8_rows = quantization == "fp8" and os.environ.get(FP8_UNFUSED_ENV) != "1"
         self.inv_freq = inverse_frequencies(cfg).to(device)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, quantization: str) -> LayerWeights:
@@ -106,7 +111,9 @@ class LlamaModel:
             reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
         residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
-        x = fused.rms_norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
+        rows = self.fp8_rows and seq_parallel is None and whole_layers is None   # x as Fp8Rows (no gather of them)
+        norm = fp8.rms_norm_rows if rows else fused.rms_norm
+        x = norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
         for i, layer in enumerate(self.layers):
             if whole_layers is not None:
                 layer = whole_layers.layer(i)
@@ -116,10 +123,12 @@ class LlamaModel:
             n = qkv.shape[0]
             attn = attend(i, q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d))     # [S, H, D]
             delta = reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
-            x, residual = fused.rms_norm(delta, layer.post_norm, eps, residual)
-            delta = reduce(self.mlp(gather(x), layer))
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x, residual = fused.rms_norm(delta, next_norm, eps, residual)
+            x, residual = norm(delta, layer.post_norm, eps, residual)
+            delta = reduce(self.mlp(gather(x), layer, rows))
+            if i + 1 < len(self.layers):
+                x, residual = norm(delta, self.layers[i + 1].input_norm, eps, residual)
+            else:
+                x, residual = fused.rms_norm(delta, self.norm, eps, residual)
         return x if self.layers else fused.rms_norm(residual, self.norm, eps)
 
     def _embed(self, token_ids: torch.Tensor, own_rows: bool) -> torch.Tensor:
@@ -132,8 +141,10 @@ class LlamaModel:
             return F.embedding(token_ids, self.vocab.whole_table(self.embed))
         return self.vocab.embed(token_ids, self.embed)
 
-    def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        return fp8.linear(fused.silu_and_mul(fp8.linear(x, layer.gate_up)), layer.down)
+    def mlp(self, x: "torch.Tensor | fp8.Fp8Rows", layer: LayerWeights, rows: bool = False) -> torch.Tensor:
+        """rows: the down projection's input made as Fp8Rows (see fp8_rows)."""
+        act = fp8.silu_and_mul_rows if rows else fused.silu_and_mul
+        return fp8.linear(act(fp8.linear(x, layer.gate_up)), layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> logits [B, vocab] fp32 (with the vocabulary cut over the workers: a collective

@@ -18,6 +18,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
 MIN_SCALE = 1e-12                  # an all-zero row's scale (its values stay 0)
 QUANTIZATIONS = ("none", "fp8")
+FP8_UNFUSED_ENV = "BURSTSERVE_FP8_UNFUSED"   # "1": activations quantized by their own kernel (A/B benchmarks)
 
 
 @dataclass
@@ -29,6 +30,19 @@ class Fp8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
+
+
+@dataclass
+class Fp8Rows:
+    """Activations [M, K] already quantized per token, by the kernel that computed them (rms_norm_rows,
+    silu_and_mul_rows): what `linear` would have made of the bf16 rows, without their round trip."""
+    values: torch.Tensor           # [M, K] float8_e4m3fn
+    scale: torch.Tensor            # [M, 1] fp32
+    dtype: torch.dtype             # the rows' own dtype, the GEMM's output
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
@@ -51,15 +65,40 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * inverse).to(FP8), 1.0 / inverse.float()
 
 
-def linear(x: torch.Tensor, w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a bf16 weight; for an Fp8Weight, x [..., K] quantized per token and one scaled GEMM
-    -> [..., N] in x's dtype."""
+def linear(x: "torch.Tensor | Fp8Rows", w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a bf16 weight; for an Fp8Weight, x [..., K] quantized per token (Fp8Rows [M, K]: as they
+    are) and one scaled GEMM -> [..., N] in x's dtype."""
+    if isinstance(x, Fp8Rows):
+        return torch._scaled_mm(x.values, w.weight.t(), scale_a=x.scale, scale_b=w.scale, bias=bias, out_dtype=x.dtype)
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
     xq, xs = quantize_rows(rows)
     out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=x.dtype)
     return out.reshape(*x.shape[:-1], w.weight.shape[0])
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """fused.rms_norm whose output only feeds FP8 linears -> its Fp8Rows (with a residual: (rows, x +
+    residual)): one kernel on GPUs, the normed rows never written in bf16; else the norm, then quantize_rows.
+    The same bits either way."""
+    made = fused.rms_norm_fp8(x, weight, eps, residual)
+    if made is not None:
+        rows = Fp8Rows(made[0], made[1], x.dtype)
+        return rows if residual is None else (rows, made[2])
+    normed = fused.rms_norm(x, weight, eps, residual)
+    out = normed if residual is None else normed[0]
+    rows = Fp8Rows(*quantize_rows(out), out.dtype)
+    return rows if residual is None else (rows, normed[1])
+
+
+def silu_and_mul_rows(gate_up: torch.Tensor) -> Fp8Rows:
+    """fused.silu_and_mul whose output feeds an FP8 linear -> its Fp8Rows (one kernel on GPUs)."""
+    made = fused.silu_and_mul_fp8(gate_up)
+    if made is not None:
+        return Fp8Rows(made[0], made[1], gate_up.dtype)
+    out = fused.silu_and_mul(gate_up)
+    return Fp8Rows(*quantize_rows(out), out.dtype)
 
 
 def quantization_refusal(quantization: str, devices: list[str], dtype: str) -> str | None:

@@ -139,6 +139,33 @@ def quantize_fp8_rows(x: torch.Tensor):
         return None
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm's output quantized per row to float8_e4m3fn in the same kernel -> (q [S, n], scales [S, 1]
+    fp32), or with a residual (q, scales, x + residual); the same bits as rms_norm then quantize_fp8_rows.
+    None where there is no Triton kernel (the caller runs the two steps)."""
+    kern = _kernels(x.device)
+    if kern is None or x.shape[0] == 0:
+        return None
+    try:
+        return _rms_norm_fp8_triton(kern["rms_norm_fp8"], x, weight, eps, residual)
+    except Exception as e:
+        _failed(e)
+        return None
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor):
+    """silu_and_mul's output quantized per row to float8_e4m3fn in the same kernel -> (q [S, I], scales
+    [S, 1] fp32); the same bits as the two steps. None where there is no Triton kernel."""
+    kern = _kernels(gate_up.device)
+    if kern is None or gate_up.shape[0] == 0:
+        return None
+    try:
+        return _silu_and_mul_fp8_triton(kern["silu_and_mul_fp8"], gate_up)
+    except Exception as e:
+        _failed(e)
+        return None
+
+
 # ---------------------------------------------------------------- Triton
 
 def _failed(e: Exception) -> None:
@@ -239,6 +266,45 @@ def _build() -> dict:
         tl.store(q_ptr + row * k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, amax / 448.0)
 
+    def rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr, n, x_stride, res_stride, eps,
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """rms_norm_kernel's row, rounded to x's dtype as it would store it, then quantized as
+        quantize_fp8_kernel does (the same bits as the two kernels, without the normed row's round trip)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            tl.store(res_out_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        y = (xf * rstd).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (w * y).to(dt).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 448.0 * 1e-12)
+        q = tl.clamp(y * (448.0 / amax), -448.0, 448.0)
+        tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, amax / 448.0)
+
+    def silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, x_stride, BLOCK: tl.constexpr):
+        """Program = one token: silu_and_mul_kernel's row, rounded to x's dtype, quantized as
+        quantize_fp8_kernel does."""
+        s = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < inter
+        dt = x_ptr.dtype.element_ty
+        g = tl.load(x_ptr + s * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + s * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (a * u).to(dt).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), 448.0 * 1e-12)
+        q = tl.clamp(y * (448.0 / amax), -448.0, 448.0)
+        tl.store(q_ptr + s * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + s, amax / 448.0)
+
     def merge_kernel(o_ptr, l_ptr, bo_ptr, bl_ptr, H, s_or, s_oh, s_lr, s_lh, s_bor, s_boh, s_blr, s_blh,
                      D: tl.constexpr, H_PAD: tl.constexpr):
         """Program = one row, all its heads: (o, l) absorbs (bo, bl) by LSE in fp32; a partial with
@@ -269,6 +335,8 @@ def _build() -> dict:
         "store_kv": triton.jit(store_kv_kernel, do_not_specialize=["k_stride", "v_stride", "n"]),
         "silu_and_mul": triton.jit(silu_and_mul_kernel, do_not_specialize=["inter", "x_stride"]),
         "quantize_fp8": triton.jit(quantize_fp8_kernel, do_not_specialize=["k", "x_stride"]),
+        "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
+        "silu_and_mul_fp8": triton.jit(silu_and_mul_fp8_kernel, do_not_specialize=["inter", "x_stride"]),
         "merge": triton.jit(merge_kernel, do_not_specialize=["H", "s_or", "s_oh", "s_lr", "s_lh", "s_bor", "s_boh",
                                                              "s_blr", "s_blh"]),
     }
@@ -321,6 +389,33 @@ def _silu_and_mul_triton(kernel, gate_up):
     block = min(1024, _pow2(inter))
     kernel[(s, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
     return out
+
+
+def _rms_norm_fp8_triton(kernel, x, weight, eps, residual):
+    x = _rows(x)
+    s, n = x.shape
+    q = torch.empty(s, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(s, 1, dtype=torch.float32, device=x.device)
+    block = _pow2(n)
+    warps = min(16, max(4, block // 1024))
+    if residual is None:
+        kernel[(s,)](x, x, weight, q, scale, x, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
+        return q, scale
+    residual = _rows(residual)
+    res_out = torch.empty_like(x)
+    kernel[(s,)](x, residual, weight, q, scale, res_out, n, x.stride(0), residual.stride(0), eps,
+                 HAS_RES=True, BLOCK=block, num_warps=warps)
+    return q, scale, res_out
+
+
+def _silu_and_mul_fp8_triton(kernel, gate_up):
+    gate_up = _rows(gate_up)
+    s, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(s, 1, dtype=torch.float32, device=gate_up.device)
+    block = _pow2(inter)
+    kernel[(s,)](gate_up, q, scale, inter, gate_up.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    return q, scale
 
 
 def _merge_triton(kernel, out, lse, block_out, block_lse):

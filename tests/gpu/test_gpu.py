@@ -459,6 +459,49 @@ def test_fp8_row_quantization_kernel_matches_the_torch_ops(k):
     assert (back[3] == 0).all() and not torch.isnan(back).any()
 
 
+def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf16_checkpoint, monkeypatch):
+    """kernels/fp8.py's rms_norm_rows and silu_and_mul_rows (the norm or silu and the per-token FP8
+    quantization in one Triton kernel) give the bits of the bf16 kernel then quantize_fp8_rows, at
+    llama3-8b's widths; so a whole FP8 model's logits are the same bits with them as without
+    (FP8_UNFUSED_ENV=1)."""
+    from engine.config import load_model_config
+    from engine.model import LlamaModel, hf_weight_shapes
+    from engine.weights import load_weights
+    from kernels import fp8, fused
+    from kernels.attention import select_backend
+    dev = torch.device("cuda:0")
+
+    def bits(rows):
+        return rows.values.view(torch.uint8), rows.scale
+
+    for n in (4096, 8192):
+        x, r = (torch.randn(2, 333, n, device=dev) * 3).to(torch.bfloat16)
+        w = torch.randn(n, device=dev).to(torch.bfloat16)
+        rows, res = fp8.rms_norm_rows(x, w, 1e-5, r)
+        out, res_ref = fused.rms_norm(x, w, 1e-5, r)
+        want = fused.quantize_fp8_rows(out)
+        assert want is not None and torch.equal(res, res_ref)
+        assert all(torch.equal(a, b) for a, b in zip(bits(rows), (want[0].view(torch.uint8), want[1])))
+    gate_up = (torch.randn(333, 2 * 14336, device=dev) * 2).to(torch.bfloat16)
+    rows, want = fp8.silu_and_mul_rows(gate_up), fused.quantize_fp8_rows(fused.silu_and_mul(gate_up))
+    assert all(torch.equal(a, b) for a, b in zip(bits(rows), (want[0].view(torch.uint8), want[1])))
+
+    path, _ = hf_bf16_checkpoint
+    cfg = load_model_config(path)
+    backend = select_backend(dev, torch.bfloat16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "auto")
+    ids = torch.randint(0, 2000, (777,), device=dev)
+    attend = lambda layer, q, k, v: backend(q, k, v, True, cfg.head_dim ** -0.5)[0]    # noqa: E731
+    logits = {}
+    for unfused in ("0", "1"):
+        monkeypatch.setenv(fp8.FP8_UNFUSED_ENV, unfused)
+        m = LlamaModel(cfg, load_weights(path, list(hf_weight_shapes(cfg)), dev, torch.bfloat16), dev,
+                       quantization="fp8")
+        assert m.fp8_rows == (unfused == "0")
+        with torch.inference_mode():
+            logits[unfused] = m.logits(m.forward(ids, torch.arange(777, device=dev), attend))
+    assert torch.equal(logits["0"], logits["1"])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_hosts_one_gpu_each_match_transformers(hf_bf16_checkpoint):
     """Issue 15 on one 2-GPU machine: the head (this process's LLM, cuda:0) and a second "host"

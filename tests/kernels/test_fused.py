@@ -91,6 +91,23 @@ def _triton_interpreted_checks():
         torch.testing.assert_close(fused._silu_and_mul_triton(kern["silu_and_mul"], gate_up),
                                    F.silu(gate_up[:, :1500]) * gate_up[:, 1500:], **tol)
 
+        # the norm and the silu with the per-token FP8 quantization in the same kernel: the bits of the two
+        # kernels one after the other (the same arithmetic, the bf16 row rounded as the first would store it)
+        def quantized(y):
+            q, sc = torch.empty(y.shape, dtype=torch.float8_e4m3fn), torch.empty(y.shape[0], 1)
+            kern["quantize_fp8"][(y.shape[0],)](y, q, sc, y.shape[1], y.stride(0), BLOCK=fused._pow2(y.shape[1]))
+            return q.view(torch.uint8), sc
+
+        q, sc, res = fused._rms_norm_fp8_triton(kern["rms_norm_fp8"], x, w, 1e-5, r)
+        out, res_ref = fused._rms_norm_triton(kern["rms_norm"], x, w, 1e-5, r)
+        want_q, want_s = quantized(out)
+        assert torch.equal(q.view(torch.uint8), want_q) and torch.equal(sc, want_s) and torch.equal(res, res_ref)
+        q, sc = fused._rms_norm_fp8_triton(kern["rms_norm_fp8"], x, w, 1e-5, None)
+        assert torch.equal(q.view(torch.uint8), quantized(fused._rms_norm_triton(kern["rms_norm"], x, w, 1e-5, None))[0])
+        q, sc = fused._silu_and_mul_fp8_triton(kern["silu_and_mul_fp8"], gate_up)
+        want_q, want_s = quantized(fused._silu_and_mul_triton(kern["silu_and_mul"], gate_up))
+        assert torch.equal(q.view(torch.uint8), want_q) and torch.equal(sc, want_s)
+
         kc, vc = torch.randn(4, 8, 3, 16).to(dtype), torch.randn(4, 8, 3, 16).to(dtype)
         ref_k, ref_v = kc.clone(), vc.clone()
         kv = qkv.view(s, h + 2 * hkv, d)                    # k, v as views into qkv, as the model passes them

@@ -48,6 +48,32 @@ launch_ms = (time.perf_counter() - t0) * 1000 / n
 torch.cuda.synchronize()
 print(f"context {ctx}: ModelRunner.decode step {step_ms:.3f} ms; graph replay (GPU) {replay_ms:.3f} ms; "
       f"replay launch (host, queued) {launch_ms:.3f} ms")
+
+# the step's host parts (wall time each, summed over n steps): the inputs built on the host, the graph's
+# input copy and launch, the sampling and the wait for the tokens (which holds the replay's GPU time)
+parts = {"_decode_inputs": 0.0, "graphs.run": 0.0, "_sampled": 0.0}
+
+
+def timed_part(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        parts[name] += time.perf_counter() - start
+        return result
+    return wrapper
+
+
+runner._decode_inputs = timed_part("_decode_inputs", runner._decode_inputs)
+runner.graphs.run = timed_part("graphs.run", runner.graphs.run)
+runner._sampled = timed_part("_sampled", runner._sampled)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(n):
+    step()
+parted_ms = (time.perf_counter() - t0) * 1000 / n
+print(f"host parts per step (wall, of a {parted_ms:.3f} ms step): " +
+      "; ".join(f"{k} {v * 1000 / n:.3f} ms" for k, v in parts.items()) +
+      f"; _sampled less the replay's GPU time {parts['_sampled'] * 1000 / n - replay_ms:.3f} ms")
 from torch.profiler import ProfilerActivity, profile
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(3):

@@ -546,6 +546,15 @@ class ModelRunner:
         for s in seq_ids:
             self.pool.retire(s)
 
+    def truncate(self, seq_id: int, position: int) -> None:
+        """A prefix-cache entry keeps only its tokens before `position` (its tail's pages freed on every worker)."""
+        self.pool.truncate(seq_id, self.ledger.truncate(seq_id, position)[self.rank])
+
+    def reinstate(self, seq_ids: list[int]) -> None:
+        """Retired sequences decode again on the pages they kept (a preempted sequence's entry taken back)."""
+        for s in seq_ids:
+            self.pool.reinstate(s)
+
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.pool.free(s)

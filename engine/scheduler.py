@@ -4,10 +4,13 @@ ones together in one batch, sample, and send each token back as soon as it exist
 KV pages (engine/cache): a request is admitted when its prompt's pages fit on every worker (with a
 small watermark left for the running sequences to grow); nothing is reserved for the tokens it may
 generate. When a decode step needs more pages than a worker has free, the newest running sequence
-is preempted (its pages freed) and later recomputed, before any new request: its prompt and the
-tokens it had generated are prefilled as a prompt is (from the longest prefix the prefix cache holds,
-in chunks when longer than --max-num-batched-tokens, so a long sequence's recompute does not stop
-the others' streams), after which it goes on sampling; a seeded request's noise depends only on its
+is preempted and later resumed, before any new request. With the prefix cache its pages stay as an
+entry, evicted like any other (least recently used first, from its tail: an entry gives back only the
+pages needed, keeping its longest prefix); it takes back what is left of them and recomputes only the
+rest (nothing when no one needed them). Without the prefix cache its pages are freed and it is
+recomputed: its prompt and the tokens it had generated are prefilled as a prompt is (from the longest prefix the prefix cache holds, in chunks
+when longer than --max-num-batched-tokens, so a long sequence's recompute does not stop the others'
+streams), after which it goes on sampling; a seeded request's noise depends only on its
 seed and the token's index (engine/sampling.py), so a seeded or greedy request gives the same tokens
 as if it had never been preempted (vLLM's recompute preemption).
 
@@ -25,7 +28,7 @@ from typing import Callable
 import torch
 
 from engine.outputs import Request, StepOutput
-from engine.cache.prefix_cache import PrefixCache
+from engine.cache.prefix_cache import BLOCK, PrefixCache
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
@@ -190,7 +193,20 @@ class Scheduler:
         return self._fits([n + r for n, r in zip(need, self._prefilling_reserve())], keep_entry)
 
     def _can_resume(self, seq: RunningSequence) -> bool:
-        """_can_admit for a preempted sequence's recompute (chunked when longer than a chunk)."""
+        """_can_admit for a preempted sequence: taking its entry back needs a batch slot and the watermark;
+        a recompute, its pages (chunked when longer than a chunk)."""
+        kept = self._kept(seq)
+        if kept:
+            if len(self.running) >= self.max_num_seqs:
+                return False
+            keep = self.watermark if self.running else 0
+            if kept == self._tokens_to_recompute(seq) - 1:   # whole: its next token's page, else the next step
+                need = self.ledger.step_new_pages([seq.seq_id])  # would preempt it again
+            else:                                             # the pages its recomputed tail takes
+                held = self.ledger.seqs[seq.seq_id].tokens
+                final = self.kv.plan_pages(held, self._tokens_to_recompute(seq) - kept, self.chunk_tokens)
+                need = [f - self.ledger.pages_of(seq.seq_id, r) for r, f in enumerate(final)]
+            return self._fits([keep + n for n in need], keep_entry=seq.seq_id)
         n = self._tokens_to_recompute(seq)
         return self._can_admit_tokens(n, self._chunk_long(n), seq.request.prompt_token_ids)
 
@@ -213,7 +229,8 @@ class Scheduler:
 
     def _fits(self, need: list[int], keep_entry: int | None = None, prompt: list[int] | None = None) -> bool:
         """Do `need` pages fit on every worker, after evicting prefix-cache entries (least recently used
-        first, never `keep_entry`)? Evicts nothing when even evicting every entry would not do. With
+        first, never `keep_entry`; preempted sequences' entries after all others, the last to resume
+        first: they will be resumed)? Evicts nothing when even evicting every entry would not do. With
         `prompt` (what the pages are for), the entry holding its longest cached prefix goes last: the
         prompt copies it once admitted, so a document's questions keep the document however recently
         other sequences finished."""
@@ -228,11 +245,32 @@ class Scheduler:
         if hit is not None and hit[0] in entries:
             entries.remove(hit[0])
             entries.append(hit[0])
+        preempted = [s.seq_id for s in reversed(self.preempted) if s.seq_id in entries]
+        entries = [e for e in entries if e not in preempted] + preempted
         for entry in entries:                          # least recently used first
-            if all(n <= f for n, f in zip(need, self.ledger.free_pages())):
+            short = [max(0, n - f) for n, f in zip(need, self.ledger.free_pages())]
+            if not any(short):
                 break
-            self._evict(entry)
+            self._evict_pages(entry, short)
         return True
+
+    def _evict_pages(self, seq_id: int, short: list[int]) -> None:
+        """Frees at least `short` pages per worker from a prefix-cache entry: from its tail when keeping a
+        prefix of whole hashed blocks leaves enough (the longest such prefix kept: a long document loses
+        only what is needed, a preempted sequence recomputes only that), else the whole entry."""
+        def enough(blocks: int) -> bool:
+            freed = self.ledger.pages_freed_by_truncating(seq_id, blocks * BLOCK)
+            return all(f >= s for f, s in zip(freed, short))
+
+        lo, hi = 1, len(self.prefix_cache.entries[seq_id]) // BLOCK   # the most blocks kept that free enough
+        if hi < 1 or not enough(lo):
+            self._evict(seq_id)
+            return
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if enough(mid) else (lo, mid - 1)
+        self.prefix_cache.truncate(seq_id, lo * BLOCK)
+        self.call("truncate", seq_id, lo * BLOCK)
 
     def _evict(self, seq_id: int) -> None:
         self.prefix_cache.remove(seq_id)
@@ -245,6 +283,13 @@ class Scheduler:
                       else len(self.waiting[0].prompt_token_ids))
         raise RuntimeError(f"a sequence of {seq_tokens} tokens does not fit in the empty KV cache "
                            f"({self.ledger.free_pages()} free pages per worker); LLM.check_fits should have refused it")
+
+    def _kept(self, seq: RunningSequence) -> int:
+        """How many of a preempted sequence's tokens its prefix-cache entry still holds (0: none, or no
+        entry): the prompt and generated tokens but the last when no one took any of its pages."""
+        if self.prefix_cache is None or seq.seq_id not in self.prefix_cache.entries:
+            return 0
+        return len(self.prefix_cache.entries[seq.seq_id])
 
     @staticmethod
     def _tokens_to_recompute(seq: RunningSequence) -> int:
@@ -291,7 +336,10 @@ class Scheduler:
         if not self.aborted:
             return
         self.waiting = deque(r for r in self.waiting if r.request_id not in self.aborted)
-        self.preempted = deque(s for s in self.preempted if s.request.request_id not in self.aborted)  # hold no pages
+        for seq in [s for s in self.preempted if s.request.request_id in self.aborted]:
+            if self._kept(seq):                       # its pages, kept as an entry: freed as an abort's are
+                self._evict(seq.seq_id)
+        self.preempted = deque(s for s in self.preempted if s.request.request_id not in self.aborted)
         gone = [s for s in self.running if s.request.request_id in self.aborted]
         if gone:
             self._free(gone)
@@ -466,8 +514,8 @@ class Scheduler:
 
     def _requeue_prefilling(self) -> None:
         job, self.prefilling = self.prefilling, None
-        if job.resumed:                       # a preempted sequence's recompute: back among the preempted
-            self._preempt(job.seq)
+        if job.resumed:                       # a preempted sequence's recompute: back among the preempted,
+            self._preempt(job.seq, job.tokens[:job.done])    # what it recomputed so far kept as its entry
             return
         self._free([job.seq])
         self.waiting.appendleft(job.seq.request)
@@ -545,8 +593,16 @@ class Scheduler:
             self._preempt(victim)
         return batch
 
-    def _preempt(self, seq: RunningSequence) -> None:
-        self.call("free", [seq.seq_id])
+    def _preempt(self, seq: RunningSequence, computed: list[int] | None = None) -> None:
+        """Out of the batch; with the prefix cache its pages stay as an entry of the tokens whose K/V exist
+        (`computed`; by default all but its last sampled token's), else (or with none) they are freed."""
+        if computed is None:
+            computed = seq.request.prompt_token_ids + seq.generated[:-1]
+        if self.prefix_cache is not None and computed:
+            self.call("retire", [seq.seq_id])
+            self.prefix_cache.insert(seq.seq_id, computed)
+        else:
+            self.call("free", [seq.seq_id])
         seq.preemptions += 1
         self.num_preemptions += 1
         self.preempted.append(seq)
@@ -555,11 +611,20 @@ class Scheduler:
                  seq.request.request_id, len(seq.generated))
 
     def _resume(self, seq: RunningSequence) -> None:
-        """Recomputes a preempted sequence's cache (prompt + generated) as a prompt is prefilled: from the
-        longest prefix the prefix cache holds, in chunks when longer than one (between them the others
-        decode), then samples its next token."""
+        """A preempted sequence decodes again: on its kept pages when its entry is still there, else after
+        recomputing its cache (prompt + generated) as a prompt is prefilled: from the longest prefix the
+        prefix cache holds, in chunks when longer than one (between them the others decode), then
+        sampling its next token."""
         ids = seq.request.prompt_token_ids + seq.generated
-        cached = self._adopt_cached_prefix(seq, ids, self.chunk_tokens) if self.prefix_cache is not None else 0
+        kept = self._kept(seq)
+        if kept:                              # it takes back its entry's pages
+            self.prefix_cache.remove(seq.seq_id)
+            self.call("reinstate", [seq.seq_id])
+            if kept == len(ids) - 1:          # all of them: it decodes on
+                self.running.append(seq)
+                log.info("request %s resumed on its kept pages", seq.request.request_id)
+                return
+        cached = kept or (self._adopt_cached_prefix(seq, ids, self.chunk_tokens) if self.prefix_cache is not None else 0)
         self.recomputed_tokens += len(ids) - cached
         log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",
                  seq.request.request_id, len(ids), cached)

@@ -63,6 +63,23 @@ class KVLedger:
         self.add(seq_id, counts, [truncate(source.ranges[r], position) for r in range(self.world_size)])
         return counts
 
+    def truncate(self, seq_id: int, position: int) -> list[int]:
+        """Keeps only the sequence's tokens before `position` (its first slots on every rank: they are in
+        position order) -> the tokens each rank keeps."""
+        seq = self.seqs[seq_id]
+        kept = [seq.held_before(r, position) for r in range(self.world_size)]
+        for r, n in enumerate(kept):
+            self.pages_used[r] -= pages_for(seq.tokens[r], self.block_size) - pages_for(n, self.block_size)
+            seq.tokens[r], seq.prompt[r] = n, min(seq.prompt[r], n)
+            seq.ranges[r] = truncate(seq.ranges[r], position)
+        return kept
+
+    def pages_freed_by_truncating(self, seq_id: int, position: int) -> list[int]:
+        """The pages each rank would give back if the sequence kept only its tokens before `position`."""
+        seq = self.seqs[seq_id]
+        return [pages_for(seq.tokens[r], self.block_size) - pages_for(seq.held_before(r, position), self.block_size)
+                for r in range(self.world_size)]
+
     def remove(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:

@@ -131,6 +131,23 @@ class PagePool:
             self.table[row].zero_()
             self._free_rows.append(row)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """A retired sequence keeps its first num_tokens slots; the pages after them go back to the pool."""
+        pages = self.pages[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        self._free.extend(reversed(pages[keep:]))
+        del pages[keep:]
+        self.lengths[seq_id] = num_tokens
+
+    def reinstate(self, seq_id: int) -> None:
+        """A retired sequence decodes again on the pages it kept: a table row, filled with them."""
+        if not self._free_rows:
+            raise OutOfPagesError("no free row in the page table")
+        row = self.rows[seq_id] = self._free_rows.pop()
+        pages = self.pages[seq_id]
+        if pages:
+            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+
     def free(self, seq_id: int) -> None:
         pages = self.pages.pop(seq_id, None)
         if pages is None:

@@ -63,6 +63,17 @@ class PrefixCache:
                 if not holders:
                     del self.index[key]
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """The entry keeps its first `length` tokens (the scheduler freed the rest of its pages)."""
+        tokens = self.entries[seq_id]
+        for key in block_keys(tokens)[length // BLOCK:]:
+            holders = self.index.get(key)
+            if holders is not None:
+                holders.discard(seq_id)
+                if not holders:
+                    del self.index[key]
+        del tokens[length:]
+
     def _indexed_keys(self, tokens: list[int], limit: int) -> list[int]:
         """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that
         shares a longer prefix holds every shorter one's key too, so a miss costs one block's hash, not

@@ -70,21 +70,28 @@ def test_mixed_batch_gives_solo_tokens_and_logprobs_and_transformers_greedy(chec
         assert _wait_stats(llm, "kv_pages_free", [pages] * workers) == [pages] * workers
 
 
-def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(checkpoint):
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(checkpoint, caching):
     """8 requests of ~40-60 tokens each on 2 workers with 16 pages of 4 tokens per worker: each fits
-    alone, all together need about 3x the pool, so decode preempts and recomputes."""
+    alone, all together need about 3x the pool, so decode preempts and recomputes (with the prefix
+    cache: a preempted sequence's pages stay as an entry, given back from its tail as others need them,
+    and it takes back what is left)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(random.randrange(20, 40))] for _ in range(8)]
     params = [SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=random.randrange(1 << 20), max_tokens=GEN, ignore_eos=True)
               for i in range(8)]
-    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=64) as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=caching, context_parallel_size=2, dtype="float32", block_size=4,
+             kv_cache_tokens=64) as llm:
         assert llm.worker_info[0]["kv_pages_per_worker"] == 16
         together = llm.generate(prompts, params)
         preemptions = _wait_stats(llm, "running", 0) is not None and llm.stats["num_preemptions"]
         assert preemptions > 0, llm.stats
-        assert _wait_stats(llm, "kv_pages_free", [16, 16]) == [16, 16]
+        if caching:                     # finished sequences stay as entries: nothing in use
+            assert _wait_stats(llm, "kv_tokens_per_worker", [0, 0]) == [0, 0]
+        else:
+            assert _wait_stats(llm, "kv_pages_free", [16, 16]) == [16, 16]
         for prompt, p, out in zip(prompts, params, together):
             solo = llm.generate(prompt, p)[0].outputs[0]
             assert out.outputs[0].token_ids == solo.token_ids and out.outputs[0].finish_reason == "length"

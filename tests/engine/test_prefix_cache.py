@@ -81,6 +81,50 @@ def test_a_hash_collision_never_reuses_a_wrong_prefix(monkeypatch):
     assert cache.lookup(a[:4 * BLOCK] + [3]) == (2, 2 * BLOCK)
 
 
+def test_a_truncated_entry_is_found_only_as_far_as_it_still_holds():
+    """An entry evicted from its tail (the scheduler keeps a prefix of whole blocks) answers lookups up to
+    its new length; its dropped blocks leave the index; removing it afterwards leaves nothing behind."""
+    cache = PrefixCache()
+    a = [random.randrange(1000) for _ in range(6 * BLOCK + 5)]
+    cache.insert(1, a)
+    assert cache.lookup(a + [1]) == (1, len(a))
+    cache.truncate(1, 2 * BLOCK)
+    assert cache.entries[1] == a[:2 * BLOCK]
+    assert cache.lookup(a + [1]) == (1, 2 * BLOCK)
+    assert cache.lookup(a[:BLOCK + 3] + [10 ** 6]) == (1, BLOCK + 3)
+    assert len(cache.index) == 2
+    cache.remove(1)
+    assert not cache.index and cache.lookup(a) is None
+
+
+def test_ledger_and_pool_truncate_a_sequence_to_its_first_positions():
+    """KVLedger.truncate keeps each worker's tokens before a position (its first slots: prefill shards,
+    chunks and decoded tokens lie in position order) and PagePool.truncate gives back the pages after
+    them; what is left is what a copy from the entry would take (held_before)."""
+    import torch
+    from engine.cache.ledger import KVLedger
+    from engine.cache.page_pool import PagePool
+    ledger = KVLedger(world_size=2, block_size=4, num_pages=20)
+    ledger.add(7, [10, 10], [[(0, 5), (15, 20)], [(5, 15)]])       # a zigzag prefill of 20 tokens
+    for _ in range(7):
+        ledger.advance(7)                                           # decoded tokens 20..26, alternating
+    held = [ledger.seqs[7].held_before(r, 17) for r in range(2)]
+    assert held == [7, 10]
+    assert ledger.seqs[7].tokens == [14, 13]                        # 4 pages each
+    assert ledger.pages_freed_by_truncating(7, 17) == [4 - 2, 4 - 3]
+    used = list(ledger.pages_used)
+    assert ledger.truncate(7, 17) == held
+    assert ledger.seqs[7].tokens == held and ledger.seqs[7].ranges == [[(0, 5), (15, 17)], [(5, 15)]]
+    assert ledger.pages_used == [used[0] - 2, used[1] - 1]
+    pool = PagePool(1, 20, 4, 1, 2, torch.float32, torch.device("cpu"), max_seqs=2, max_pages_per_seq=10)
+    pool.add(7, 14)
+    pool.retire(7)
+    pool.truncate(7, 7)
+    assert len(pool.pages[7]) == 2 and pool.lengths[7] == 7 and pool.free_pages == 18
+    pool.reinstate(7)
+    assert pool.table[pool.rows[7], :2].tolist() == pool.pages[7]
+
+
 def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
     """A pool of 3 prompts' worth: 10 distinct prompts and re-asks evict entries (least recently used
     first); every answer equals its solo cold answer, hits or not."""

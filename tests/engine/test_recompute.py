@@ -20,10 +20,11 @@ CHUNK = 16
 GEN = 24
 
 
-def _serve(engine: EngineConfig, batches: list[list[tuple[str, list[int]]]]):
-    """Runs worker 0's scheduler over one ModelRunner; each batch of (request id, prompt) is submitted
-    when the one before has finished (greedy, GEN tokens) -> (tokens by request id, the scheduler's
-    calls as (name, args), the ids of the sequences it preempted, the scheduler)."""
+def _serve(engine: EngineConfig, batches: list[list[tuple]]):
+    """Runs worker 0's scheduler over one ModelRunner; each batch of (request id, prompt[, max_tokens])
+    is submitted when the one before has finished (greedy, GEN tokens unless given) -> (tokens by
+    request id, the scheduler's calls as (name, args), the ids of the sequences it preempted, the
+    scheduler)."""
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
     calls = []
@@ -40,10 +41,10 @@ def _serve(engine: EngineConfig, batches: list[list[tuple[str, list[int]]]]):
     failure = []
     thread = threading.Thread(target=lambda: _run(scheduler, failure), daemon=True)
     thread.start()
-    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     for batch in batches:
-        for rid, prompt in batch:
+        for rid, prompt, *max_tokens in batch:
+            params = SamplingParams(temperature=0, max_tokens=(max_tokens or [GEN])[0], ignore_eos=True)
             requests.put(("add", Request(rid, prompt, params, time.time())))
         left = len(batch)
         while left:
@@ -93,8 +94,9 @@ def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
 
 def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
     """A 48-token document is cached; then six questions about it (document + 4-10 tokens) grow in a
-    pool of 64 pages: the preempted ones copy the document's K/V from its entry and recompute only
-    the rest, with the tokens of a pool large enough for all."""
+    pool of 64 pages: a preempted one takes back what is left of its own pages or, when they were all
+    taken, copies the document's K/V from its entry; either way it does not prefill from scratch, and
+    gets the tokens of a pool large enough for all."""
     doc = [random.randrange(256) for _ in range(48)]
     batches = [[("doc", doc)], _prompts(6, 4, 11, prefix=doc)]
     want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), batches)
@@ -103,4 +105,27 @@ def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
     assert preempted, "the pool was large enough for every question at once"
     assert got == want
     adopted = {args[1] for name, args in calls if name == "adopt" and args[2] >= len(doc)}
-    assert adopted & set(preempted), (adopted, preempted)
+    reinstated = {args[0][0] for name, args in calls if name == "reinstate"}
+    assert set(preempted) <= adopted | reinstated, (preempted, adopted, reinstated)
+
+
+def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():
+    """Three 40-token prompts in a pool of 32 pages of 4 tokens (one worker), two of them generating 30
+    tokens: the newest is preempted as they grow; its pages stay as a prefix-cache entry whose tail the
+    others' growth takes (an entry gives back pages from its tail, not all at once); when a request
+    finishes, the preempted one takes back what is left and recomputes only the lost tail, with the
+    tokens of a large pool."""
+    batch = [("a", _prompts(1, 40, 41)[0][1], 30), ("b", _prompts(1, 40, 41)[0][1], 8),
+             ("c", _prompts(1, 40, 41)[0][1], 30)]
+    want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), [batch])
+    assert not preempted
+    got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=128), [batch])
+    assert got == want
+    assert len(preempted) == 1, preempted
+    victim = preempted[0]
+    names = [(name, args) for name, args in calls]
+    reinstated = names.index(("reinstate", ([victim],)))
+    assert any(name == "truncate" and args[0] == victim for name, args in names[:reinstated]), "its tail was not taken"
+    name, args = next((n, a) for n, a in names[reinstated:] if n in ("extend", "prefill") and a[0] == victim)
+    assert name == "extend" and args[2] >= 16, (name, args[2])        # from the tokens it kept
+    assert 0 < scheduler.recomputed_tokens < 40, scheduler.recomputed_tokens   # only the lost tail

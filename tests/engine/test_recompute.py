@@ -37,7 +37,7 @@ def _serve(engine: EngineConfig, batches: list[list[tuple]]):
     scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
     preempted = []
     preempt = scheduler._preempt
-    scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
     failure = []
     thread = threading.Thread(target=lambda: _run(scheduler, failure), daemon=True)
     thread.start()

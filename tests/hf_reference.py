@@ -48,6 +48,21 @@ def hf_next_logits_and_greedy(model, prompt: list[int], num_tokens: int) -> tupl
     return first_logits, tokens
 
 
+@torch.no_grad()
+def assert_same_greedy(model, prompt: list[int], got: list[int], want: list[int], what, tolerance: float = 1e-3):
+    """got == want (greedy tokens), or they part at a near-tie: at the first step where they differ,
+    transformers' own logits (a full forward pass over the prompt and the tokens before it, no cache)
+    rate the two tokens within `tolerance` (10x the logit error the tests allow; a wrong K/V moves
+    logits by far more). After the parting the histories differ, so nothing more is compared."""
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            logits = model(torch.tensor([prompt + got[:i]]), use_cache=False).logits[0, -1].float()
+            margin = (logits[a] - logits[b]).abs().item()
+            assert margin <= tolerance, (what, f"token {i}: {a} vs transformers' {b}, logit margin {margin:.2e}")
+            return
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from hf_reference import hf_next_logits_and_greedy, save_checkpoint
+from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
         for prompt, out in zip(prompts + prompts[-1:], outs):
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
-            assert out.outputs[0].token_ids == ref_tokens, (strategy, len(prompt))
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, (strategy, len(prompt)))
 
 
 def test_no_overlap_gives_the_same_tokens(checkpoint):

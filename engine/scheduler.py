@@ -7,8 +7,8 @@ generate. When a decode step needs more pages than a worker has free, the newest
 is preempted and later resumed, before any new request. With the prefix cache its pages stay as an
 entry, evicted like any other (least recently used first, from its tail: an entry gives back only the
 pages needed, keeping its longest prefix); it takes back what is left of them and recomputes only the
-rest (nothing when no one needed them). Without the prefix cache its pages are freed and it is
-recomputed: its prompt and the tokens it had generated are prefilled as a prompt is (from the longest prefix the prefix cache holds, in chunks
+rest (nothing when no one needed them). Otherwise its pages are freed and its prompt and generated
+tokens are prefilled again as a prompt is (from the longest prefix the prefix cache holds, in chunks
 when longer than --max-num-batched-tokens, so a long sequence's recompute does not stop the others'
 streams), after which it goes on sampling; a seeded request's noise depends only on its
 seed and the token's index (engine/sampling.py), so a seeded or greedy request gives the same tokens

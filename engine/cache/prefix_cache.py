@@ -56,23 +56,21 @@ class PrefixCache:
     def remove(self, seq_id: int) -> None:
         tokens = self.entries.pop(seq_id)
         del self.used[seq_id]
-        for key in block_keys(tokens):
-            holders = self.index.get(key)
-            if holders is not None:
-                holders.discard(seq_id)
-                if not holders:
-                    del self.index[key]
+        self._unindex(seq_id, block_keys(tokens))
 
     def truncate(self, seq_id: int, length: int) -> None:
         """The entry keeps its first `length` tokens (the scheduler freed the rest of its pages)."""
         tokens = self.entries[seq_id]
-        for key in block_keys(tokens)[length // BLOCK:]:
+        self._unindex(seq_id, block_keys(tokens)[length // BLOCK:])
+        del tokens[length:]
+
+    def _unindex(self, seq_id: int, keys: list[int]) -> None:
+        for key in keys:
             holders = self.index.get(key)
             if holders is not None:
                 holders.discard(seq_id)
                 if not holders:
                     del self.index[key]
-        del tokens[length:]
 
     def _indexed_keys(self, tokens: list[int], limit: int) -> list[int]:
         """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that

@@ -137,6 +137,8 @@ def _add_offline_args(m, strategy_help: str) -> None:
     m.add_argument("--dtype", default=None, help="offline: dtype")
     m.add_argument("--sp-strategy", default="burst", help=strategy_help)
     m.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
+    m.add_argument("--no-async-scheduling", action="store_true",
+                   help="offline: every decode step read back before the next is launched (serve's flag)")
     m.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="offline: fp8 linears (serve's --quantization; over HTTP give it in --serve's arguments)")
     m.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",

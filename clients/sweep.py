@@ -135,8 +135,8 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
 
 def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) -> dict:
     """The LLM arguments of an offline run from its command line (--model, --devices, -cp, --dtype,
-    --sp-strategy, --attention-backend, --no-overlap, --quantization, --zero-sliced-max-tokens), with `extra`
-    ones added."""
+    --sp-strategy, --attention-backend, --no-overlap, --quantization, --zero-sliced-max-tokens,
+    --no-async-scheduling), with `extra` ones added."""
     # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
     # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
     # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
@@ -144,7 +144,8 @@ def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) 
                 dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
                 overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 quantization=getattr(args, "quantization", "none"),
-                zero_sliced_max_tokens=getattr(args, "zero_sliced_max_tokens", None), **extra)
+                zero_sliced_max_tokens=getattr(args, "zero_sliced_max_tokens", None),
+                async_scheduling=not getattr(args, "no_async_scheduling", False), **extra)
 
 
 @contextlib.contextmanager
@@ -154,7 +155,8 @@ def offline_llm(llm_args: dict):
     from engine import LLM, SamplingParams
     with LLM(**llm_args) as llm:
         fields = {"strategy": llm.engine.sp_strategy + ("" if llm.engine.overlap else ", no overlap")
-                  + ("" if llm.engine.quantization == "none" else f", {llm.engine.quantization}"),
+                  + ("" if llm.engine.quantization == "none" else f", {llm.engine.quantization}")
+                  + ("" if llm.engine.async_scheduling else ", sync scheduling"),
                   **device_fields(llm.engine.devices), "kernel": llm.kernel}
         llm.generate(random_prompt(llm.model_config.vocab_size, 16), SamplingParams(max_tokens=1))   # warm-up
         yield llm, fields

@@ -151,6 +151,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # share of each GPU's memory for weights, activations and the KV pool
     block_size: int | None = None           # tokens per KV page; None: 128 on GPUs, 16 on CPU
     cuda_graphs: bool = True                # decode steps replayed as CUDA graphs where they can be (GPU, flash-attn-4)
+    async_scheduling: bool = True           # a decode step launched before the host reads the last one's tokens
+                                            # (engine/scheduler.py _decode_ahead)
     enable_prefix_caching: bool = True      # finished sequences stay in the KV cache; a prompt reuses their prefix
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
                                                 # tokens (decode steps run between them); None: in one call

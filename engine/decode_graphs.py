@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from engine.devices import host_to_device
 from kernels.paged_attention import fa4_available
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,15 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.max_batch
 
-    def run(self, step_inputs: torch.Tensor) -> torch.Tensor:
-        """step_inputs [5, B] int64 (host) -> logits [B, V] fp32 (device)."""
+    def run(self, step_inputs: torch.Tensor, fed: tuple | None = None) -> torch.Tensor:
+        """step_inputs [5, B] int64 (host) -> logits [B, V] fp32 (device). fed: (tokens, rows) on the device,
+        the input tokens are tokens[rows] (asynchronous scheduling, engine/step_tokens.py)."""
         b = step_inputs.shape[1]
         bucket = next(x for x in self.buckets if x >= b)
-        # a blocking copy: workers other than 0 do not wait for the step's result, so an asynchronous copy from a
-        # reused host buffer could be overwritten by the next step before the GPU read it
-        self.inputs[:, :b].copy_(step_inputs)
+        # through pinned memory: a copy from pageable memory would make the host wait for the step in flight
+        self.inputs[:, :b].copy_(host_to_device(step_inputs, self.inputs.device))
+        if fed is not None:
+            torch.index_select(fed[0], 0, fed[1], out=self.inputs[0, :b])
         if b < bucket:
             self.inputs[:, b:bucket] = self.padding[:, b:bucket]
         self.graphs[bucket].replay()

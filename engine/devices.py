@@ -116,3 +116,13 @@ def synchronize(device: torch.device) -> None:
     """Waits for the device's queued work (a no-op on CPU): before and after a timed region."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without making the host wait for the work already queued there: through
+    pinned memory and an asynchronous copy (PyTorch's pinned-memory cache keeps the block until the copy has
+    run). A plain copy from pageable memory waits for the stream, which would stall the host behind a
+    decode step in flight (asynchronous scheduling). On CPU, the tensor itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -62,7 +62,8 @@ class LLM:
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool | None = None,
-                 extend_ring_min_tokens: int = 4096, zero_sliced_max_tokens: int | None = None, nnodes: int = 1, master_addr: str = "127.0.0.1",
+                 extend_ring_min_tokens: int = 4096, zero_sliced_max_tokens: int | None = None,
+                 async_scheduling: bool = True, nnodes: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int = 29500, join_timeout: float = 300.0):
         self.cluster = ClusterConfig(nnodes, 0, master_addr, master_port, join_timeout)
         problem = self.cluster.problem()
@@ -118,7 +119,8 @@ class LLM:
                                    quantization=quantization, mixed_batch=mixed_batch,
                                    extend_ring_min_tokens=extend_ring_min_tokens,
                                    auto_ulysses_max_tokens=auto_ulysses_max_tokens,
-                                   zero_sliced_max_tokens=zero_sliced_max_tokens)
+                                   zero_sliced_max_tokens=zero_sliced_max_tokens,
+                                   async_scheduling=async_scheduling)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker

@@ -20,7 +20,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
 from engine.extend_graphs import ExtendGraphs
-from engine.devices import synchronize
+from engine.devices import host_to_device, synchronize
 from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
@@ -33,6 +33,7 @@ from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_
 from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows
+from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
 from kernels.paged_attention import fa4_available, guarded_table, paged_attention, prefix_runs, split_prefix_attention
@@ -109,6 +110,7 @@ class ModelRunner:
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
         self.sliced_max_tokens = self._sliced_max_tokens()   # burst-zero: prompts this short run on the slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
+        self.fed_tokens = torch.zeros(engine.max_num_seqs, dtype=torch.int64, device=device)   # engine/step_tokens.py
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)
@@ -443,16 +445,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-               sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None):
+               sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None,
+               fed_from: list[int] | None = None, keep: bool = False):
         """One new token per sequence. On worker 0: (every row's token: the argmax, or drawn on the device
         by sampling[row]; logits [len(host_rows), V] CPU fp32 of the rows the host samples (grammars);
-        per row its logprobs dict where sampling asks for them, else None); None elsewhere."""
+        per row its logprobs dict where sampling asks for them, else None); None elsewhere.
+        Asynchronous scheduling (engine/step_tokens.py): `fed_from` gives per row the row of the previous
+        step (run with `keep`) whose sampled token is its input (token_ids are then unused); with `keep`
+        the step's tokens stay on the device for the next step and worker 0 returns PendingTokens at once
+        (no host rows or logprobs then)."""
         step_inputs = self._decode_inputs(seq_ids, token_ids, positions)   # [5, B] int64 on the host
+        fed = None if fed_from is None else (self.fed_tokens, host_to_device(torch.tensor(fed_from), self.device))
         if self.graphs is not None and self.graphs.fits(len(seq_ids)):
-            logits = self.graphs.run(step_inputs)                            # [B, V] fp32
+            logits = self.graphs.run(step_inputs, fed)                       # [B, V] fp32
         else:
-            logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
+            logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids), fed)
+        if keep:
+            return self._keep_tokens(logits, sampling)
         return self._sampled(logits, seq_ids, sampling, host_rows) if self.rank == 0 else None
+
+    def _keep_tokens(self, logits: torch.Tensor, sampling: "list[RowSampling] | None") -> "PendingTokens | None":
+        """A step's tokens [B] (worker 0 samples them from logits [B, V]) into every worker's fed_tokens, with
+        no host synchronization -> on worker 0 their host copy, pending."""
+        b = logits.shape[0]
+        kept = self.fed_tokens[:b]
+        if self.rank == 0:
+            kept.copy_(logits.argmax(dim=-1) if sampling is None else sample_rows(logits, sampling))
+        if self.world_size > 1:
+            dist.broadcast(kept, src=self._global_rank(0), group=self.data_group)
+        return PendingTokens(kept) if self.rank == 0 else None
 
     def _sampled(self, logits: torch.Tensor, seq_ids: list[int], sampling, host_rows):
         """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""
@@ -503,8 +524,12 @@ class ModelRunner:
         cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
         self.decode_attention.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
 
-    def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int) -> torch.Tensor:
-        return self.decode_forward(step_inputs.to(self.device, non_blocking=True), num_pages)
+    def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int, fed=None) -> torch.Tensor:
+        """step_inputs [5, B] (host); fed: (tokens, rows) on the device, the input tokens' source (see decode)."""
+        inputs = host_to_device(step_inputs, self.device)
+        if fed is not None:
+            inputs[0] = fed[0].index_select(0, fed[1])
+        return self.decode_forward(inputs, num_pages)
 
     def _exchange_seconds_alone(self, chosen: PrefillStrategy, shards) -> float:
         """All layers' ring exchanges alone for this prompt, from the fit made at start; 0 without a K/V ring."""

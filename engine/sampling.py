@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.devices import host_to_device
 from engine.errors import InvalidRequestError
 from engine.structured_output import parse_response_format
 
@@ -89,25 +90,32 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if not sampled:
         return greedy
-    x = logits[sampled] if len(sampled) < len(rows) else logits                       # [S, V]
-    device, v = x.device, x.shape[-1]
+    device = logits.device
+    x = logits.index_select(0, _to(device, sampled)) if len(sampled) < len(rows) else logits   # [S, V]
+    v = x.shape[-1]
     picked = [rows[i] for i in sampled]
-    x = x / torch.tensor([r.temperature for r in picked], device=device)[:, None]
+    x = x / _to(device, [r.temperature for r in picked])[:, None]
     ks = [r.top_k if 0 < r.top_k < v else v for r in picked]
     if min(ks) < v:
         top = torch.topk(x, max(k for k in ks if k < v), dim=-1).values                 # [S, kmax]
-        kth = top.gather(1, torch.tensor([min(k, top.shape[1]) - 1 for k in ks], device=device)[:, None])
-        kth = kth.masked_fill(torch.tensor([k == v for k in ks], device=device)[:, None], float("-inf"))
+        kth = top.gather(1, _to(device, [min(k, top.shape[1]) - 1 for k in ks])[:, None])
+        kth = kth.masked_fill(_to(device, [k == v for k in ks])[:, None], float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     if any(r.top_p < 1.0 for r in picked):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        top_p = torch.tensor([r.top_p if r.top_p < 1.0 else 2.0 for r in picked], device=device)[:, None]
+        top_p = _to(device, [r.top_p if r.top_p < 1.0 else 2.0 for r in picked])[:, None]
         beyond = (torch.cumsum(probs, dim=-1) - probs) > top_p                           # keep the smallest set reaching top_p
         x = x.scatter(1, order, sorted_x.masked_fill(beyond, float("-inf")))
     probs = torch.softmax(x, dim=-1)
     tokens = (probs / _exponential_noise(picked, probs.shape, device)).argmax(dim=-1)
-    return greedy.index_copy(0, torch.tensor(sampled, device=device), tokens)
+    return greedy.index_copy(0, _to(device, sampled), tokens)
+
+
+def _to(device: torch.device, values: list) -> torch.Tensor:
+    """A small list as a tensor on the device, the host not waiting for the device (a decode step's sampling
+    is queued while the step before it may run: asynchronous scheduling)."""
+    return host_to_device(torch.tensor(values), device)
 
 
 def _exponential_noise(rows: list[RowSampling], shape, device) -> torch.Tensor:

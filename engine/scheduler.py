@@ -79,6 +79,15 @@ class ChunkedPrefill:
         return bool(self.seq.generated)
 
 
+@dataclass
+class StepInFlight:
+    """A decode step launched and not yet read back (asynchronous scheduling: see Scheduler._decode_ahead)."""
+    batch: list[RunningSequence]
+    pending: object               # worker 0's engine.step_tokens.PendingTokens
+    fed: bool                     # its input tokens were the step before it's, on the device
+    launched: float               # time.perf_counter() at its launch
+
+
 def mixed_batch_limit(runner) -> int | None:
     """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk; 0
     with --no-mixed-batch), or by default (None) the chunks that worker 0 replays with a decode step as one
@@ -123,13 +132,20 @@ class Scheduler:
         self.mixed = self.mixed_limit != 0                      # decode step in one call
         self.prefix_cache = PrefixCache() if kv.engine.enable_prefix_caching else None
         self.prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
+        self.async_scheduling = kv.engine.async_scheduling      # a decode step launched before the last is read
+        self.inflight: StepInFlight | None = None                # that step, launched, its tokens not yet read
+        self._collected_at = 0.0                                 # when the last step in flight was read back
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
 
     def run(self) -> None:
         while True:
             self._publish_stats()
-            if not self._poll(block=not (self.waiting or self.running or self.preempted or self.prefilling)):
+            if not self._poll(block=not (self.waiting or self.running or self.preempted or self.prefilling
+                                         or self.inflight)):
+                self._drain()
                 return
+            if self.inflight is not None and not self._decodes_on():
+                self._drain()                         # what comes next needs every token read back
             self._drop_aborted()
             if self.prefilling is not None:           # a long prompt's next chunk, then a step of the others
                 if not self.short_went_first and self._short_head_goes_first():
@@ -544,10 +560,86 @@ class Scheduler:
                      and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
 
     def _decode(self) -> None:
+        if self.inflight is not None:
+            self._decode_ahead()
+            return
         batch = self._make_room(list(self.running))
         if not batch:
             return
-        self._decode_batch(batch)
+        if self._pipelines(batch):
+            self.inflight = self._launch(batch, None)   # read back by the next step's _decode_ahead, or _drain
+        else:
+            self._decode_batch(batch)
+
+    def _pipelines(self, batch: list[RunningSequence]) -> bool:
+        """May this batch's step be launched before the host reads the step before it (asynchronous
+        scheduling)? Not with a grammar (the host masks its logits) or logprobs (read on the host)."""
+        return self.async_scheduling and all(s.grammar is None and s.request.params.logprobs is None for s in batch)
+
+    def _decodes_on(self) -> bool:
+        """Is the next thing this loop does another decode step of the sequences running, nothing else
+        (no abort, chunk, resume or admission)? Then the step in flight need not be read back first."""
+        return bool(self.running) and not self.aborted and self.prefilling is None and not self.preempted and not (
+            self.waiting and self._can_admit_request(self.waiting[0]))
+
+    def _decode_ahead(self) -> None:
+        """Asynchronous scheduling (vLLM's async scheduling; engine/step_tokens.py): the next step is launched
+        while the one in flight runs, its input tokens taken on the device from the step in flight's, and
+        only then is the step in flight read back, so the host's work between two steps (reading tokens,
+        sending them out, scheduling, launching) no longer leaves the GPU idle. Its rows: the sequences
+        still running, but not those whose token in flight surely ends them (max_tokens, max_model_len). One
+        that ends by its token in flight (a stop token) still runs in the new step: that row's token is
+        dropped, its K/V (the stop token's) kept with its cache. Pages that do not fit without preempting:
+        nothing launched; the next step runs after the read-back, as without asynchronous scheduling."""
+        prev, self.inflight = self.inflight, None
+        running = {s.seq_id for s in self.running}
+        batch = [s for s in prev.batch if s.seq_id in running and not self._last_token_in_flight(s)]
+        if batch and self._pipelines(batch) and self._fits(self.ledger.step_new_pages([s.seq_id for s in batch])):
+            rows = {s.seq_id: i for i, s in enumerate(prev.batch)}
+            self.inflight = self._launch(batch, [rows[s.seq_id] for s in batch])
+        self._collect(prev)
+
+    def _last_token_in_flight(self, seq: RunningSequence) -> bool:
+        """Does the token being computed for seq surely end it (its max_tokens, or max_model_len)?"""
+        n = len(seq.generated) + 1
+        return n >= seq.request.params.max_tokens or len(seq.request.prompt_token_ids) + n >= self.max_model_len
+
+    def _launch(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
+        """Launches a decode step without waiting for its tokens. fed_from: per row, the row of the step in
+        flight whose token is its input (not yet on the host, not yet in seq.generated); None: the host's."""
+        ahead = int(fed_from is not None)
+        tokens = [0 if ahead else s.generated[-1] for s in batch]
+        positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 + ahead for s in batch]
+        sampling = [row_sampling(s.request.params, len(s.generated) + ahead) for s in batch]
+        if all(r.greedy for r in sampling):
+            sampling = None                                                  # argmax only
+        pending = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling, [], fed_from, True)
+        return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
+
+    def _drain(self) -> None:
+        """Reads back the step in flight, if any (before anything but another decode step)."""
+        if self.inflight is not None:
+            prev, self.inflight = self.inflight, None
+            self._collect(prev)
+
+    def _collect(self, step: StepInFlight) -> None:
+        """Waits for a launched step's tokens and commits them, as _finish_decode does. Its rows of sequences
+        that ended at the step before (a stop token read back after this step was launched) are dropped; a
+        sequence in the step now in flight (self.inflight) has that step computing its new token's K/V."""
+        tokens = step.pending.result()
+        now = time.perf_counter()
+        self.step_seconds = now - (self._collected_at if step.fed else step.launched)
+        self._collected_at = now
+        fed = {s.seq_id for s in self.inflight.batch} if self.inflight is not None else set()
+        running = {s.seq_id for s in self.running}
+        stepped = {s.seq_id for s in step.batch}
+        self.running = [s for s in self.running if s.seq_id not in stepped]
+        self._step_outputs = []
+        for seq, token in zip(step.batch, tokens):
+            if seq.seq_id in running:
+                self._commit(seq, token, None, token_computed=seq.seq_id in fed)
+        outputs, self._step_outputs = self._step_outputs, None
+        self.outputs.put(("outs", outputs))
 
     @staticmethod
     def _decode_args(batch: list[RunningSequence]) -> tuple:
@@ -654,8 +746,10 @@ class Scheduler:
                      prompt_logprobs=prompt_logprobs)
 
     def _commit(self, seq: RunningSequence, token: int, logprobs: dict | None, prefill: dict | None = None,
-                logits: torch.Tensor | None = None, prompt_logprobs: list | None = None) -> None:
-        """Sends one sampled token back; the sequence runs on or is freed."""
+                logits: torch.Tensor | None = None, prompt_logprobs: list | None = None,
+                token_computed: bool = False) -> None:
+        """Sends one sampled token back; the sequence runs on or is freed (token_computed: a step in flight
+        computes this token's K/V, kept with the cache when it ends)."""
         seq.generated.append(token)
         reason = self._finish_reason(seq, token)
         item = StepOutput(seq.request.request_id, token, logprobs, reason, time.time(), prefill=prefill,
@@ -668,7 +762,8 @@ class Scheduler:
             self.running.append(seq)
         elif self.prefix_cache is not None and reason != "abort":
             self.call("retire", [seq.seq_id])
-            self.prefix_cache.insert(seq.seq_id, seq.request.prompt_token_ids + seq.generated[:-1])   # K/V computed
+            computed = seq.generated if token_computed else seq.generated[:-1]                   # K/V computed
+            self.prefix_cache.insert(seq.seq_id, seq.request.prompt_token_ids + computed)
         else:
             self._free([seq])
 

@@ -7,6 +7,7 @@
 # ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
+# SYNC_AB=1: the sweep's engine configurations also with --no-async-scheduling (A/B); SKIP_PEER=1: no transformers.
 # PARTS (default "tests kernels sweep"): "load" adds issue 11's HTTP load, `burstserve bench load` with 48
 # prompts of 8K tokens, 128 output tokens, concurrency 16, on a default server and on one with chunked
 # prefill (--max-num-batched-tokens LOAD_CHUNK, default 2048: an 8K prompt in chunks, the ITL target's
@@ -42,12 +43,20 @@ if has kernels; then
   SKIP_TESTS=1 SKIP_BLOCKS=1 OUT=$out/kernels timeout 80 bash scripts/gpu_kernels.sh > "$out/kernels.log" 2>&1
   grep -A12 "paged decode, one layer" "$out/kernels.log"; grep -A5 "num_chunks sweep" "$out/kernels.log"
 fi
+# engine_sweep SUFFIX ARGS...: the engine's four configurations, ARGS added, SUFFIX on their names and labels
+engine_sweep() {
+  local s=$1; shift
+  bench "engine-1x8K$s" 50 --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
+  bench "engine-1x128K$s" 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
+  bench "engine-16x8K$s" 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams$s" "$@"
+  bench "engine-64x2K$s" 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams$s" "$@"
+}
 if has sweep; then
-bench engine-1x8K 50 --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream"
-bench engine-1x128K 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream"
-bench engine-16x8K 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams"
-bench engine-64x2K 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams"
-BENCH_CP=1 bench transformers-1x 100 --sp-strategy transformers --lengths 8192 --label "transformers static+compile, 1 GPU"
+engine_sweep ""
+# SYNC_AB=1: the same with every decode step read back before the next is launched (--no-async-scheduling)
+[ -z "${SYNC_AB:-}" ] || engine_sweep "-sync" --no-async-scheduling
+[ -n "${SKIP_PEER:-}" ] || BENCH_CP=1 bench transformers-1x 100 --sp-strategy transformers --lengths 8192 \
+    --label "transformers static+compile, 1 GPU"
 fi
 
 # load NAME LIMIT SERVE_ARGS...: `bench load` against a server started with these arguments

@@ -71,6 +71,10 @@ def serve_parser(sub) -> None:
                    help="share of each GPU's memory for weights, activations and the paged KV cache (0-1]")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: 128 on GPUs, 16 on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch the next decode step before reading back the tokens of the one running, its "
+                        "input tokens taken on the GPU (default: on; off for a batch with logprobs or "
+                        "response_format); --no-async-scheduling: every step read back before the next")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished requests' KV in the cache (evicted least recently used first) and prefill "
                         "only what a new prompt adds to the longest cached prefix (default: on; "
@@ -173,6 +177,7 @@ def serve(args) -> None:
                   seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
+                  async_scheduling=args.async_scheduling,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None,
                   mixed_batch=args.mixed_batch, extend_ring_min_tokens=args.extend_ring_min_tokens,

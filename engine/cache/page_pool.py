@@ -12,6 +12,7 @@ never given out (all scratch: the padding rows of a CUDA graph's batch).
 """
 import torch
 
+from engine.devices import host_to_device
 from kernels.fused import store_kv
 
 SCRATCH_PAGE = 0
@@ -146,7 +147,7 @@ class PagePool:
         row = self.rows[seq_id] = self._free_rows.pop()
         pages = self.pages[seq_id]
         if pages:
-            self.table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self.table[row, :len(pages)] = host_to_device(torch.tensor(pages, dtype=torch.int32), self.device)
 
     def free(self, seq_id: int) -> None:
         pages = self.pages.pop(seq_id, None)
@@ -167,5 +168,6 @@ class PagePool:
             return
         new = [self._free.pop() for _ in range(need)]
         row, start = self.rows[seq_id], len(pages)
-        self.table[row, start:start + need] = torch.tensor(new, dtype=torch.int32)
+        # no wait for the device: a decode step grows sequences while the one before it may still run
+        self.table[row, start:start + need] = host_to_device(torch.tensor(new, dtype=torch.int32), self.device)
         pages.extend(new)

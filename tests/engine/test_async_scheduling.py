@@ -1,0 +1,193 @@
+"""Asynchronous scheduling (engine/scheduler.py _decode_ahead, engine/step_tokens.py): worker 0 launches
+decode step k+1 before reading step k's tokens, whose values reach step k+1 on the device. A request
+must get exactly the tokens it gets with every step read back first (async_scheduling=False), and a
+sequence ended by a stop token while the next step was in flight keeps that step's K/V of the stop
+token in its prefix-cache entry: a follow-up prompt reusing it must give its cold answer."""
+import queue
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import Request
+from engine.scheduler import Scheduler
+from hf_reference import save_checkpoint
+
+GEN = 24
+
+
+def _serve(batches: list[list[tuple]], **kw):
+    """Worker 0's scheduler in-process over one CPU ModelRunner (tiny preset, fp32, pages of 4 tokens);
+    each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
+    (outputs by request id: list of StepOutput, the scheduler's calls as (name, args), the scheduler)."""
+    engine = EngineConfig(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8, **kw)
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
+    calls = []
+
+    def call(name, *args):
+        calls.append((name, args))
+        return getattr(runner, name)(*args)
+
+    requests, outputs = queue.Queue(), queue.Queue()
+    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
+    failure = []
+
+    def run():
+        try:
+            scheduler.run()
+        except Exception as e:          # seen by the test, not lost in the thread
+            failure.append(repr(e))
+            outputs.put(("error", repr(e)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    got: dict[str, list] = {}
+    for batch in batches:
+        for rid, prompt, params in batch:
+            requests.put(("add", Request(rid, prompt, params, time.time())))
+        left = len(batch)
+        while left:
+            kind, item = outputs.get(timeout=120)[:2]
+            assert kind != "error", item
+            for out in (item if kind == "outs" else [item] if kind == "out" else []):
+                got.setdefault(out.request_id, []).append(out)
+                left -= out.finish_reason is not None
+    requests.put(("shutdown",))
+    thread.join(timeout=60)
+    assert not failure, failure
+    return got, calls, scheduler
+
+
+def _tokens(got: dict) -> dict:
+    return {rid: [o.token_id for o in outs] for rid, outs in got.items()}
+
+
+def _ahead(calls) -> int:
+    """Decode calls whose input tokens came from the step before, on the device."""
+    return sum(1 for name, args in calls if name == "decode" and len(args) > 5 and args[5] is not None)
+
+
+def _stopping(prompts: list[list[int]], greedy: dict) -> list[tuple]:
+    """Requests that end at a stop token: one of the tokens their greedy run gives (its first occurrence
+    ends it), or at max_tokens; some with a few max_tokens only."""
+    batch = []
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        stop = [greedy[rid][random.randrange(2, GEN - 2)]] if i % 3 != 2 else []
+        batch.append((rid, prompt, SamplingParams(temperature=0, max_tokens=GEN if i % 4 else 5,
+                                                  stop_token_ids=stop, ignore_eos=True)))
+    return batch
+
+
+def test_steps_run_ahead_and_give_the_tokens_of_steps_read_back_first():
+    """Eight prompts of 5-40 tokens, greedy, ending at stop tokens or max_tokens: with asynchronous
+    scheduling most steps are launched ahead and every request gets the tokens (and finish reason) it
+    gets with async_scheduling=False."""
+    prompts = [[random.randrange(256) for _ in range(random.randrange(5, 41))] for _ in range(8)]
+    plain = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)) for i, p in enumerate(prompts)]
+    greedy = _tokens(_serve([plain], async_scheduling=False)[0])
+    batch = _stopping(prompts, greedy)
+    want, calls, _ = _serve([batch], async_scheduling=False)
+    assert _ahead(calls) == 0
+    got, calls, _ = _serve([batch])
+    assert _tokens(got) == _tokens(want)
+    assert {rid: outs[-1].finish_reason for rid, outs in got.items()} == \
+           {rid: outs[-1].finish_reason for rid, outs in want.items()}
+    for rid, prompt, params in batch:            # and what the stop tokens say
+        tokens = greedy[rid][:params.max_tokens]
+        end = min([tokens.index(t) for t in params.stop_token_ids if t in tokens], default=len(tokens) - 1)
+        assert _tokens(got)[rid] == tokens[:end + 1], rid
+    steps = sum(1 for name, _ in calls if name == "decode")
+    assert _ahead(calls) >= steps // 2, (_ahead(calls), steps)
+
+
+def test_a_stop_tokens_kv_computed_ahead_is_cached_and_reused_as_its_cold_answer():
+    """A request ended by a stop token while the next step ran ahead keeps that step's K/V of the stop
+    token: its prefix-cache entry holds prompt + every generated token. A follow-up prompt (prompt +
+    answer + a new turn) reuses it and answers as a cold engine (no prefix cache) does."""
+    prompts = [[random.randrange(256) for _ in range(random.randrange(13, 30))] for _ in range(4)]
+    plain = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)) for i, p in enumerate(prompts)]
+    greedy = _tokens(_serve([plain], async_scheduling=False)[0])
+    first = [(rid, p, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True,
+                                     stop_token_ids=[greedy[rid][random.randrange(6, GEN - 4)]]))
+             for rid, p, _ in plain]
+    answers = {rid: greedy[rid][:greedy[rid].index(params.stop_token_ids[0]) + 1] for rid, _, params in first}
+    turns = [(f"{rid}-next", p + answers[rid] + [random.randrange(256) for _ in range(5)],
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for rid, p, _ in first]
+    got, calls, scheduler = _serve([first, turns])
+    assert {rid: _tokens(got)[rid] for rid, _, _ in first} == answers
+    ended_ahead = [rid for rid, p, _ in first
+                   if len(scheduler.prefix_cache.entries.get(_seq_of(calls, p), [])) == len(p) + len(answers[rid])]
+    assert ended_ahead, "no request ended while the next step was in flight"
+    cold, _, _ = _serve([turns], enable_prefix_caching=False)
+    assert {rid: _tokens(got)[rid] for rid, _, _ in turns} == _tokens(cold)
+    cached = {rid: got[rid][0].prefill.get("cached_tokens", 0) for rid, _, _ in turns}
+    for rid, p, _ in first:
+        if rid in ended_ahead:           # all of prompt + answer, the stop token's K/V included
+            assert cached[f"{rid}-next"] == len(p) + len(answers[rid]), (rid, cached)
+
+
+def _seq_of(calls, prompt: list[int]) -> int:
+    """The sequence id the scheduler gave the prompt (its prefill call's first argument)."""
+    return next(args[0] for name, args in calls if name == "prefill" and args[1].tolist() == prompt)
+
+
+def test_logprobs_or_a_grammar_read_every_step_back_first():
+    prompts = [[random.randrange(256) for _ in range(10)] for _ in range(3)]
+    batch = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1 if i == 1 else None))
+             for i, p in enumerate(prompts)]
+    got, calls, _ = _serve([batch])
+    assert _ahead(calls) == 0 and all(len(outs) == 6 for outs in got.values())
+    assert not any(args[6] for name, args in calls if name == "decode" and len(args) > 6)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama3-gqa"))
+    return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sampled_and_greedy_requests_on_workers_get_the_tokens_of_sync_scheduling(checkpoint, workers):
+    """Twelve requests (greedy, and seeded temperature / top-k / top-p sampling; stop tokens, max_tokens)
+    decoded together on 1 and 2 CPU workers (the step's tokens broadcast from worker 0 to the other on
+    the device): the same tokens and finish reasons with and without asynchronous scheduling, greedy
+    ones transformers' own, and after them every page free again."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompts = [[random.randrange(vocab) for _ in range(random.randrange(3, 60))] for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, top_k=[-1, 20][i % 4 // 2], top_p=[1.0, 0.8][i % 3 == 0],
+                             seed=random.randrange(1 << 20), max_tokens=GEN - i, ignore_eos=True)
+              for i in range(12)]
+    common = dict(devices="cpu", context_parallel_size=workers, dtype="float32", block_size=4,
+                  enable_prefix_caching=False)
+    with LLM(path, async_scheduling=False, **common) as llm:
+        want = llm.generate(prompts, params)
+    for i, (p, out) in enumerate(zip(params, want)):      # stops at one of its tokens for half of them
+        if i % 4 < 2:
+            p.stop_token_ids = [out.outputs[0].token_ids[random.randrange(1, len(out.outputs[0].token_ids))]]
+    with LLM(path, async_scheduling=False, **common) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(path, **common) as llm:
+        got = llm.generate(prompts, params)
+        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        deadline = time.time() + 10
+        while llm.stats.get("kv_pages_free") != [pages] * workers and time.time() < deadline:
+            time.sleep(0.05)
+        assert llm.stats.get("kv_pages_free") == [pages] * workers
+    for prompt, p, a, b in zip(prompts, params, got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (len(prompt), p)
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        if p.greedy:
+            ids = list(prompt)
+            with torch.no_grad():
+                for _ in a.outputs[0].token_ids:
+                    ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            assert a.outputs[0].token_ids == ids[len(prompt):], len(prompt)

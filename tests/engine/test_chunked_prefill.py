@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.extend_graphs import ON_CPU_ENV
-from hf_reference import assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
+from hf_reference import assert_same_greedy, assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 12
 
@@ -80,7 +80,8 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
         solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=64) as llm:
         outs = llm.generate(short + [long], params)
-        assert [o.outputs[0].token_ids for o in outs] == solo
+        for prompt, out, want in zip(short + [long], outs, solo):      # or they part at an fp32 near-tie (seen once
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, want, len(prompt))   # in a 2-token cycle)
         assert outs[-1].metrics.prefill_stats["chunks"] == 10               # 600 tokens in chunks of 64
         assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
 

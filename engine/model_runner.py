@@ -32,7 +32,7 @@ from engine.parallel.zero import LayerGather
 from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
 from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
-from engine.sampling import RowSampling, rows_logprobs, sample_rows
+from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
@@ -453,7 +453,7 @@ class ModelRunner:
         Asynchronous scheduling (engine/step_tokens.py): `fed_from` gives per row the row of the previous
         step (run with `keep`) whose sampled token is its input (token_ids are then unused); with `keep`
         the step's tokens stay on the device for the next step and worker 0 returns PendingTokens at once
-        (no host rows or logprobs then)."""
+        (their logprobs with them; no host rows then)."""
         step_inputs = self._decode_inputs(seq_ids, token_ids, positions)   # [5, B] int64 on the host
         fed = None if fed_from is None else (self.fed_tokens, host_to_device(torch.tensor(fed_from), self.device))
         if self.graphs is not None and self.graphs.fits(len(seq_ids)):
@@ -469,11 +469,19 @@ class ModelRunner:
         no host synchronization -> on worker 0 their host copy, pending."""
         b = logits.shape[0]
         kept = self.fed_tokens[:b]
+        logprobs = None
         if self.rank == 0:
-            kept.copy_(logits.argmax(dim=-1) if sampling is None else sample_rows(logits, sampling))
+            tokens = logits.argmax(dim=-1) if sampling is None else sample_rows(logits, sampling)
+            kept.copy_(tokens)
+            rows = [i for i, r in enumerate(sampling or []) if r.logprobs is not None]
+            if rows:
+                tops = [sampling[i].logprobs for i in rows]
+                index = host_to_device(torch.tensor(rows), self.device)
+                logprobs = (rows, tops, *top_logprobs(logits.index_select(0, index), tokens.index_select(0, index),
+                                                       max(tops)))
         if self.world_size > 1:
             dist.broadcast(kept, src=self._global_rank(0), group=self.data_group)
-        return PendingTokens(kept) if self.rank == 0 else None
+        return PendingTokens(kept, logprobs) if self.rank == 0 else None
 
     def _sampled(self, logits: torch.Tensor, seq_ids: list[int], sampling, host_rows):
         """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""

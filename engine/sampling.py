@@ -132,11 +132,23 @@ def _exponential_noise(rows: list[RowSampling], shape, device) -> torch.Tensor:
 def rows_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[dict[int, float]]:
     """logits [R, V], tokens [R] (same device) -> per row {token_id: logprob} of the model's
     distribution: the chosen token and the `tops[r]` most likely. One host copy for all rows."""
+    return logprob_entries(*top_logprobs(logits, tokens, max(tops, default=0)), tops)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, kmax: int) -> tuple:
+    """logits [R, V], tokens [R] -> (the chosen tokens' logprobs [R] fp32, the kmax largest [R, kmax] fp32,
+    their ids [R, kmax] int64, tokens [R]), on logits' device: what logprob_entries turns into entries once
+    on the host (asynchronous scheduling copies them there without waiting)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, tokens.view(-1, 1))[:, 0].tolist()
-    kmax = max(tops, default=0)
-    values, ids = (torch.topk(logp, kmax, dim=-1) if kmax > 0 else (logp[:, :0], logp[:, :0].long()))
-    values, ids, tokens = values.tolist(), ids.tolist(), tokens.tolist()       # one host copy each
+    chosen = logp.gather(1, tokens.view(-1, 1))[:, 0]
+    values, ids = torch.topk(logp, kmax, dim=-1) if kmax > 0 else (logp[:, :0], logp[:, :0].long())
+    return chosen, values, ids, tokens
+
+
+def logprob_entries(chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor,
+                    tops: list[int]) -> list[dict[int, float]]:
+    """top_logprobs' tensors -> per row {token_id: logprob}: the chosen token and the tops[r] most likely."""
+    chosen, values, ids, tokens = chosen.tolist(), values.tolist(), ids.tolist(), tokens.tolist()   # one copy each
     out = []
     for r, top in enumerate(tops):
         entry = {int(i): float(lp) for i, lp in zip(ids[r][:top], values[r][:top])}

@@ -573,8 +573,8 @@ class Scheduler:
 
     def _pipelines(self, batch: list[RunningSequence]) -> bool:
         """May this batch's step be launched before the host reads the step before it (asynchronous
-        scheduling)? Not with a grammar (the host masks its logits) or logprobs (read on the host)."""
-        return self.async_scheduling and all(s.grammar is None and s.request.params.logprobs is None for s in batch)
+        scheduling)? Not with a grammar: the host masks its logits before its token is drawn."""
+        return self.async_scheduling and all(s.grammar is None for s in batch)
 
     def _decodes_on(self) -> bool:
         """Is the next thing this loop does another decode step of the sequences running, nothing else
@@ -611,7 +611,7 @@ class Scheduler:
         tokens = [0 if ahead else s.generated[-1] for s in batch]
         positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 + ahead for s in batch]
         sampling = [row_sampling(s.request.params, len(s.generated) + ahead) for s in batch]
-        if all(r.greedy for r in sampling):
+        if all(r.greedy and r.logprobs is None for r in sampling):
             sampling = None                                                  # argmax only
         pending = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling, [], fed_from, True)
         return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
@@ -626,7 +626,7 @@ class Scheduler:
         """Waits for a launched step's tokens and commits them, as _finish_decode does. Its rows of sequences
         that ended at the step before (a stop token read back after this step was launched) are dropped; a
         sequence in the step now in flight (self.inflight) has that step computing its new token's K/V."""
-        tokens = step.pending.result()
+        tokens, logprobs = step.pending.result()
         now = time.perf_counter()
         self.step_seconds = now - (self._collected_at if step.fed else step.launched)
         self._collected_at = now
@@ -635,9 +635,9 @@ class Scheduler:
         stepped = {s.seq_id for s in step.batch}
         self.running = [s for s in self.running if s.seq_id not in stepped]
         self._step_outputs = []
-        for seq, token in zip(step.batch, tokens):
+        for i, (seq, token) in enumerate(zip(step.batch, tokens)):
             if seq.seq_id in running:
-                self._commit(seq, token, None, token_computed=seq.seq_id in fed)
+                self._commit(seq, token, logprobs[i] if logprobs else None, token_computed=seq.seq_id in fed)
         outputs, self._step_outputs = self._step_outputs, None
         self.outputs.put(("outs", outputs))
 

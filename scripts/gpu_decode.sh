@@ -7,7 +7,8 @@
 # ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
-# SYNC_AB=1: the sweep's engine configurations also with --no-async-scheduling (A/B); SKIP_PEER=1: no transformers.
+# SYNC_AB=1: the sweep's engine configurations (and the load's default server) also with --no-async-scheduling
+# (A/B); SKIP_PEER=1: no transformers. NO_CHUNKED_LOAD=1: the load without its chunked server.
 # PARTS (default "tests kernels sweep"): "load" adds issue 11's HTTP load, `burstserve bench load` with 48
 # prompts of 8K tokens, 128 output tokens, concurrency 16, on a default server and on one with chunked
 # prefill (--max-num-batched-tokens LOAD_CHUNK, default 2048: an 8K prompt in chunks, the ITL target's
@@ -74,5 +75,6 @@ load() {
 }
 if has load; then
   load load-default 200
-  load load-chunked 200 --max-num-batched-tokens "${LOAD_CHUNK:-2048}" ${LOAD_EXTRA:-}
+  [ -z "${SYNC_AB:-}" ] || load load-default-sync 200 --no-async-scheduling
+  [ -n "${NO_CHUNKED_LOAD:-}" ] || load load-chunked 200 --max-num-batched-tokens "${LOAD_CHUNK:-2048}" ${LOAD_EXTRA:-}
 fi

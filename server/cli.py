@@ -73,8 +73,8 @@ def serve_parser(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch the next decode step before reading back the tokens of the one running, its "
-                        "input tokens taken on the GPU (default: on; off for a batch with logprobs or "
-                        "response_format); --no-async-scheduling: every step read back before the next")
+                        "input tokens taken on the GPU (default: on; off for a batch with a response_format); "
+                        "--no-async-scheduling: every step read back before the next")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished requests' KV in the cache (evicted least recently used first) and prefill "
                         "only what a new prompt adds to the longest cached prefix (default: on; "

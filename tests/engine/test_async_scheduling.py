@@ -158,13 +158,22 @@ def _seq_of(calls, prompt: list[int]) -> int:
     return next(args[0] for name, args in calls if name == "prefill" and args[1].tolist() == prompt)
 
 
-def test_logprobs_read_every_step_back_first(checkpoint):
-    prompts = [[random.randrange(256) for _ in range(10)] for _ in range(3)]
-    batch = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1 if i == 1 else None))
-             for i, p in enumerate(prompts)]
-    got, calls, _ = _serve(checkpoint[0], [batch])
-    assert _ahead(calls) == 0 and all(len(outs) == 6 for outs in got.values())
-    assert not any(args[6] for name, args in calls if name == "decode" and len(args) > 6)
+def test_logprobs_come_with_the_tokens_of_steps_run_ahead(checkpoint):
+    """Rows asking logprobs (greedy and seeded sampling) run ahead too, their entries copied to the host
+    with the tokens: the same entries as with every step read back first (the same batches: exact)."""
+    path, _ = checkpoint
+    prompts = [[random.randrange(256) for _ in range(random.randrange(5, 30))] for _ in range(4)]
+    batch = [(f"r{i}", p, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True,
+                                         logprobs=[None, 0, 3, 5][i])) for i, p in enumerate(prompts)]
+    want, calls, _ = _serve(path, [batch], async_scheduling=False)
+    assert _ahead(calls) == 0
+    got, calls, _ = _serve(path, [batch])
+    assert _ahead(calls) >= 4
+    assert _tokens(got) == _tokens(want)
+    for rid in got:
+        assert [o.logprobs for o in got[rid]] == [o.logprobs for o in want[rid]], rid
+    assert all(o.logprobs is None for o in got["r0"]) and all(len(o.logprobs) == 1 for o in got["r1"])
+    assert all(5 <= len(o.logprobs) <= 6 for o in got["r3"])             # its top 5 and the chosen token
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -310,8 +310,9 @@ def test_decode_in_cuda_graphs_matches_eager_decode_and_transformers(hf_bf16_che
 def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_bf16_checkpoint, devices):
     """Decode steps launched before the last one's tokens are read (their input tokens gathered on the GPU
     from the step before, pinned host copies, no host synchronization; on 2 GPUs broadcast from worker 0)
-    give exactly the tokens of steps read back first: greedy and seeded top-p rows, the same batches
-    replayed by the same graphs. Then transformers' greedy tokens up to near-ties."""
+    give exactly the tokens (and logprobs, copied to the host with them) of steps read back first: greedy
+    and seeded top-p rows, the same batches replayed by the same graphs. Then transformers' greedy tokens
+    up to near-ties."""
     from engine import LLM, SamplingParams
     from kernels.paged_attention import fa4_available
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
@@ -320,17 +321,18 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
         pytest.skip("decode CUDA graphs need flash-attn-4 (not installed here)")
     path, model = hf_bf16_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (1, 50, 127, 128, 1000, 3000)]
-    params = [SamplingParams(temperature=0, max_tokens=140, ignore_eos=True) if i % 2 == 0 else
+    params = [SamplingParams(temperature=0, max_tokens=140, ignore_eos=True, logprobs=[None, 2][i % 4 == 0])
+              if i % 2 == 0 else
               SamplingParams(temperature=0.8, top_p=0.9, seed=random.randrange(1 << 20), max_tokens=140,
-                             ignore_eos=True) for i in range(len(prompts))]
+                             ignore_eos=True, logprobs=[None, 0][i % 4 == 1]) for i in range(len(prompts))]
     runs = {}
     for asynchronous in (True, False):
         with LLM(path, devices=devices, dtype="bfloat16", max_num_seqs=8, async_scheduling=asynchronous,
                  enable_prefix_caching=False) as llm:
             assert llm.worker_info[0]["cuda_graphs"]
-            runs[asynchronous] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            runs[asynchronous] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]
-    for prompt, p, tokens in zip(prompts, params, runs[True]):
+    for prompt, p, (tokens, _) in zip(prompts, params, runs[True]):
         if p.greedy:
             _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 140, with_scales=True)
             for i, (a, b) in enumerate(zip(tokens, ref_tokens)):

@@ -110,7 +110,8 @@ class ModelRunner:
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
         self.sliced_max_tokens = self._sliced_max_tokens()   # burst-zero: prompts this short run on the slices
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
-        self.fed_tokens = torch.zeros(engine.max_num_seqs, dtype=torch.int64, device=device)   # engine/step_tokens.py
+        # engine/step_tokens.py; a batch holds up to max_num_seqs + 1 (a short prompt beside one prefilled in chunks)
+        self.fed_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=device)
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)

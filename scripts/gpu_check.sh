@@ -9,7 +9,7 @@ trap pack EXIT
 { date -u; nvidia-smi -L; } 2>&1 | tee "$out/env.txt"
 # SKIP_KERNELS=1: the engine's tests only; K: their -k expression. On nvidia-h200-x2 the 2-GPU tests in two calls:
 #   SKIP_KERNELS=1 ENGINE_LIMIT=560 K="two or nccl or measures or hosts" bash scripts/gpu_check.sh
-#   SKIP_KERNELS=1 K="small_extends or chunks_and_prefix or mixed or peer or decode_in" bash scripts/gpu_check.sh
+#   SKIP_KERNELS=1 K="small_extends or chunks_and_prefix or mixed or peer or decode_in or async_scheduling" bash scripts/gpu_check.sh
 [ -n "${SKIP_KERNELS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu \
     tests/gpu/test_kernels_gpu.py 2>&1 | tail -30 | tee "$out/kernels.log"
 timeout "${ENGINE_LIMIT:-400}" python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \

@@ -225,3 +225,17 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def test_a_short_prompt_beside_a_chunked_one_makes_a_batch_of_max_num_seqs_plus_one():
+    """A short request prefilled beside a prompt prefilled in chunks (Scheduler._short_head_goes_first)
+    may join a full batch: max_num_seqs + 1 rows, whose tokens must all be kept on the device. Found by
+    review: with max_num_seqs rows kept, worker 0 died on that step."""
+    prompts = [[random.randrange(256) for _ in range(64)], [random.randrange(256) for _ in range(4)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for asynchronous in (False, True):
+        with LLM("tiny", devices="cpu", dtype="float32", block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
+                 enable_prefix_caching=False, async_scheduling=asynchronous) as llm:
+            runs[asynchronous] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert runs[True] == runs[False] and all(len(t) == 8 for t in runs[True])

@@ -49,6 +49,15 @@ def hf_next_logits_and_greedy(model, prompt: list[int], num_tokens: int) -> tupl
 
 
 @torch.no_grad()
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy tokens, each from a full forward pass without its KV cache."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def assert_same_greedy(model, prompt: list[int], got: list[int], want: list[int], what, tolerance: float = 1e-3):
     """got == want (greedy tokens), or they part at a near-tie: at the first step where they differ,
     transformers' own logits (a full forward pass over the prompt and the tokens before it, no cache)

@@ -5,20 +5,15 @@ sequence ended by a stop token while the next step was in flight keeps that step
 token in its prefix-cache entry: a follow-up prompt reusing it must give its cold answer. (Greedy
 tokens may part only at a near-tie, hf_reference.assert_same_greedy: a step with one row more, a
 stopped sequence's, may round a row's fp32 logits differently.)"""
-import queue
 import random
-import threading
 import time
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.outputs import Request
-from engine.scheduler import Scheduler
-from hf_reference import assert_same_greedy, save_checkpoint
+from engine.config import EngineConfig
+from hf_reference import assert_same_greedy, hf_greedy, save_checkpoint
+from scheduler_harness import serve_in_process
 
 GEN = 24
 
@@ -30,46 +25,11 @@ def checkpoint(tmp_path_factory):
 
 
 def _serve(path: str, batches: list[list[tuple]], **kw):
-    """Worker 0's scheduler in-process over one CPU ModelRunner (the checkpoint, fp32, pages of 4 tokens);
-    each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
-    (outputs by request id: list of StepOutput, the scheduler's calls as (name, args), the scheduler)."""
+    """Worker 0's scheduler in-process over one CPU ModelRunner (the checkpoint, fp32, pages of 4 tokens;
+    tests/scheduler_harness.py): batches of (request id, prompt, SamplingParams) -> (outputs by request id,
+    the scheduler's calls as (name, args), the scheduler)."""
     engine = EngineConfig(model=path, devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8, **kw)
-    cfg, max_model_len = resolve_model(engine)
-    runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
-    calls = []
-
-    def call(name, *args):
-        calls.append((name, args))
-        return getattr(runner, name)(*args)
-
-    requests, outputs = queue.Queue(), queue.Queue()
-    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
-    failure = []
-
-    def run():
-        try:
-            scheduler.run()
-        except Exception as e:          # seen by the test, not lost in the thread
-            failure.append(repr(e))
-            outputs.put(("error", repr(e)))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    got: dict[str, list] = {}
-    for batch in batches:
-        for rid, prompt, params in batch:
-            requests.put(("add", Request(rid, prompt, params, time.time())))
-        left = len(batch)
-        while left:
-            kind, item = outputs.get(timeout=120)[:2]
-            assert kind != "error", item
-            for out in (item if kind == "outs" else [item] if kind == "out" else []):
-                got.setdefault(out.request_id, []).append(out)
-                left -= out.finish_reason is not None
-    requests.put(("shutdown",))
-    thread.join(timeout=60)
-    assert not failure, failure
-    return got, calls, scheduler
+    return serve_in_process(engine, batches)
 
 
 def _tokens(got: dict) -> dict:
@@ -215,16 +175,7 @@ def test_sampled_and_greedy_requests_on_workers_get_the_tokens_of_sync_schedulin
         else:
             raise AssertionError((len(prompt), p, a.token_ids, b.token_ids))
         if p.greedy:
-            assert_same_greedy(model, prompt, a.token_ids, _hf_greedy(model, prompt, len(a.token_ids)), len(prompt))
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens, each from a full forward pass without its KV cache."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+            assert_same_greedy(model, prompt, a.token_ids, hf_greedy(model, prompt, len(a.token_ids)), len(prompt))
 
 
 def test_a_short_prompt_beside_a_chunked_one_makes_a_batch_of_max_num_seqs_plus_one():

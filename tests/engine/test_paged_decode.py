@@ -8,10 +8,9 @@ import random
 import time
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from hf_reference import assert_same_logprobs, save_checkpoint
+from hf_reference import assert_same_logprobs, hf_greedy, save_checkpoint
 
 GEN = 20
 
@@ -20,15 +19,6 @@ GEN = 20
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llama3-gqa"))
     return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy tokens, each from a full forward pass without its KV cache."""
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _wait_stats(llm, key, want, seconds=10.0):

@@ -3,68 +3,32 @@
 the chunks instead of waiting for one long prefill, and from the longest prefix the prefix cache holds.
 Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset, fp32) so that every
 call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
-import queue
 import random
-import threading
-import time
 
-import torch
-
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.outputs import Request
+from engine.config import EngineConfig
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from scheduler_harness import serve_in_process
 
 CHUNK = 16
 GEN = 24
 
 
 def _serve(engine: EngineConfig, batches: list[list[tuple]]):
-    """Runs worker 0's scheduler over one ModelRunner; each batch of (request id, prompt[, max_tokens])
-    is submitted when the one before has finished (greedy, GEN tokens unless given) -> (tokens by
-    request id, the scheduler's calls as (name, args), the ids of the sequences it preempted, the
-    scheduler)."""
-    cfg, max_model_len = resolve_model(engine)
-    runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
-    calls = []
-
-    def call(name, *args):
-        calls.append((name, args))
-        return getattr(runner, name)(*args)
-
-    requests, outputs = queue.Queue(), queue.Queue()
-    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
+    """Runs worker 0's scheduler over one ModelRunner (tests/scheduler_harness.py); each batch of
+    (request id, prompt[, max_tokens]) is submitted when the one before has finished (greedy, GEN tokens
+    unless given) -> (tokens by request id, the scheduler's calls as (name, args), the ids of the
+    sequences it preempted, the scheduler)."""
     preempted = []
-    preempt = scheduler._preempt
-    scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
-    failure = []
-    thread = threading.Thread(target=lambda: _run(scheduler, failure), daemon=True)
-    thread.start()
-    tokens: dict[str, list[int]] = {}
-    for batch in batches:
-        for rid, prompt, *max_tokens in batch:
-            params = SamplingParams(temperature=0, max_tokens=(max_tokens or [GEN])[0], ignore_eos=True)
-            requests.put(("add", Request(rid, prompt, params, time.time())))
-        left = len(batch)
-        while left:
-            kind, item = outputs.get(timeout=120)[:2]
-            assert kind != "error", item
-            for out in (item if kind == "outs" else [item] if kind == "out" else []):
-                tokens.setdefault(out.request_id, []).append(out.token_id)
-                left -= out.finish_reason is not None
-    requests.put(("shutdown",))
-    thread.join(timeout=60)
-    assert not failure, failure
+
+    def spy(scheduler):
+        preempt = scheduler._preempt
+        scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
+
+    batches = [[(rid, prompt, SamplingParams(temperature=0, max_tokens=(max_tokens or [GEN])[0], ignore_eos=True))
+                for rid, prompt, *max_tokens in batch] for batch in batches]
+    got, calls, scheduler = serve_in_process(engine, batches, spy)
+    tokens = {rid: [o.token_id for o in outs] for rid, outs in got.items()}
     return tokens, calls, preempted, scheduler
-
-
-def _run(scheduler: Scheduler, failure: list) -> None:
-    try:
-        scheduler.run()
-    except Exception as e:              # seen by the test, not lost in the thread
-        failure.append(repr(e))
-        scheduler.outputs.put(("error", repr(e)))
 
 
 def _engine(**kw) -> EngineConfig:

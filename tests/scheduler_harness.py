@@ -1,0 +1,56 @@
+"""Worker 0's Scheduler run in this process over one CPU ModelRunner, every call it makes to the workers
+recorded: for tests of what the scheduler decides (tests/engine/test_recompute.py, test_async_scheduling.py)."""
+import queue
+import threading
+import time
+
+import torch
+
+from engine.config import EngineConfig, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import Request
+from engine.scheduler import Scheduler
+
+
+def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None):
+    """Each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
+    (outputs by request id: lists of StepOutput, the scheduler's calls as (name, args), the scheduler).
+    prepare(scheduler): called before it runs (to wrap its methods)."""
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
+    calls = []
+
+    def call(name, *args):
+        calls.append((name, args))
+        return getattr(runner, name)(*args)
+
+    requests, outputs = queue.Queue(), queue.Queue()
+    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
+    if prepare is not None:
+        prepare(scheduler)
+    failure = []
+
+    def run():
+        try:
+            scheduler.run()
+        except Exception as e:          # seen by the test, not lost in the thread
+            failure.append(repr(e))
+            outputs.put(("error", repr(e)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    got: dict[str, list] = {}
+    for batch in batches:
+        for rid, prompt, params in batch:
+            requests.put(("add", Request(rid, prompt, params, time.time())))
+        left = len(batch)
+        while left:
+            kind, item = outputs.get(timeout=120)[:2]
+            assert kind != "error", item
+            for out in (item if kind == "outs" else [item] if kind == "out" else []):
+                got.setdefault(out.request_id, []).append(out)
+                left -= out.finish_reason is not None
+    requests.put(("shutdown",))
+    thread.join(timeout=60)
+    assert not failure, failure
+    return got, calls, scheduler

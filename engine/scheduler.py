@@ -144,7 +144,10 @@ class Scheduler:
                                          or self.inflight)):
                 self._drain()
                 return
-            if self.inflight is not None and not self._decodes_on():
+            if self.inflight is not None:
+                if self._decodes_on():                # the next step launched before the one in flight is read
+                    self._decode_ahead()
+                    continue
                 self._drain()                         # what comes next needs every token read back
             self._drop_aborted()
             if self.prefilling is not None:           # a long prompt's next chunk, then a step of the others
@@ -560,9 +563,6 @@ class Scheduler:
                      and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
 
     def _decode(self) -> None:
-        if self.inflight is not None:
-            self._decode_ahead()
-            return
         batch = self._make_room(list(self.running))
         if not batch:
             return

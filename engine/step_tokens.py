@@ -2,7 +2,7 @@
 
 Asynchronous scheduling (engine/scheduler.py): worker 0 launches step k+1 before it has read step k's
 tokens, so step k+1's input tokens come from the device: every worker keeps the last kept step's tokens
-in ModelRunner.fed_tokens ([max_num_seqs] int64; worker 0 samples them, the others receive them by one
+in ModelRunner.fed_tokens ([max_num_seqs + 1] int64; worker 0 samples them, the others receive them by one
 broadcast), and a step whose rows are `fed_from` the previous one gathers its tokens there. The host
 gets step k's tokens (and logprobs) from pinned copies made right after they were sampled, waiting on
 their event only when it needs them (by then step k+1 is queued, so the GPU never idles for the host's

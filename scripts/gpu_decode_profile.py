@@ -1,6 +1,9 @@
 """Where a decode step's time goes on one GPU (llama3-8b preset, bf16, one 8K-token sequence):
 the whole step as the scheduler calls it (ModelRunner.decode), the CUDA graph's replay alone, and
-the replay's kernels by GPU time (torch.profiler). Usage: python scripts/gpu_decode_profile.py [context]"""
+the replay's kernels by GPU time (torch.profiler). Usage: [MODEL=preset] [LAYERS=N] python scripts/gpu_decode_profile.py [context]
+(LAYERS=N keeps the preset's first N layers: a proxy of a model larger than one GPU.)"""
+import dataclasses
+import os
 import sys
 import time
 
@@ -11,8 +14,11 @@ from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+engine = EngineConfig(model=os.environ.get("MODEL", "llama3-8b"), devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
 cfg, max_model_len = resolve_model(engine)
+if int(os.environ.get("LAYERS", "0")):
+    cfg = dataclasses.replace(cfg, num_layers=int(os.environ["LAYERS"]))
+    max_model_len = min(max_model_len, ctx + 1024)
 runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
 prompt = torch.randint(0, 250, (ctx,))
 runner.prefill(0, prompt)
@@ -46,7 +52,7 @@ for _ in range(n):
     graph.replay()
 launch_ms = (time.perf_counter() - t0) * 1000 / n
 torch.cuda.synchronize()
-print(f"context {ctx}: ModelRunner.decode step {step_ms:.3f} ms; graph replay (GPU) {replay_ms:.3f} ms; "
+print(f"{engine.model}, {cfg.num_layers} layers, context {ctx}: ModelRunner.decode step {step_ms:.3f} ms; graph replay (GPU) {replay_ms:.3f} ms; "
       f"replay launch (host, queued) {launch_ms:.3f} ms")
 
 # the step's host parts (wall time each, summed over n steps): the inputs built on the host, the graph's

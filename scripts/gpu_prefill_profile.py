@@ -4,7 +4,10 @@ time by kind of kernel under torch.profiler (attention, GEMMs, fused Triton kern
 copies; NCCL apart: it runs on the ring's own stream), the ring's exposed exchange wait, the host's
 share, each kind's FLOP rate, and what a new prompt length costs the first time. With G > 1 the G
 workers are this script's own processes (NCCL, as engine/worker.py sets them up), each a ModelRunner.
-Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)"""
+Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)
+LAYERS=N keeps the preset's first N layers (a proxy: e.g. llama3-70b's shapes with 20 of its 80 layers fit
+one GPU; per-layer time scales the figures to the whole model)."""
+import dataclasses
 import os
 import sys
 import time
@@ -20,7 +23,8 @@ from engine.model_runner import ModelRunner
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
 WORLD = int(os.environ.get("CP", "1"))
-MODEL, DEVICE = os.environ.get("MODEL", "llama3-8b"), os.environ.get("DEVICE", "cuda")   # DEVICE=cpu MODEL=tiny: a dry run
+MODEL, DEVICE = os.environ.get("MODEL", "llama3-8b"), os.environ.get("DEVICE", "cuda")
+LAYERS = int(os.environ.get("LAYERS", "0"))       # 0: the preset's own   # DEVICE=cpu MODEL=tiny: a dry run
 GEMM_TFLOPS, ATTENTION_TFLOPS = 783.0, 644.0     # issue 13's kernel rates on one H200 (bf16 GEMM, causal attention)
 KINDS = ("attention", "gemm", "triton", "elementwise", "copy", "nccl")
 
@@ -79,9 +83,12 @@ def run(rank: int) -> None:
                                 **({"device_id": dev} if cuda else {}))
     engine = EngineConfig(model=MODEL, devices=devices, dtype="bfloat16" if cuda else "float32", max_num_seqs=4)
     cfg, max_model_len = resolve_model(engine)
+    if LAYERS:
+        cfg = dataclasses.replace(cfg, num_layers=LAYERS)
+        max_model_len = min(max_model_len, max(LENGTHS) + 256)
     runner = ModelRunner(engine, cfg, rank, dev, None, max_model_len)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"attention backend: {runner.backend.name}; {WORLD} x {torch.cuda.get_device_name(0) if cuda else 'cpu'}\n")
+    say(f"model: {MODEL}, {cfg.num_layers} layers; attention backend: {runner.backend.name}; {WORLD} x {torch.cuda.get_device_name(0) if cuda else 'cpu'}\n")
     prompt = torch.randint(0, cfg.vocab_size, (max(LENGTHS),), generator=torch.Generator().manual_seed(0))
     seq = iter(range(1, 1 << 20))
 

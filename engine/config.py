@@ -12,6 +12,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/rope.py; "dynamic" NTK is refused: its frequencies
+                                                      # follow the longest sequence in a forward pass, which a KV
+                                                      # cache cannot (transformers' own cached generate drifts)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -27,7 +30,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # {"rope_type": "llama3"|"linear"|"default", ...}
+    rope_scaling: dict | None = None   # {"rope_type": "linear"|"llama3"|"yarn", ...} (None: default RoPE)
     qkv_bias: bool = False             # Qwen2
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -73,9 +76,15 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported (default, llama3, linear)")
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     rope["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):    # the pretraining length, where transformers finds it
+        rope["original_max_position_embeddings"] = (raw.get("original_max_position_embeddings")
+                                                    or rope.get("original_max_position_embeddings")
+                                                    or raw.get("max_position_embeddings", 4096))
+    if rope_type == "yarn" and rope.get("factor") is None:
+        rope["factor"] = raw.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
     eos = raw.get("eos_token_id")
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
     return ModelConfig(
@@ -180,6 +189,15 @@ class EngineConfig:
         return len(self.devices)
 
 
+def context_limit(cfg: ModelConfig) -> int:
+    """The longest context a checkpoint is made for: max_position_embeddings, or for YaRN its pretraining
+    length times the factor (as vLLM derives it: Qwen2.5's 32768 x 4 = 131072)."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":
+        return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return cfg.max_position_embeddings
+
+
 def resolve_model(engine: EngineConfig) -> tuple[ModelConfig, int]:
     """Returns the model's config and the effective max_model_len; raises ModelLoadError."""
     if engine.dtype not in DTYPES:
@@ -189,7 +207,7 @@ def resolve_model(engine: EngineConfig) -> tuple[ModelConfig, int]:
         limit = PRESET_MAX_MODEL_LEN
     else:
         cfg = load_model_config(engine.model)
-        limit = cfg.max_position_embeddings
+        limit = context_limit(cfg)
     max_len = engine.max_model_len or limit
     if max_len < 1:
         raise ModelLoadError(f"max_model_len must be positive, got {max_len}")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.rope import inverse_frequencies, rope_cos_sin
+from engine.rope import attention_scaling, inverse_frequencies, rope_cos_sin
 from kernels import fp8, fused
 from kernels.fp8 import FP8_UNFUSED_ENV, Fp8Weight
 
@@ -76,6 +76,7 @@ class LlamaModel:
         # bf16 rows and quantizes them apart (the benchmarks' A/B)
         self.fp8_rows = quantization == "fp8" and os.environ.get(FP8_UNFUSED_ENV) != "1"
         self.inv_freq = inverse_frequencies(cfg).to(device)
+        self.rope_scaling = attention_scaling(cfg)                     # YaRN's factor on cos/sin, else 1
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, quantization: str) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -110,7 +111,7 @@ class LlamaModel:
         if whole_layers is not None:
             reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
         residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, D]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype, self.rope_scaling)   # [S, D]
         rows = self.fp8_rows and seq_parallel is None and whole_layers is None   # x as Fp8Rows (no gather of them)
         norm = fp8.rms_norm_rows if rows else fused.rms_norm
         x = norm(residual, self.layers[0].input_norm, eps) if self.layers else residual

@@ -6,7 +6,8 @@ TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hid
 
 
 def make_config(kind: str):
-    """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling) or 'qwen2' (qkv bias)."""
+    """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling), 'qwen2' (qkv bias) or 'qwen2-yarn' (with YaRN
+    RoPE scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part)."""
     from transformers import LlamaConfig, Qwen2Config
     if kind == "llama-mha":
         return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
@@ -16,6 +17,9 @@ def make_config(kind: str):
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
     if kind == "qwen2":
         return Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0)
+    if kind == "qwen2-yarn":
+        return Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
     raise ValueError(kind)
 
 
@@ -48,7 +52,6 @@ def hf_next_logits_and_greedy(model, prompt: list[int], num_tokens: int) -> tupl
     return first_logits, tokens
 
 
-@torch.no_grad()
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """transformers' greedy tokens, each from a full forward pass without its KV cache."""

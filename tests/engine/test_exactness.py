@@ -73,3 +73,21 @@ def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, st
             for i, entry in enumerate(out.outputs[0].logprobs):
                 for token, logprob in entry.items():
                     assert abs(logprob - ref_logp[i, token].item()) <= 1e-4, (strategy, len(prompt), i, token)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_yarn_checkpoint_matches_transformers(tmp_path, workers):
+    """A Qwen2 checkpoint with YaRN RoPE scaling (x4 over 512 pretraining tokens: frequencies mixed per
+    dimension, cos and sin scaled by 0.1 ln 4 + 1): logits and greedy tokens are transformers' on prompts
+    within and past the pretraining length, and the engine allows 512 x 4 tokens of context."""
+    model = save_checkpoint("qwen2-yarn", str(tmp_path), seed=random.randrange(1 << 30))
+    vocab = model.config.vocab_size
+    prompts = [[random.randrange(vocab) for _ in range(n)] for n in (37, 1000)]
+    with LLM(str(tmp_path), devices="cpu", context_parallel_size=workers, dtype="float32") as llm:
+        assert llm.max_model_len == 2048
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+        for prompt, out in zip(prompts, outputs):
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+            diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+            assert diff <= 1e-4, f"{len(prompt)} tokens on {workers} workers: logits differ by {diff}"
+            assert out.outputs[0].token_ids == ref_tokens, f"{len(prompt)} tokens on {workers} workers"

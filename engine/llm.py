@@ -159,6 +159,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]                       # validate all before any work
         for e, p in zip(encoded, params):
             self.check_fits(len(e), p.max_tokens)
+            self.check_one_call(len(e), p)
             self.structured_request(p)
         ids = [self.submit(e, p) for e, p in zip(encoded, params)]
         return [self._collect(rid, prompt, e) for rid, prompt, e in zip(ids, prompts, encoded)]
@@ -195,12 +196,32 @@ class LLM:
                                       f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
                                       f"{self.kv_capacity_tokens} tokens", "max_tokens")
 
+    def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked
+        prefill on flash-attn-4 the workers reserve activation memory for one chunk's tokens only
+        (engine/cache/sizing.py prefill_rows_reserved), so a longer such prompt is refused, not run out of
+        memory."""
+        rows = self.worker_info[0].get("prefill_rows_max")
+        if params.prompt_logprobs is None or rows is None:
+            return
+        info = self.worker_info[0]
+        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]
+        share = prompt_tokens if workers == 1 else -(-prompt_tokens // workers) + 1
+        if share > rows:
+            raise InvalidRequestError(
+                f"prompt_logprobs needs the prompt prefilled in one call, and with --max-num-batched-tokens "
+                f"{self.engine.max_num_batched_tokens} each worker holds activations for at most {rows} tokens at "
+                f"once; this prompt of {prompt_tokens} tokens would put {share} on one worker. Send it without "
+                f"prompt_logprobs (it is then prefilled in chunks), or serve with a larger --max-num-batched-tokens",
+                "prompt_logprobs")
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                return_logits: bool = False, sink: Callable[[object], None] | None = None) -> str:
         """Queues one encoded prompt. Its StepOutputs (or an EngineDeadError) are passed to `sink`
         from the engine's router thread; without a sink they are read with `results(request_id)`."""
         self._check_alive()
         self.check_fits(len(prompt_token_ids), params.max_tokens)
+        self.check_one_call(len(prompt_token_ids), params)
         structured = self.structured_request(params)          # raises before any work on a bad response_format
         request_id = request_id or f"req-{next(self._ids)}"
         if sink is None:

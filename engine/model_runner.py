@@ -13,13 +13,14 @@ import torch.distributed as dist
 
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu
+from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu,
+                                 prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather, all_gather_rows
 from engine.decode_graphs import DecodeGraphs
 from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
-from engine.extend_graphs import ExtendGraphs
+from engine.extend_graphs import MAX_TOKENS as EXTEND_GRAPH_MAX_TOKENS, ExtendGraphs
 from engine.devices import host_to_device, synchronize
 from engine.errors import ModelLoadError
 from engine.model import LlamaModel, hf_weight_shapes
@@ -600,7 +601,7 @@ class ModelRunner:
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
                 "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
-                "zero_sliced_max_tokens": self.sliced_max_tokens}
+                "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)
@@ -610,6 +611,7 @@ class ModelRunner:
         """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
         smallest over the workers, so that every worker's pool is the same size."""
         kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize)
+        self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
         if self.engine.kv_cache_tokens:
             tokens = self.engine.kv_cache_tokens
         elif self.device.type != "cuda":
@@ -620,11 +622,15 @@ class ModelRunner:
             if self.whole_layers is not None:                 # burst-zero: the layers and the embedding gathered whole
                 budget -= self.whole_layers.reserve_bytes() + self.model.vocab.bytes_of_whole_table(self.model.embed)
             share = self.strategy.kv_share(self.max_model_len)
+            self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
+                                                          self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
+                                                          gathers_context=not fa4_available(self.device))
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
-                                        share)
+                                        self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "
-                     "gpu_memory_utilization %.2f", self.rank, (total - free) / 2**30, total / 2**30, tokens,
-                     tokens * kv_per_token / 2**30, self.engine.gpu_memory_utilization)
+                     "gpu_memory_utilization %.2f, activations reserved for %d tokens in one call", self.rank,
+                     (total - free) / 2**30, total / 2**30, tokens, tokens * kv_per_token / 2**30,
+                     self.engine.gpu_memory_utilization, self.prefill_rows_max)
         if tokens < self.block_size:
             raise ModelLoadError(f"worker {self.rank} ({self.device}) has no memory left for the KV cache "
                                  f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "

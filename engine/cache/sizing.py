@@ -9,7 +9,10 @@ context, other processes) and a reserve for the activations of the longest prefi
 run: a prefill of T tokens on one worker needs about T x `activation_bytes_per_token` besides its
 K/V (measured: burst on 4 H200 at 256K, llama3-8b, 33.4 GiB peak = 16 weights + 8 KV + 9.4 for
 64K tokens, ~150 KB a token; the estimate below gives 160 KB). The longest prefill is the prompt a
-worker's pool could hold, or max_model_len's share when that is shorter.
+worker's pool could hold, or max_model_len's share when that is shorter; with chunked prefill
+(--max-num-batched-tokens) on flash-attn-4, one chunk's tokens (prefill_rows_reserved): the KV pool
+then takes nearly all the memory, and a prompt several times longer fits (llama3-8b on one H200:
+about 880K tokens of KV instead of 400K, by tests/engine/test_sizing.py's arithmetic).
 """
 from engine.config import ModelConfig
 
@@ -36,6 +39,20 @@ def pool_tokens_on_gpu(budget_bytes: int, kv_per_token: int, act_per_token: int,
     if joint >= prefill_tokens_max:
         return (budget_bytes - act_per_token * prefill_tokens_max) // kv_per_token
     return max(joint, 0)
+
+
+def prefill_rows_reserved(share: int, chunk_tokens: int | None, max_num_seqs: int, min_rows: int,
+                          gathers_context: bool) -> int:
+    """The most tokens a worker runs through the layers in one call, which the activation reserve is for.
+    Without chunked prefill: its share of the longest sequence (a prompt is prefilled in one call). With
+    --max-num-batched-tokens C every earlier token of a long prompt is already in the paged KV cache, read
+    in place by flash-attn-4, so a call holds at most C new tokens (a chunk, a short prompt, a chunk with the
+    running sequences' decode rows), all of them on one worker in the worst case: C + max_num_seqs, and at
+    least `min_rows` (the largest small-extend CUDA graph). Where attention gathers the cached K/V into
+    dense tensors instead (no flash-attn-4), that gather grows with the context: the whole share stays."""
+    if chunk_tokens is None or gathers_context:
+        return share
+    return min(share, max(chunk_tokens, min_rows) + max_num_seqs)
 
 
 def pool_tokens_on_cpu(kv_per_token: int) -> int:

@@ -174,6 +174,45 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
             assert diff <= 0.1 * max(ref.abs().max().item(), 1.0), len(p)
 
 
+def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_checkpoint):
+    """Pool sizing with chunked prefill on flash-attn-4 (engine/cache/sizing.py): at the same
+    --gpu-memory-utilization (set here so that ~1 GB is left after the worker's weights and context) and a
+    long max_model_len, the one-call engine reserves a whole prompt's activations and the chunked one a
+    chunk's, so its pool is several times larger; a prompt past the first pool's capacity is refused there
+    and served in chunks by the second with transformers' logits and greedy tokens (bf16 noise); with
+    prompt_logprobs the same prompt is refused, by name."""
+    from engine import LLM, InvalidRequestError, SamplingParams
+    from kernels.paged_attention import fa4_available
+    if not fa4_available(torch.device("cuda:0")):
+        pytest.skip("needs flash-attn-4 (without it attention gathers the cache and the whole share stays reserved)")
+    path, model = hf_bf16_checkpoint
+    free, total = torch.cuda.mem_get_info(0)
+    utilization = (total - free + 1.5 * 2**30) / total
+    options = dict(devices="cuda:0", dtype="bfloat16", max_model_len=262144, gpu_memory_utilization=utilization)
+    with LLM(path, **options) as llm:
+        one_call = llm.kv_capacity_tokens
+        prompt = [random.randrange(2000) for _ in range(one_call + 2048)]
+        with pytest.raises(InvalidRequestError, match="more than the engine's capacity"):
+            llm.generate(prompt, SamplingParams(max_tokens=8))
+    with LLM(path, max_num_batched_tokens=2048, **options) as llm:
+        chunked = llm.kv_capacity_tokens
+        print(f"KV pool at gpu_memory_utilization {utilization:.4f}: {one_call} tokens in one call, {chunked} "
+              f"with chunks of 2048 (activations for {llm.worker_info[0]['prefill_rows_max']} tokens)")
+        assert chunked > 4 * one_call
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        logits = llm.next_token_logits(prompt)
+        with pytest.raises(InvalidRequestError, match="prompt_logprobs needs the prompt prefilled in one call"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 8, with_scales=True)
+    diff = (logits - ref_logits).abs().max().item()
+    print(f"chunked prompt of {len(prompt)} tokens: max |logit diff| {diff:.4f}")
+    assert diff <= 0.1 * max(ref_logits.abs().max().item(), 1.0)
+    for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+        if a != b:
+            assert margins[i] < tie_tolerance(scales[i]), (i, margins[i], scales[i])
+            break
+
+
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
 def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_checkpoint, devices):
     """engine/extend_graphs.py: a 3000-token prompt in chunks of 256 and 384 (each chunk after the first

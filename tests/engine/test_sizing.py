@@ -1,0 +1,61 @@
+"""How a GPU worker's KV pool is sized (engine/cache/sizing.py), in numbers: without chunked prefill the
+activations of a whole prompt's share are reserved; with --max-num-batched-tokens on flash-attn-4 only a
+chunk's; and a prompt_logprobs request (prefilled in one call) longer than that reserve is refused by
+name, while the same prompt without prompt_logprobs is served in chunks."""
+import random
+
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_gpu,
+                                 prefill_rows_reserved)
+from engine.config import preset_config
+
+GiB = 1 << 30
+
+
+def test_rows_reserved_are_a_chunk_only_where_attention_reads_the_cache_in_place():
+    share = 1 << 20
+    assert prefill_rows_reserved(share, None, 64, 2048, gathers_context=False) == share       # one call
+    assert prefill_rows_reserved(share, 8192, 64, 2048, gathers_context=True) == share        # dense gathers
+    assert prefill_rows_reserved(share, 8192, 64, 2048, gathers_context=False) == 8192 + 64
+    assert prefill_rows_reserved(share, 512, 16, 2048, gathers_context=False) == 2048 + 16    # the extend graphs
+    assert prefill_rows_reserved(3000, 8192, 64, 2048, gathers_context=False) == 3000         # never above the share
+
+
+def test_llama3_8b_on_one_h200_holds_twice_the_tokens_with_chunked_prefill():
+    """The llama3-8b preset on one H200 (139.8 GiB) at --gpu-memory-utilization 0.9, 17 GiB of weights and
+    CUDA context in use: a prompt's one-call prefill reserves ~160 KB of activations for each of its
+    tokens, so KV and activations share the memory: ~400K tokens. With chunks of 8192 the pool takes
+    all but one chunk's activations: ~880K tokens."""
+    cfg = preset_config("llama3-8b")
+    kv, act = kv_bytes_per_token(cfg, cfg.num_kv_heads, 2), activation_bytes_per_token(cfg, 2)
+    assert kv == 131072 and 150_000 < act < 170_000
+    budget = int(0.9 * 139.8 * GiB) - 17 * GiB
+    one_call = pool_tokens_on_gpu(budget, kv, act, prefill_rows_reserved(1 << 20, None, 64, 2048, False))
+    chunked = pool_tokens_on_gpu(budget, kv, act, prefill_rows_reserved(1 << 20, 8192, 64, 2048, False))
+    assert one_call == budget // (kv + act)
+    assert chunked == (budget - act * (8192 + 64)) // kv
+    assert 390_000 < one_call < 415_000 and 860_000 < chunked < 900_000, (one_call, chunked)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prompt_logprobs_longer_than_the_reserve_is_refused_and_served_without_them(workers):
+    """CPU workers reserve nothing (prefill_rows_max None); set as a GPU worker with chunked prefill
+    reports it, the engine refuses a prompt_logprobs prompt whose share on a worker exceeds it, before any
+    work, and serves a shorter one with its prompt logprobs, and the long one without them."""
+    with LLM("tiny", devices="cpu", context_parallel_size=workers, max_num_batched_tokens=64) as llm:
+        assert llm.worker_info[0]["prefill_rows_max"] is None
+        long_prompt = [random.randrange(250) for _ in range(300)]
+        params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+        assert len(llm.generate(long_prompt, params)[0].prompt_logprobs) == 300     # no reserve: served
+        llm.worker_info[0]["prefill_rows_max"] = 100
+        share = 300 if workers == 1 else 151
+        with pytest.raises(InvalidRequestError, match=f"prompt_logprobs needs the prompt prefilled in one call.*"
+                                                      f"at most 100 tokens.*300 tokens would put {share} on one"):
+            llm.generate(long_prompt, params)
+        short = long_prompt[:99 * workers - 2 * (workers - 1)]
+        out = llm.generate(short, params)[0]
+        assert len(out.prompt_logprobs) == len(short) and len(out.outputs[0].token_ids) == 4
+        plain = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4))[0]
+        assert len(plain.outputs[0].token_ids) == 4 and plain.prompt_logprobs is None

@@ -8,6 +8,7 @@
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
+# CHUNK: the chunked server's --max-num-batched-tokens (default 8192).
 # SERVE_EXTRA: more server arguments (say "--log-level debug": each chunk's size and time in stderr.log).
 # PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
 # against --offline at 8K and 128K, same engine, same run, and the server's TTFT parts per request from its
@@ -42,8 +43,8 @@ fi
 if [[ " $PARTS " == *" interference "* ]]; then
   common="--streams 8 --stream-len 1024 --long-len $LONG --short-len 1024 --short-delay 0.5 --warmup 1 --repeats 1"
   for target in ${ITL_TARGETS:-50}; do
-    run "interference-chunked-itl$target" 260 interference --serve "$serve --max-num-batched-tokens 8192 --itl-target-ms $target" \
-        $common --label "chunked 8192, itl target $target ms"
+    run "interference-chunked-itl$target" 260 interference --serve "$serve --max-num-batched-tokens ${CHUNK:-8192} --itl-target-ms $target" \
+        $common --label "chunked ${CHUNK:-8192}, itl target $target ms"
   done
   [ "${UNCHUNKED:-1}" = 0 ] || \
   run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"

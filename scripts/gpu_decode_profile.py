@@ -1,6 +1,6 @@
 """Where a decode step's time goes on one GPU (llama3-8b preset, bf16, one 8K-token sequence):
 the whole step as the scheduler calls it (ModelRunner.decode), the CUDA graph's replay alone, and
-the replay's kernels by GPU time (torch.profiler). Usage: [MODEL=preset] [LAYERS=N] python scripts/gpu_decode_profile.py [context]
+the replay's kernels by GPU time (torch.profiler). Usage: [MODEL=preset] [LAYERS=N] [CHUNK=N] python scripts/gpu_decode_profile.py [context]
 (LAYERS=N keeps the preset's first N layers: a proxy of a model larger than one GPU.)"""
 import dataclasses
 import os
@@ -14,14 +14,21 @@ from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-engine = EngineConfig(model=os.environ.get("MODEL", "llama3-8b"), devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
+CHUNK = int(os.environ.get("CHUNK", "0"))       # > 0: prefill in chunks of CHUNK (the pool sized for them): 512K fits
+engine = EngineConfig(model=os.environ.get("MODEL", "llama3-8b"), devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16,
+                      max_num_batched_tokens=CHUNK or None)
 cfg, max_model_len = resolve_model(engine)
 if int(os.environ.get("LAYERS", "0")):
     cfg = dataclasses.replace(cfg, num_layers=int(os.environ["LAYERS"]))
     max_model_len = min(max_model_len, ctx + 1024)
 runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
 prompt = torch.randint(0, 250, (ctx,))
-runner.prefill(0, prompt)
+if CHUNK:
+    runner.prefill(0, prompt[:CHUNK])
+    for start in range(CHUNK, ctx, CHUNK):
+        runner.extend(0, prompt[start:start + CHUNK], start)
+else:
+    runner.prefill(0, prompt)
 tok, pos = 5, ctx
 
 

@@ -3,6 +3,7 @@
 import argparse
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -169,6 +170,11 @@ def serve(args) -> None:
                   "--node-rank R ...` (R = 1 .. --nnodes - 1)")
         sys.exit(2)
     try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        sys.exit(2)
+    try:
         llm = LLM(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
                   dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, sp_strategy=args.sp_strategy, overlap=not args.no_overlap,
@@ -199,9 +205,24 @@ def serve(args) -> None:
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     freeze_heap()     # the collector never walks torch's and the app's objects again (engine/worker.py)
     try:
-        DrainingServer(config, app.state.ctx.engine).run()
+        DrainingServer(config, app.state.ctx.engine).run(sockets=[sock])
     finally:
         llm.shutdown()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before the engine starts (as vLLM does): a port in use is refused at once,
+    not after the model loads, and no process the engine starts (its workers' rendezvous and
+    connections take ports from the same ephemeral range) can take it meanwhile. uvicorn listens on it."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 SHUTDOWN_GRACE_SECONDS = 5   # after SIGTERM, connections still open after this are closed

@@ -369,3 +369,24 @@ def test_non_streaming_disconnect_cancels_the_request(small_server):
     generated = after['burstserve:generation_tokens_total{}'] - before.get('burstserve:generation_tokens_total{}', 0)
     assert generated < 4000, "the request ran to its end instead of being cancelled"
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    """serve binds its HTTP port first (as vLLM does): a port another process listens on ends serve with
+    exit 2 and the address named, before any worker starts; the engine's own processes can never take it."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.time()
+        done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--devices", "cpu",
+                               "-cp", "2", "--port", str(port), "--log-level", "info"],
+                              capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in out and "in use" in out, out[-2000:]
+    assert "KV pool" not in out and "worker 0" not in out, out[-2000:]       # refused before the engine started
+    print(f"refused in {time.time() - start:.1f} s")

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.cluster import ClusterConfig, Head
-from engine.config import EngineConfig, ModelConfig, resolve_model
+from engine.config import EngineConfig, ModelConfig, context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
@@ -124,6 +124,12 @@ class LLM:
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker
+            made_for = context_limit(self.model_config)
+            if self.max_model_len > made_for:
+                log.warning("max_model_len %d is longer than the %d tokens %s is made for (its config's "
+                            "max_position_embeddings, or for YaRN its pretraining length x factor): positions "
+                            "past that are outside its training, and its outputs there may be wrong",
+                            self.max_model_len, made_for, model)
         self.tokenizer = load_tokenizer(model, self.engine.is_preset)
         self._local_workers = len(device_list)
         self._head = Head(self.cluster) if nnodes > 1 else None

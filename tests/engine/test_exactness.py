@@ -91,3 +91,14 @@ def test_yarn_checkpoint_matches_transformers(tmp_path, workers):
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
             assert diff <= 1e-4, f"{len(prompt)} tokens on {workers} workers: logits differ by {diff}"
             assert out.outputs[0].token_ids == ref_tokens, f"{len(prompt)} tokens on {workers} workers"
+
+
+def test_a_max_model_len_past_what_the_checkpoint_is_made_for_is_warned(tmp_path, caplog):
+    """YaRN x4 over 512 tokens allows 2048; asking for 4096 starts (as vLLM's override would) with a warning
+    naming both numbers."""
+    save_checkpoint("qwen2-yarn", str(tmp_path), seed=random.randrange(1 << 30))
+    with caplog.at_level("WARNING", logger="engine.llm"):
+        with LLM(str(tmp_path), devices="cpu", dtype="float32", max_model_len=4096) as llm:
+            assert llm.max_model_len == 4096
+    assert any("max_model_len 4096 is longer than the 2048 tokens" in r.getMessage() for r in caplog.records), \
+        caplog.text

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from engine.decode_attention import all_gather
-from kernels.paged_attention import (MAX_RUNS, device_prefix_runs, fa4_available, merge_partials, num_sms,
-                                     paged_attention)
+from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available, merge_partials,
+                                     num_sms, paged_attention, runs_filling_waves)
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,10 @@ def mixed_buckets(max_num_seqs: int) -> list[int]:
 
 
 def runs_for(rows: int, q_per_kv: int, num_kv_heads: int, sms: int) -> int:
-    """Runs of the cached keys for a chunk of `rows` queries: enough CTAs to fill the SMs (the kernel runs
-    one per 128 packed query rows per kv head; see kernels.paged_attention.prefix_run_count, which also
-    caps runs by the cached length: here the runs are fixed per graph, and a run without keys costs
-    nothing but its CTAs)."""
-    ctas = -(-rows * q_per_kv // 128) * num_kv_heads
-    return max(1, min(sms // max(ctas, 1), MAX_RUNS))
+    """Runs of the cached keys for a chunk of `rows` queries: the CTAs fill the SMs' waves best
+    (kernels.paged_attention.runs_filling_waves; prefix_run_count also caps runs by the cached length:
+    here the runs are fixed per graph, and a run without keys costs nothing but its CTAs)."""
+    return runs_filling_waves(attention_ctas(rows, q_per_kv, num_kv_heads), sms, MAX_RUNS)
 
 
 class GraphedChunkAttention:

@@ -247,6 +247,8 @@ def _fa4_split(q, k_cache, v_cache, table, visible, scale, c):
 
 MIN_RUN_KEYS = 32768     # a run of the cached prefix covers at least this many keys (below: host time > gain)
 MAX_RUNS = 8
+WAVE_SLACK = 0.05        # runs_filling_waves: a run more only for 5 points more of the SMs' waves busy
+ONE_WAVE_ENV = "BURSTSERVE_RUNS_ONE_WAVE"
 
 
 @dataclass
@@ -265,8 +267,31 @@ def prefix_run_count(rows: int, q_per_kv: int, num_kv_heads: int, cached: int, n
     CTA per 128 packed query rows per kv head: 256 new tokens of llama3-8b make 64 CTAs on 132 SMs, and
     ran their attention to 128K cached keys at 341-359 TFLOP/s against 678 for 512; split 2 ways the
     same call ran 0.87-0.93 ms against 1.53-1.61, one H200, 2026-11-23), each at least MIN_RUN_KEYS."""
-    ctas = -(-rows * q_per_kv // 128) * num_kv_heads
-    return max(1, min(num_sms // max(ctas, 1), cached // MIN_RUN_KEYS, MAX_RUNS))
+    limit = max(1, min(cached // MIN_RUN_KEYS, MAX_RUNS))
+    return runs_filling_waves(attention_ctas(rows, q_per_kv, num_kv_heads), num_sms, limit)
+
+
+def attention_ctas(rows: int, q_per_kv: int, num_kv_heads: int) -> int:
+    """CTAs of flash-attn-4's forward for `rows` queries of one sequence: one per 128 packed query rows
+    (the q_per_kv query heads of a KV head packed) per KV head."""
+    return -(-rows * q_per_kv // 128) * num_kv_heads
+
+
+def runs_filling_waves(ctas: int, num_sms: int, limit: int) -> int:
+    """The runs r (1..limit) whose ctas x r CTAs keep the SMs busiest over whole waves: a grid that is not
+    a multiple of the SMs leaves its last wave partly idle (llama3-8b on 132 SMs: 384 new tokens make 96
+    CTAs, 73% of one wave, 4 runs 384 CTAs, 97% of 3; 640 tokens 160 CTAs, 61% of 2 waves, 4 runs 97%).
+    The fewest runs within WAVE_SLACK of the best: each run adds a partial to merge. ONE_WAVE_ENV=1: the
+    rule before (runs only while one wave is not full), for the benchmarks' A/B."""
+    if os.environ.get(ONE_WAVE_ENV) == "1":
+        return max(1, min(num_sms // max(ctas, 1), limit))
+
+    def busy(r: int) -> float:
+        grid = ctas * r
+        return grid / (-(-grid // num_sms) * num_sms)
+    candidates = range(1, max(limit, 1) + 1)
+    best = max(busy(r) for r in candidates)
+    return next(r for r in candidates if busy(r) >= best - WAVE_SLACK)
 
 
 def prefix_runs(pages: list[int], cached: int, block_size: int, rows: int, runs: int,

@@ -154,6 +154,23 @@ def test_prefix_run_count_from_shapes():
     assert pa.prefix_run_count(128, 4, 8, 131072, 132) == 4
     assert pa.prefix_run_count(256, 4, 8, 40000, 132) == 1        # runs of at least MIN_RUN_KEYS
     assert pa.prefix_run_count(1, 4, 8, 1 << 20, 132) == pa.MAX_RUNS
+    assert pa.prefix_run_count(384, 4, 8, 131072, 132) == 4       # 96 CTAs: 73% of a wave; 4 runs: 97% of 3
+    assert pa.prefix_run_count(384, 4, 8, 100000, 132) == 1       # 3 runs at most: no count does better
+
+
+def test_runs_fill_whole_waves_with_the_fewest_runs():
+    """Every CTA count on 132 and 78 SMs: the choice keeps the SMs within WAVE_SLACK of the busiest
+    choice, and no fewer runs would."""
+    def busy(ctas, r, sms):
+        return ctas * r / (-(-ctas * r // sms) * sms)
+    for sms in (132, 78):
+        for ctas in range(1, 600):
+            r = pa.runs_filling_waves(ctas, sms, pa.MAX_RUNS)
+            best = max(busy(ctas, k, sms) for k in range(1, pa.MAX_RUNS + 1))
+            assert busy(ctas, r, sms) >= best - pa.WAVE_SLACK, (sms, ctas, r)
+            assert all(busy(ctas, k, sms) < best - pa.WAVE_SLACK for k in range(1, r)), (sms, ctas, r)
+    assert pa.runs_filling_waves(160, 132, 8) == 4 and pa.runs_filling_waves(1024, 132, 8) == 1
+    assert pa.runs_filling_waves(96, 132, 1) == 1
 
 
 def test_num_chunks_from_shapes():

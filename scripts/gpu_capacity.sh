@@ -6,11 +6,7 @@
 # length past the one-call pool shows as its 400 row), $REPEATS timed after $WARMUP. Second of the two
 # back-to-back device calls (see gpu_prefix.sh); GPU tests first unless SKIP_TESTS=1.
 set -uo pipefail
-bash .fa4b/install.sh || exit 3
-source "$(dirname "$0")/gpu_env.sh"
-export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-trap pack EXIT
-{ date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
+source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4, gpu_env.sh, pack on exit, env.txt
 [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
     tests/gpu/test_gpu.py -k "pool_holds or one_gpu_matches" 2>&1 | grep -v -i warn | tail -20 | tee "$out/tests.log"
 CHUNKS=${CHUNKS:-16384}

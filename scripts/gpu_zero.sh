@@ -13,11 +13,7 @@
 #          memory per GPU), and transformers on one GPU (its 141 GB of weights: OOM).
 # Results: $OUT/results.tgz, one directory per configuration, merged tables in merged-8b/ and merged-70b/.
 set -uo pipefail
-bash .fa4b/install.sh || exit 3
-source "$(dirname "$0")/gpu_env.sh"
-export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-trap pack EXIT
-{ date -u; nvidia-smi -L; git log -1 --format=%h 2>/dev/null; } 2>&1 | tee "$out/env.txt"
+source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4, gpu_env.sh, pack on exit, env.txt
 PARTS=${PARTS:-tests 8b short 70b}
 
 sweep() { local name=$1 limit=$2; shift 2; offline_sweep "$name" "$limit" cuda "${CP:-2}" "$@"; }   # gpu_env.sh

@@ -26,10 +26,6 @@ import torch
 from engine.config import ModelConfig
 
 MIN_CHUNK = 256          # smaller chunks read the weights for too little work (and launch as many kernels)
-FINE_ALIGN, FINE_BELOW = 64, 512   # chunks under 512 tokens are multiples of 64 (the extend graphs' sizes there),
-                                   # larger ones of the page: late in a 128K prompt a 256-token chunk used 37 of a
-                                   # 50 ms target and 384 did not fit (one H200); 320 and 448 run their attention on
-                                   # whole waves of SMs (kernels.paged_attention.runs_filling_waves)
 HISTORY = 48             # calls the model is fitted to (the latest: the GPU's clocks and kernels drift)
 OUTLIER = 2.5            # a call this many times slower than the fit predicts is left out of it (a kernel
                          # built on first use took 3.0 s where 0.27 s was usual, and the next chunks were
@@ -47,8 +43,7 @@ def attention_flop_ratio(cfg: ModelConfig) -> float:
 class ChunkSizer:
     def __init__(self, max_tokens: int, itl_target_s: float | None, flop_ratio: float, align: int = 1):
         """max_tokens: the largest chunk (--max-num-batched-tokens); itl_target_s: None sizes every chunk
-        max_tokens; align: chunk sizes are multiples of it when they can be (the KV page size; of
-        min(FINE_ALIGN, align) under FINE_BELOW tokens)."""
+        max_tokens; align: chunk sizes are multiples of it when they can be (the KV page size)."""
         self.max_tokens, self.itl_target_s, self.flop_ratio = max_tokens, itl_target_s, flop_ratio
         self.align = align
         self.min_tokens = min(max_tokens, MIN_CHUNK)
@@ -67,9 +62,8 @@ class ChunkSizer:
         if not busy or self.itl_target_s is None or not self.calls:
             return min(self.max_tokens, remaining)
         n = self.tokens_within(self.itl_target_s - step_seconds, context)
-        step = min(FINE_ALIGN, self.align) if n < FINE_BELOW else self.align
-        if n >= step:
-            n -= n % step
+        if n >= self.align:
+            n -= n % self.align
         return min(max(n, self.min_tokens), self.max_tokens, remaining)
 
     def predict(self, new_tokens: int, context: int) -> float:

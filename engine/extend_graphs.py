@@ -7,8 +7,7 @@ machine's CPU (one H200, 2026-11-24, scripts/gpu_mixed_profile.py). On two worke
 a collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
 call.
 
-Graphs: one for each chunk size in SIZES (multiples of 64 below 512 rows, the chunk sizer's steps there, then of
-128 up to MAX_TOKENS rows a worker; with --mixed-batch the
+Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS rows a worker; with --mixed-batch the
 sizes up to MIXED_MAX_TOKENS also with a decode step); a chunk of n tokens runs in
 the smallest of at least n rows, rows n.. being padding (token 0, the positions after the chunk, the scratch
 slot): they come after the real rows, so the chunk's causal attention keeps them out of the real rows, and
@@ -44,14 +43,13 @@ import torch
 
 import torch.distributed as dist
 
-from engine.chunk_sizer import FINE_ALIGN, FINE_BELOW
 from engine.decode_attention import all_gather
 from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available, merge_partials,
                                      num_sms, paged_attention, runs_filling_waves)
 
 log = logging.getLogger(__name__)
 
-STEP = 128                  # chunk sizes from 512 are multiples of the page size (engine/chunk_sizer.py aligns them)
+STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
 MAX_TOKENS = 2048           # rows a worker; larger chunks keep the GPU busy eagerly (a 1024-token late chunk:
                             # 140 ms of GPU work). Up to 2048, not 1024: on 2 workers chunks of 2049-4095 tokens
                             # (below --extend-ring-min-tokens) then split their GEMMs instead of running them
@@ -59,7 +57,7 @@ MAX_TOKENS = 2048           # rows a worker; larger chunks keep the GPU busy eag
 MIXED_MAX_TOKENS = 1024     # rows a worker of the sizes also captured with a decode step (--mixed-batch): larger
                             # chunks run, then a decode step (one H200: a 1024-token chunk and 8 streams' step in
                             # one graph was no faster than the two graphs apart, docs/benchmarks.md)
-SIZES = tuple(range(FINE_ALIGN, FINE_BELOW, FINE_ALIGN)) + tuple(range(FINE_BELOW, MAX_TOKENS + 1, STEP))
+SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
 META = 5                    # page-table row, cached keys here, keeps the new K/V (1/0), the worker and its row
                             # whose logits return
 ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward

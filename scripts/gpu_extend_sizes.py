@@ -24,7 +24,7 @@ for start in range(chunk, ctx, chunk):
     runner.extend(0, prompt[start:min(start + chunk, ctx)], start)
 print(f"{'one-wave' if os.environ.get('BURSTSERVE_RUNS_ONE_WAVE') == '1' else 'whole-wave'} runs, {ctx} cached, {torch.cuda.get_device_name(0)}\n")
 print("| new tokens | runs | extend ms (mean of 5) | graphed | attention TFLOP/s (whole call) |\n|---|---|---|---|---|")
-for m in (256, 320, 384, 448, 512, 640, 768, 896, 1024):
+for m in range(256, 1025, 128):
     times, graphed = [], None
     for i in range(6):
         torch.cuda.synchronize()

@@ -9,7 +9,7 @@
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_decode.sh      (within ~30 s of the first)
 # SYNC_AB=1: the sweep's engine configurations (and the load's default server) also with --no-async-scheduling
 # (A/B); SKIP_PEER=1: no transformers. NO_CHUNKED_LOAD=1: the load without its chunked server.
-# PARTS (default "tests kernels sweep"): "load" adds issue 11's HTTP load, `burstserve bench load` with 48
+# PARTS (default "tests kernels sweep"): "half" the sweep's configurations at half the context (below); "load" adds issue 11's HTTP load, `burstserve bench load` with 48
 # prompts of 8K tokens, 128 output tokens, concurrency 16, on a default server and on one with chunked
 # prefill (--max-num-batched-tokens LOAD_CHUNK, default 2048: an 8K prompt in chunks, the ITL target's
 # default 50 ms, the mixed batch where graphed).
@@ -52,6 +52,14 @@ engine_sweep() {
   bench "engine-16x8K$s" 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams$s" "$@"
   bench "engine-64x2K$s" 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams$s" "$@"
 }
+# "half": the four configurations at half their context on one GPU: what each of 2 workers reads per step
+# (all the weights, half the KV) without the per-layer merge of the 2-GPU step; a proxy, not the 2-GPU figure
+if has half; then
+  bench "half-1x4K" 50 --lengths 4096 --label "1 GPU, 1 stream, 4K (half of 8K)"
+  bench "half-1x64K" 60 --lengths 65536 --label "1 GPU, 1 stream, 64K (half of 128K)"
+  bench "half-16x4K" 50 --lengths 4096 --batch 16 --label "1 GPU, 16 streams, 4K (half of 8K)"
+  bench "half-64x1K" 50 --lengths 1024 --batch 64 --label "1 GPU, 64 streams, 1K (half of 2K)"
+fi
 if has sweep; then
 engine_sweep ""
 # SYNC_AB=1: the same with every decode step read back before the next is launched (--no-async-scheduling)

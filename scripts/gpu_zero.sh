@@ -3,7 +3,8 @@
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_zero.sh      (within ~30 s of the first)
-# PARTS (default "tests 8b short 70b"):
+# PARTS (default "tests 8b short 70b"; all four can outlast one device call's 600 s: run PARTS="tests 8b short"
+# and PARTS=70b as two calls, each within 30 s of the one before so the machine stays warm):
 #   tests  the 2-GPU GPU tests of burst-zero against transformers (bf16);
 #   8b     llama3-8b, `bench sweep --offline` at 8K/32K/128K with 64 output tokens: burst-zero (weights
 #          sliced) against burst (weights whole), same run: TTFT and time per output token;

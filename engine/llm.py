@@ -195,12 +195,17 @@ class LLM:
         tokens go to the worker holding fewest) must fit in that worker's pages."""
         needed = min(prompt_tokens + max_tokens, self.max_model_len)
         info = self.worker_info[0]
-        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]    # 1 under tp (every worker holds all)
-        share = needed if workers == 1 else -(-needed // workers) + 1
-        if -(-share // info["block_size"]) > info["kv_pages_per_worker"]:
+        if -(-self._worker_share(needed) // info["block_size"]) > info["kv_pages_per_worker"]:
             raise InvalidRequestError(f"the request needs {needed} tokens of KV cache (a prompt of {prompt_tokens} "
                                       f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
                                       f"{self.kv_capacity_tokens} tokens", "max_tokens")
+
+    def _worker_share(self, tokens: int) -> int:
+        """The most of a sequence's `tokens` one worker holds: a zigzag shard is at most one token over an
+        even split (decoded tokens go to the worker holding fewest); under tp every worker holds all."""
+        info = self.worker_info[0]
+        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]
+        return tokens if workers == 1 else -(-tokens // workers) + 1
 
     def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
         """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked
@@ -210,9 +215,7 @@ class LLM:
         rows = self.worker_info[0].get("prefill_rows_max")
         if params.prompt_logprobs is None or rows is None:
             return
-        info = self.worker_info[0]
-        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]
-        share = prompt_tokens if workers == 1 else -(-prompt_tokens // workers) + 1
+        share = self._worker_share(prompt_tokens)
         if share > rows:
             raise InvalidRequestError(
                 f"prompt_logprobs needs the prompt prefilled in one call, and with --max-num-batched-tokens "

@@ -2,6 +2,9 @@
 import asyncio
 import json
 import random
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -374,9 +377,6 @@ def test_non_streaming_disconnect_cancels_the_request(small_server):
 def test_a_port_in_use_is_refused_before_the_model_loads():
     """serve binds its HTTP port first (as vLLM does): a port another process listens on ends serve with
     exit 2 and the address named, before any worker starts; the engine's own processes can never take it."""
-    import socket
-    import subprocess
-    import sys
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -9,7 +9,7 @@
 # Results: $out/results.tgz holding MODEL/CONFIG/results.json; scripts/bench_docs.sh merges them into the docs.
 # KIND=cpu runs the same commands on CPU workers (a dry run: MODELS=tiny LENGTHS=64,256).
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4 where carried, gpu_env.sh, pack on exit
 KIND=${KIND:-cuda}
 MODELS=${MODELS:-llama3-8b llama2-7b}
 LENGTHS=${LENGTHS:-4096,8192,16384,32768,65536,131072,262144}
@@ -73,4 +73,3 @@ case "${1:-}" in
   strategies) shift; for model in "$@"; do strategies "$model"; done ;;
   *) echo "usage: $0 small-counts | strategies MODEL..." >&2; exit 2 ;;
 esac
-pack

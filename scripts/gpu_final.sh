@@ -3,7 +3,7 @@
 # on all GPUs answering streaming 32K-token prompts, then the overlap experiment. The prefill tables
 # are scripts/gpu_bench.sh's. Needs the wheels in .whl/ (fastapi...).
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4 where carried, gpu_env.sh, pack on exit
 echo "GPUs: $(nvidia-smi -L | wc -l)"
 [ -n "${SKIP_GPU_TESTS:-}" ] || timeout 360 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
 python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &

@@ -2,7 +2,7 @@
 # Every prefill strategy on 2 GPUs: bf16 exactness vs transformers, then a short offline sweep of the
 # llama3-8b preset, or MODEL=llama2-7b for the paper's table (one table, OOM shown as OOM).
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4 where carried, gpu_env.sh, pack on exit
 timeout 170 python3 -m pytest -q -s -m gpu tests/gpu -k every_strategy 2>&1 | grep -E "logit diff|passed|failed|Error" \
     | tee "$out/strategies_tests.log"
 results=()
@@ -12,4 +12,3 @@ for s in ${STRATEGIES:-burst burst-nolao ring-rsa ulysses cqs tp tp-v3 burst-zer
       && results+=("$out/$s/results.json") || echo "$s: failed or timed out: $(tail -c 300 "$out/$s.err")"
 done
 python3 -m server.cli bench merge "${results[@]}" --output-dir "$out/merged"
-pack

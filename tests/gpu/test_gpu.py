@@ -457,6 +457,56 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
                     break
 
 
+@torch.no_grad()
+def _fp32_next_token_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers in fp32 on cuda:0 (the checkpoint's fp32 weights, one whole forward pass without a cache):
+    each prompt's next-token logits [V] on the CPU; the model is freed before returning."""
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    model = model.to("cuda:0").eval()
+    logits = [model(torch.tensor([p], device="cuda:0"), use_cache=False).logits[0, -1].float().cpu()
+              for p in prompts]
+    del model
+    torch.cuda.empty_cache()
+    return logits
+
+
+_BACKEND_STRATEGIES = ["burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "burst-zero"]
+
+
+@pytest.mark.parametrize("strategy,gpus", [("burst", 1)] + [(s, 2) for s in _BACKEND_STRATEGIES])
+def test_each_strategy_with_flash_attn_4_matches_cudnn_and_fp32(hf_bf16_checkpoint, strategy, gpus):
+    """Issue 18: a strategy's prefill on `gpus` GPUs with --attention-backend flash-attn and with cudnn (the
+    same bf16 weights; only the attention kernel differs) gives next-token logits that agree with each other
+    and with transformers in fp32, within bf16 noise. Prefix caching off: every call is a whole prefill
+    through the strategy (checked by name). One GPU: burst, the check of this test itself."""
+    from engine import LLM, SamplingParams
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    missing = [b for b in ("flash-attn", "cudnn") if b not in _gpu_backends()]
+    if missing:
+        pytest.skip(f"--attention-backend {' and '.join(missing)} cannot run here")
+    path, _ = hf_bf16_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (5, 1000, 4099)]   # 4099: uneven shards
+    refs = _fp32_next_token_logits(path, prompts)
+    devices = "cuda:" + ",".join(str(i) for i in range(gpus))
+    options = {"zero_sliced_max_tokens": 0} if strategy == "burst-zero" else {}   # every prompt gathered
+    logits = {}
+    for backend in ("flash-attn", "cudnn"):
+        with LLM(path, devices=devices, dtype="bfloat16", sp_strategy=strategy, attention_backend=backend,
+                 enable_prefix_caching=False, cuda_graphs=False, **options) as llm:
+            assert llm.kernel == {"flash-attn": "flash_attn_4"}.get(backend, backend)
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+            assert [o.metrics.prefill_stats["strategy"] for o in outs] == [strategy] * len(prompts)
+            logits[backend] = [llm.next_token_logits(p) for p in prompts]
+    for prompt, ref, fa4, cudnn in zip(prompts, refs, logits["flash-attn"], logits["cudnn"]):
+        bound = 0.1 * max(ref.abs().max().item(), 1.0)     # bf16 noise at this size, as the tests above
+        diffs = [(fa4 - ref).abs().max().item(), (cudnn - ref).abs().max().item(), (fa4 - cudnn).abs().max().item()]
+        print(f"{strategy} on {gpus} GPU(s), prompt {len(prompt)}: max |logit diff| flash-attn-4 vs fp32 "
+              f"{diffs[0]:.4f}, cuDNN vs fp32 {diffs[1]:.4f}, flash-attn-4 vs cuDNN {diffs[2]:.4f}")
+        assert max(diffs) <= bound, (strategy, len(prompt), diffs, bound)
+
+
 def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_checkpoint):
     """--quantization fp8 on one GPU. The engine's first-token logits equal the same checkpoint's
     LlamaModel with FP8 linears run whole on one device with the engine's attention kernel (the

@@ -6,6 +6,8 @@
 #                                                # both models, the GPUs split between concurrent runs
 #   bash scripts/gpu_bench.sh strategies MODEL.. # every strategy on all GPUs over LENGTHS, then burst
 #                                                # with --no-overlap at 32K and 128K
+#   bash scripts/gpu_bench.sh backends MODEL..   # burst on all GPUs with --attention-backend flash-attn,
+#                                                # then cudnn, over BACKEND_LENGTHS (issue 18's table)
 # Results: $out/results.tgz holding MODEL/CONFIG/results.json; scripts/bench_docs.sh merges them into the docs.
 # KIND=cpu runs the same commands on CPU workers (a dry run: MODELS=tiny LENGTHS=64,256).
 set -uo pipefail
@@ -15,6 +17,7 @@ MODELS=${MODELS:-llama3-8b llama2-7b}
 LENGTHS=${LENGTHS:-4096,8192,16384,32768,65536,131072,262144}
 SCALING_LENGTH=${SCALING_LENGTH:-65536}
 OVERLAP_LENGTHS=${OVERLAP_LENGTHS:-32768,131072}
+BACKEND_LENGTHS=${BACKEND_LENGTHS:-8192,32768,131072}
 REPEATS=${REPEATS:-2}
 LIMIT=${LIMIT:-170}          # seconds per configuration on 2+ GPUs
 LIMIT_ONE=${LIMIT_ONE:-330}  # seconds per configuration on one GPU (256K there takes ~45 s a request)
@@ -67,9 +70,18 @@ strategies() {
       --lengths "$OVERLAP_LENGTHS" --label "burst, no overlap, $gpus GPU"
 }
 
+backends() {
+  local model=$1
+  for b in flash-attn cudnn; do
+    sweep "burst-$b-$gpus" "$model" "$gpus" "" --sp-strategy burst --attention-backend "$b" \
+        --lengths "$BACKEND_LENGTHS" --label "burst, $b, $gpus GPU"
+  done
+}
+
 echo "$(date +%T) $KIND x $gpus; models: $MODELS; lengths: $LENGTHS"
 case "${1:-}" in
   small-counts) small_counts ;;
   strategies) shift; for model in "$@"; do strategies "$model"; done ;;
-  *) echo "usage: $0 small-counts | strategies MODEL..." >&2; exit 2 ;;
+  backends) shift; for model in "$@"; do backends "$model"; done ;;
+  *) echo "usage: $0 small-counts | strategies MODEL... | backends MODEL..." >&2; exit 2 ;;
 esac

@@ -11,7 +11,7 @@ source "$(dirname "$0")/gpu_fa4_env.sh"   # flash-attn-4, gpu_env.sh, pack on ex
     tests/gpu/test_gpu.py -k "pool_holds or one_gpu_matches" 2>&1 | grep -v -i warn | tail -20 | tee "$out/tests.log"
 CHUNKS=${CHUNKS:-16384}
 LENGTHS=${LENGTHS:-131072,524288}
-serve="--model llama3-8b --devices cuda -cp 1 --log-level info"
+serve="--model llama3-8b --devices cuda -cp ${CP:-1} --log-level info"   # CP=2 on nvidia-h200-x2
 run() {   # run NAME LIMIT SERVE_ARGS LABEL
   local start=$SECONDS
   mkdir -p "$out/$1"

@@ -10,7 +10,7 @@
 #          sliced) against burst (weights whole), same run: TTFT and time per output token;
 #   short  llama3-8b at 1K-8K: burst-zero with short prompts on the weight slices (the threshold measured
 #          at start, in the log) against --zero-sliced-max-tokens 0 (every prompt gathered) and burst;
-#   70b    llama3-70b at 128K (LONG_70B), 16 output tokens: burst-zero, tp, tp-v3 (TTFT, TPOT, peak
+#   70b    llama3-70b at 128K (LONG_70B), 16 output tokens: burst-zero, tp, tp-v3 (STRATEGIES_70B) (TTFT, TPOT, peak
 #          memory per GPU), and transformers on one GPU (its 141 GB of weights: OOM).
 # Results: $OUT/results.tgz, one directory per configuration, merged tables in merged-8b/ and merged-70b/.
 set -uo pipefail
@@ -37,7 +37,7 @@ if [[ " $PARTS " == *" short "* ]]; then
   python3 -m server.cli bench merge "$out"/short-*/results.json --output-dir "$out/merged-short" > /dev/null
 fi
 if [[ " $PARTS " == *" 70b "* ]]; then
-  for s in burst-zero tp tp-v3; do
+  for s in ${STRATEGIES_70B:-burst-zero tp tp-v3}; do
     sweep "70b-$s" "${LIMIT_70B:-280}" --model llama3-70b --sp-strategy "$s" --lengths "${LONG_70B:-131072}" --output-len 16 \
         --repeats 1 --warmup 0
   done

@@ -290,6 +290,7 @@ class LLM:
             p.join(timeout=10)
         for p in self._procs:
             if p.is_alive():
+                log.warning("%s did not exit within 10 s of the shutdown: terminated", p.name)
                 p.terminate()
                 p.join(timeout=5)
         for q in (self._requests, self._outputs):   # release the queues' semaphores now, not at exit

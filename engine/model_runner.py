@@ -595,6 +595,21 @@ class ModelRunner:
             self.pool.free(s)
             self.ledger.remove(s)
 
+    def release_graphs(self) -> None:
+        """Destroys the decode and extend CUDA graphs; called before the process group is destroyed. A
+        graph that captured an NCCL collective holds a reference to its communicator, and destroying the
+        group waits for every such reference (pytorch/pytorch#115388): with the graphs alive, a worker of
+        several GPUs would hang at shutdown."""
+        for holder in (self.graphs, self.extend_graphs):
+            if holder is not None:
+                for graph in holder.graphs.values():
+                    graph.reset()
+                holder.graphs.clear()
+                holder.outputs.clear()
+        self.graphs = self.extend_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def info(self) -> dict:
         per_worker = self.ledger.num_pages * self.block_size
         total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
@@ -636,11 +651,14 @@ class ModelRunner:
                                  f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "
                                  f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
                                  f"--max-model-len, or set --kv-cache-tokens")
-        pages = tokens // self.block_size
-        pages = torch.tensor([pages], dtype=torch.int64, device=self.device)
+        # one MIN over the workers: the pages, and flash-attn-4 on every worker (1) / on none (-1 negated)
+        has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
+        agreed = torch.tensor([tokens // self.block_size, has_fa4, -has_fa4], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
-            dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=self.data_group)
-        return int(pages)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.data_group)
+        pages, on_every, on_some = agreed.tolist()
+        check_same_kernels(self.rank, self.device, bool(has_fa4), bool(on_every), bool(-on_some))
+        return pages
 
     @torch.inference_mode()
     def _warm_extend_kernels(self) -> None:
@@ -692,3 +710,14 @@ class ModelRunner:
 
     def _sync(self) -> None:
         synchronize(self.device)
+
+
+def check_same_kernels(rank: int, device: torch.device, has_fa4: bool, fa4_on_every: bool, fa4_on_some: bool) -> None:
+    """Refuses workers that differ in flash-attn-4: with it a worker captures CUDA graphs whose small
+    extends make other collectives than the eager path of a worker without it, so the workers would wait on
+    each other for ever at the first such extend. Every worker raises (one all-reduce told them all)."""
+    if fa4_on_some and not fa4_on_every:
+        where = "runs here but not on every worker" if has_fa4 else "does not run here but runs on other workers"
+        raise ModelLoadError(f"worker {rank} ({device}): flash-attn-4 {where}; install the same "
+                             "packages (pip install 'burstserve[flash-attn]') on every host, with GPUs of one kind "
+                             "(SM90 or newer)")

@@ -35,6 +35,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
     logging.basicConfig(level=os.environ.get("BURSTSERVE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    runner = None
     try:
         device = _setup_device(rank, engine)
         cfg, max_model_len = resolve_model(engine)
@@ -56,6 +57,11 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         outputs.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1)
     finally:
+        if runner is not None:     # before the group: graphs that captured NCCL calls hold its communicator
+            try:
+                runner.release_graphs()
+            except Exception:          # a broken device: the group is still destroyed
+                log.exception("worker %d: releasing the CUDA graphs failed", rank)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -173,6 +173,56 @@ def test_a_dead_worker_makes_the_engine_raise():
     assert not any(p.is_alive() for p in llm._procs)
 
 
+def test_shutdown_ends_every_worker_cleanly(monkeypatch):
+    """Every worker leaves on its own (exit code 0, not terminated after the 10 s grace), the graphs'
+    release before the process group included (here the extend graphs' CPU stand-in)."""
+    from engine.extend_graphs import ON_CPU_ENV
+    monkeypatch.setenv(ON_CPU_ENV, "1")
+    llm = LLM("tiny", devices="cpu", context_parallel_size=2)
+    try:
+        llm.generate([_prompt(40), _prompt(7)], SamplingParams(max_tokens=3))
+    finally:
+        start = time.time()
+        llm.shutdown()
+    assert time.time() - start < 10
+    assert [p.exitcode for p in llm._procs] == [0, 0]
+
+
+def test_release_graphs_resets_every_graph_and_drops_them():
+    """ModelRunner.release_graphs: every captured graph reset (which drops its hold on the NCCL
+    communicator), both holders emptied and gone, before the worker destroys its process group."""
+    from types import SimpleNamespace
+    from engine.model_runner import ModelRunner
+
+    class Graph:
+        was_reset = False
+
+        def reset(self):
+            self.was_reset = True
+    decode = SimpleNamespace(graphs={1: Graph(), 8: Graph()}, outputs={1: torch.ones(1), 8: torch.ones(8)})
+    extend = SimpleNamespace(graphs={(256, 0): Graph()}, outputs={(256, 0): torch.ones(256)})
+    graphs = list(decode.graphs.values()) + list(extend.graphs.values())
+    runner = SimpleNamespace(graphs=decode, extend_graphs=extend, device=torch.device("cpu"))
+    ModelRunner.release_graphs(runner)
+    assert all(g.was_reset for g in graphs)
+    assert not decode.graphs and not decode.outputs and not extend.graphs and not extend.outputs
+    assert runner.graphs is None and runner.extend_graphs is None
+    ModelRunner.release_graphs(runner)          # twice, or with no graphs at all: nothing to do
+
+
+def test_workers_that_differ_in_flash_attn_4_are_refused_by_name():
+    """One worker with flash-attn-4 and one without would make different collectives at the first small
+    extend (graphs against the eager path) and wait on each other for ever: refused at start, each worker
+    saying which side it is on. Workers that agree (all with, all without) start."""
+    from engine.model_runner import check_same_kernels
+    check_same_kernels(0, torch.device("cpu"), False, False, False)
+    check_same_kernels(1, torch.device("cuda:1"), True, True, True)
+    with pytest.raises(ModelLoadError, match=r"worker 1 \(cuda:1\): flash-attn-4 runs here but not on every worker"):
+        check_same_kernels(1, torch.device("cuda:1"), True, False, True)
+    with pytest.raises(ModelLoadError, match=r"worker 0 \(cuda:0\): flash-attn-4 does not run here but runs on other"):
+        check_same_kernels(0, torch.device("cuda:0"), False, False, True)
+
+
 def test_kv_capacity_admission():
     with LLM("tiny", devices="cpu", context_parallel_size=2, kv_cache_tokens=100) as small:  # 6 pages of 16 each
         assert small.kv_capacity_tokens == 192

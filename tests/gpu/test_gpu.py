@@ -457,6 +457,33 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
                     break
 
 
+
+@pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
+def test_shutdown_after_cuda_graphs_on_one_gpu_and_two(hf_bf16_checkpoint, devices):
+    """Workers whose CUDA graphs captured NCCL collectives (decode and extends, on 2 GPUs) leave on their own
+    at shutdown: exit code 0 within the engine's 10 s grace, not terminated. The graphs are released before
+    the process group is destroyed (with them alive, destroy_process_group waits on them for ever:
+    pytorch/pytorch#115388)."""
+    import time
+    from engine import LLM, SamplingParams
+    workers = devices.count(",") + 1
+    if torch.cuda.device_count() < workers:
+        pytest.skip(f"needs {workers} GPUs")
+    path, _ = hf_bf16_checkpoint
+    llm = LLM(path, devices=devices, dtype="bfloat16")
+    try:
+        assert all(info["cuda_graphs"] for info in llm.worker_info)
+        prompt = [random.randrange(2000) for _ in range(600)]
+        llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))            # decode graphs
+        longer = prompt + [random.randrange(2000) for _ in range(40)]                     # an extend of the
+        llm.generate([longer], SamplingParams(max_tokens=8, ignore_eos=True))            # cached prompt
+    finally:
+        start = time.perf_counter()
+        llm.shutdown()
+        took = time.perf_counter() - start
+    print(f"{workers} GPU(s): shutdown in {took:.2f} s, exit codes {[p.exitcode for p in llm._procs]}")
+    assert [p.exitcode for p in llm._procs] == [0] * workers and took < 10
+
 @torch.no_grad()
 def _fp32_next_token_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
     """transformers in fp32 on cuda:0 (the checkpoint's fp32 weights, one whole forward pass without a cache):

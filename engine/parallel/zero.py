@@ -18,6 +18,8 @@ Written on torch.distributed's collectives (all_gather_into_tensor with async_op
 the weights so that their gathers never queue behind the ring's exchanges): FSDP2's prefetching
 all-gather wraps nn.Modules, and the model here is plain tensors and functions.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -90,6 +92,9 @@ def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
     return torch.tensor(gate + [g + per for g in gate], dtype=torch.int64)
 
 
+GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"   # "data": the layer gathers on the data group
+
+
 class LayerGather:
     """The full weights of layer i, all-gathered from every worker's tp slices (`layer(i)`, called for
     i = 0, 1, ... in order by every worker alike: collectives), with layer i + 1's gather started
@@ -101,7 +106,11 @@ class LayerGather:
         """cfg: the whole model's config; layers: this worker's slices (engine.model.LlamaModel.layers)."""
         self.cfg, self.layers, self.world_size, self.device = cfg, layers, world_size, device
         ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks)                     # the weights' own queue (collective: all workers)
+        # the weights' own queue (collective: all workers), beside the ring's on the data group. NCCL does not
+        # promise progress to two communicators at once; every worker issues both in the same order, but
+        # BURSTSERVE_ZERO_GATHER_GROUP=data queues the gathers behind the ring instead (no overlap)
+        own = os.environ.get(GATHER_GROUP_ENV, "own") != "data"
+        self.group = dist.new_group(ranks) if own else group
         self.qkv_index = qkv_row_index(cfg, world_size).to(device)
         self.gate_up_index = gate_up_row_index(cfg, world_size).to(device)
         self._arriving: dict[int, tuple[list, list]] = {}    # layer -> (gathered buffers, works)

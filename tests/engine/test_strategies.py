@@ -36,6 +36,23 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
             assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, (strategy, len(prompt)))
 
 
+def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(checkpoint, monkeypatch):
+    """BURSTSERVE_ZERO_GATHER_GROUP=data (the layer gathers queued behind the ring on one communicator, the
+    fallback should two NCCL communicators at once not progress on some GPUs) changes no result."""
+    from engine.parallel.zero import GATHER_GROUP_ENV
+    monkeypatch.setenv(GATHER_GROUP_ENV, "data")
+    path, model = checkpoint
+    prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 300)]
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy="burst-zero",
+             zero_sliced_max_tokens=0) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.metrics.prefill_stats["strategy"] == "burst-zero"
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
+            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
+
+
 def test_no_overlap_gives_the_same_tokens(checkpoint):
     prompt = [random.randrange(320) for _ in range(200)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -626,6 +626,7 @@ class ModelRunner:
         """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
         smallest over the workers, so that every worker's pool is the same size."""
         kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize)
+        has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
         self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
         if self.engine.kv_cache_tokens:
             tokens = self.engine.kv_cache_tokens
@@ -639,7 +640,7 @@ class ModelRunner:
             share = self.strategy.kv_share(self.max_model_len)
             self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
                                                           self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
-                                                          gathers_context=not fa4_available(self.device))
+                                                          gathers_context=not has_fa4)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "
@@ -652,7 +653,6 @@ class ModelRunner:
                                  f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
                                  f"--max-model-len, or set --kv-cache-tokens")
         # one MIN over the workers: the pages, and flash-attn-4 on every worker (1) / on none (-1 negated)
-        has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
         agreed = torch.tensor([tokens // self.block_size, has_fa4, -has_fa4], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.data_group)

@@ -3,7 +3,7 @@
 # reaches no image registry: the base image is made here (debootstrap of a minimal Debian bookworm
 # with python3 3.11 from Debian's packages and this machine's CA bundle, `docker import`) and
 # passed as BASE_IMAGE; torch is the CPU wheel this machine already has (passed through
-# PIP_EXTRA), so no CUDA package is downloaded. Build and run use --network host: the server
+# PIP_EXTRA, with constraints.txt's versions for the rest), so no CUDA package is downloaded. Build and run use --network host: the server
 # listens on 127.0.0.1 and nothing goes through Docker's bridge.
 #
 #   bash scripts/docker_smoke.sh          # as root; installs docker.io and debootstrap if missing
@@ -28,6 +28,7 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 CONTAINER=burstserve-smoke-$$
 WHEEL_LINK=""
+CONSTRAINTS_COPY=""
 DOCKERD_PID=""
 OK=0
 PHASES=()
@@ -50,6 +51,7 @@ cleanup() {
         docker rm -f "$CONTAINER" >/dev/null 2>&1
     fi
     [ -n "$WHEEL_LINK" ] && rm -f "$WHEEL_LINK"
+    [ -n "$CONSTRAINTS_COPY" ] && rm -f "$CONSTRAINTS_COPY"
     rm -rf "$WORK/rootfs"
     if [ -n "$DOCKERD_PID" ]; then
         kill "$DOCKERD_PID" 2>/dev/null
@@ -123,6 +125,8 @@ case "$(basename "$wheel")" in
 esac
 WHEEL_LINK=$ROOT/docker/wheels/$(basename "$wheel")
 ln -f "$wheel" "$WHEEL_LINK" 2>/dev/null || cp "$wheel" "$WHEEL_LINK"
+CONSTRAINTS_COPY=$ROOT/docker/wheels/constraints.txt      # the test environment's versions (constraints.txt)
+cp constraints.txt "$CONSTRAINTS_COPY"
 log "wheel: $wheel"
 done_phase "torch wheel"
 
@@ -160,7 +164,7 @@ fi
 phase "docker build"
 if ! timeout 1800 docker build --network host -f docker/Dockerfile \
         --build-arg BASE_IMAGE="$BASE_TAG" \
-        --build-arg PIP_EXTRA="/tmp/wheels/$(basename "$wheel")" \
+        --build-arg PIP_EXTRA="-c /tmp/wheels/constraints.txt /tmp/wheels/$(basename "$wheel")" \
         --label org.burstserve.smoke=1 -t "$IMAGE_TAG" . >"$WORK/build.log" 2>&1; then
     tail -n 40 "$WORK/build.log" | sed 's/^/    /' >&2
     die "docker build failed (log: $WORK/build.log)"

@@ -2,7 +2,8 @@
 # The test command (README.md, and CI through .ci/run), for a fresh Debian machine:
 #   1. Debian packages the tests use: promtool and prometheus (package `prometheus`; installed, never
 #      started), docker-compose;
-#   2. pip install torch==2.13.0 -e '.[test]';
+#   2. pip install torch==2.13.0 -e '.[test]' under constraints.txt (the versions CI was last green with;
+#      scripts/lock.sh refreshes it), then prints the versions of what the tests rest on;
 #   3. python -m pytest -q -m "not gpu" (arguments given to this script are added);
 #   4. scripts/docker_smoke.sh: the image built on a local Debian base and a completion from it
 #      (about 6 minutes on a fresh machine). SKIP_DOCKER_SMOKE=1 leaves it out.
@@ -35,7 +36,12 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 step "pip install"
-python -m pip install -q torch==2.13.0 -e '.[test]'
+python -m pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
+python - <<'PY'
+from importlib.metadata import version
+names = ("pytest", "schemathesis", "hypothesis", "torch", "transformers", "fastapi", "uvicorn", "pydantic", "openai")
+print("== scripts/test.sh: versions:", ", ".join(f"{n} {version(n)}" for n in names))
+PY
 
 step "pytest"
 rc_pytest=0

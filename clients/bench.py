@@ -81,8 +81,6 @@ def add_parser(sub) -> None:
                         help="unmeasured documents (conversations) first: the first prefill of a length and the first "
                              "cached prefill build kernel plans; recorded apart")
     shared.add_argument("--seed", type=int, default=0, help="of the random token ids")
-    shared.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
-                        help="offline: chunked prefill in chunks of N tokens (over HTTP: give it to the server)")
     _add_offline_args(shared, "offline: prefill strategy")
     _add_interference_args(interference)
     load.add_argument("--num-prompts", type=int, default=100)
@@ -141,6 +139,11 @@ def _add_offline_args(m, strategy_help: str) -> None:
                    help="offline: every decode step read back before the next is launched (serve's flag)")
     m.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="offline: fp8 linears (serve's --quantization; over HTTP give it in --serve's arguments)")
+    m.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+                   help="offline: the largest chunk of chunked prefill (serve's flag; over HTTP give it in --serve's "
+                        "arguments)")
+    m.add_argument("--no-enable-chunked-prefill", action="store_true",
+                   help="offline: every prompt prefilled in one call (serve's flag)")
     m.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",
                    help="offline, --sp-strategy burst-zero: prompts of at most N tokens on the weight slices "
                         "(serve's flag; default: measured at start on GPUs)")

@@ -268,8 +268,7 @@ def run_shared(args, url: str | None, meta: dict) -> dict:
         if args.offline:
             longest = args.doc_len + (args.turns * (args.question_len + output_len) if multi
                                       else args.question_len + output_len)
-            llm_args = offline_llm_args(args, longest, enable_prefix_caching=True,
-                                        max_num_batched_tokens=args.max_num_batched_tokens)
+            llm_args = offline_llm_args(args, longest, enable_prefix_caching=True)
             llm, fields = stack.enter_context(offline_llm(llm_args))
             send, vocab, server = offline_sender(llm, output_len), llm.model_config.vocab_size, None
         else:

@@ -25,7 +25,8 @@ import torch
 
 from engine.config import ModelConfig
 
-MIN_CHUNK = 256          # smaller chunks read the weights for too little work (and launch as many kernels)
+MIN_CHUNK = 256          # on a GPU smaller chunks read the weights for too little work (and launch as many kernels)
+MIN_CHUNK_CPU = 32       # on a CPU a call's fixed cost is small beside its attention, so small chunks cost little
 HISTORY = 48             # calls the model is fitted to (the latest: the GPU's clocks and kernels drift)
 OUTLIER = 2.5            # a call this many times slower than the fit predicts is left out of it (a kernel
                          # built on first use took 3.0 s where 0.27 s was usual, and the next chunks were
@@ -41,12 +42,14 @@ def attention_flop_ratio(cfg: ModelConfig) -> float:
 
 
 class ChunkSizer:
-    def __init__(self, max_tokens: int, itl_target_s: float | None, flop_ratio: float, align: int = 1):
+    def __init__(self, max_tokens: int, itl_target_s: float | None, flop_ratio: float, align: int = 1,
+                 min_tokens: int = MIN_CHUNK):
         """max_tokens: the largest chunk (--max-num-batched-tokens); itl_target_s: None sizes every chunk
-        max_tokens; align: chunk sizes are multiples of it when they can be (the KV page size)."""
+        max_tokens; align: chunk sizes are multiples of it when they can be (the KV page size); min_tokens:
+        the smallest chunk, even when the target cannot be met (the prompt must progress)."""
         self.max_tokens, self.itl_target_s, self.flop_ratio = max_tokens, itl_target_s, flop_ratio
         self.align = align
-        self.min_tokens = min(max_tokens, MIN_CHUNK)
+        self.min_tokens = min(max_tokens, min_tokens)
         self.calls: deque[tuple[int, int, float]] = deque(maxlen=HISTORY)   # (n, c, seconds)
         self._coefficients: tuple[float, float, float] | None = None
 

@@ -141,6 +141,13 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig(**_PRESETS[name], rms_norm_eps=1e-5, bos_token_id=256, eos_token_ids=[257])
 
 
+# Chunked prefill's default chunk: large enough that a lone long prompt keeps its unchunked time to first
+# token, small enough that the KV pool is not held back for a whole prompt's activations; while others
+# decode, the chunk sizer (engine/chunk_sizer.py) cuts chunks to the ITL target anyway. How it was chosen:
+# docs/benchmarks.md, "Chunked prefill".
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 65536
+
+
 @dataclass
 class EngineConfig:
     """What the engine was asked to run; built once by `LLM` and sent to every worker."""
@@ -164,7 +171,8 @@ class EngineConfig:
                                             # (engine/scheduler.py _decode_ahead)
     enable_prefix_caching: bool = True      # finished sequences stay in the KV cache; a prompt reuses their prefix
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
-                                                # tokens (decode steps run between them); None: in one call
+                                                # tokens (decode steps run between them); None: in one call.
+                                                # LLM's default: DEFAULT_MAX_NUM_BATCHED_TOKENS
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)

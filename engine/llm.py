@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.cluster import ClusterConfig, Head
-from engine.config import EngineConfig, ModelConfig, context_limit, resolve_model
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
@@ -48,6 +48,9 @@ class LLM:
         On CUDA a smaller size takes the first N named GPUs; on CPU the N workers all run on "cpu" (gloo).
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
+    enable_chunked_prefill, max_num_batched_tokens: a prompt longer than max_num_batched_tokens (default
+        DEFAULT_MAX_NUM_BATCHED_TOKENS) is prefilled in chunks, the running sequences decoding between them;
+        enable_chunked_prefill=False prefills every prompt in one call.
     nnodes, master_addr, master_port, join_timeout: with nnodes > 1 this is the head of an engine over
         several hosts (engine/cluster.py): it keeps the rendezvous at master_addr:master_port, waits up to
         join_timeout seconds for node ranks 1 .. nnodes - 1 (`burstserve worker`) and runs their workers
@@ -60,7 +63,8 @@ class LLM:
                  sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True,
                  itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool | None = None,
                  extend_ring_min_tokens: int = 4096, zero_sliced_max_tokens: int | None = None,
                  async_scheduling: bool = True, nnodes: int = 1, master_addr: str = "127.0.0.1",
@@ -86,6 +90,11 @@ class LLM:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
                                       "max_num_batched_tokens")
+        if not enable_chunked_prefill and max_num_batched_tokens is not None:
+            raise InvalidRequestError("max_num_batched_tokens sets the chunk of chunked prefill, which "
+                                      "enable_chunked_prefill=False turns off: give one or the other",
+                                      "max_num_batched_tokens")
+        chunk_tokens = (max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS) if enable_chunked_prefill else None
         if extend_ring_min_tokens < 0:
             raise InvalidRequestError(f"extend_ring_min_tokens must be >= 0, not {extend_ring_min_tokens}",
                                       "extend_ring_min_tokens")
@@ -114,7 +123,7 @@ class LLM:
                                    seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
                                    kv_cache_tokens=kv_cache_tokens,
                                    gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                                   cuda_graphs=cuda_graphs, max_num_batched_tokens=max_num_batched_tokens,
+                                   cuda_graphs=cuda_graphs, max_num_batched_tokens=chunk_tokens,
                                    enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
                                    quantization=quantization, mixed_batch=mixed_batch,
                                    extend_ring_min_tokens=extend_ring_min_tokens,

@@ -29,7 +29,7 @@ import torch
 
 from engine.outputs import Request, StepOutput
 from engine.cache.prefix_cache import BLOCK, PrefixCache
-from engine.chunk_sizer import ChunkSizer, attention_flop_ratio
+from engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU, ChunkSizer, attention_flop_ratio
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
@@ -125,7 +125,8 @@ class Scheduler:
         self.chunk_tokens = kv.engine.max_num_batched_tokens    # None: a prompt is prefilled in one call
         target = kv.engine.itl_target_ms
         self.sizer = ChunkSizer(self.chunk_tokens, target / 1e3 if target else None, attention_flop_ratio(kv.cfg),
-                                self.ledger.block_size) if self.chunk_tokens else None
+                                self.ledger.block_size, MIN_CHUNK if kv.device.type == "cuda" else MIN_CHUNK_CPU
+                                ) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
         self.mixed_limit = mixed_batch_limit(kv)                # a chunk up to this (None: any) and the others'
@@ -409,9 +410,14 @@ class Scheduler:
             self.sizer.observe(new_tokens, context, result["prefill_seconds"])
 
     def _chunked(self, request: Request) -> bool:
-        """Is this prompt prefilled in chunks of chunk_tokens (--max-num-batched-tokens)? Not one that
-        wants prompt logprobs (they come out of one whole prefill)."""
-        return self._chunk_long(len(request.prompt_token_ids)) and request.params.prompt_logprobs is None
+        """Is this prompt prefilled in chunks (chunked prefill on)? One longer than chunk_tokens
+        (--max-num-batched-tokens) always; a shorter one too while others decode, when in one call it would
+        hold their next token past the ITL target (the chunk sizer's first chunk is shorter than it). Not
+        one that wants prompt logprobs (they come out of one whole prefill)."""
+        if self.sizer is None or request.params.prompt_logprobs is not None:
+            return False
+        n = len(request.prompt_token_ids)
+        return n > self.chunk_tokens or bool(self.running) and self.sizer.size(0, n, True, self.step_seconds) < n
 
     def _chunk_long(self, num_tokens: int) -> bool:
         """Is a prefill of num_tokens longer than one chunk (--max-num-batched-tokens)?"""

@@ -21,7 +21,7 @@ run() {   # run NAME LIMIT SERVE_ARGS LABEL
   grep -h "KV pool of" "$out/$1/stderr.log" | head -2
   grep -E "^\|" "$out/$1/stdout.log" | tail -4
 }
-[ -n "${SKIP_ONE_CALL:-}" ] || run one-call 200 "$serve" "one call"
+[ -n "${SKIP_ONE_CALL:-}" ] || run one-call 200 "$serve --no-enable-chunked-prefill" "one call"
 for c in $CHUNKS; do run "chunked-$c" "${CHUNK_LIMIT:-420}" "$serve --max-num-batched-tokens $c" "chunks of $c"; done
 python3 -m server.cli bench merge "$out"/*/results.json --output-dir "$out/merged" > /dev/null 2>&1
 grep -E "^\|" "$out"/merged/*.md 2>/dev/null | head -12

@@ -47,7 +47,7 @@ if [[ " $PARTS " == *" interference "* ]]; then
         $common --label "chunked ${CHUNK:-8192}, itl target $target ms"
   done
   [ "${UNCHUNKED:-1}" = 0 ] || \
-  run interference-unchunked 200 interference --serve "$serve" $common --label "unchunked"
+  run interference-unchunked 200 interference --serve "$serve --no-enable-chunked-prefill" $common --label "unchunked"
 fi
 if [[ " $PARTS " == *" http "* ]]; then
   sweep="--lengths 8192,$LONG --repeats ${HTTP_REPEATS:-2} --warmup 1"

@@ -26,7 +26,7 @@ def run_scene(scene: str, long_len: int) -> str:
     chunked = scene == "interference"
     llm = LLM(os.environ.get("MODEL", "llama3-8b"), devices=os.environ.get("DEVICES", "cuda"), max_num_seqs=16,
               max_model_len=long_len + 4096,
-              max_num_batched_tokens=8192 if chunked else None)
+              max_num_batched_tokens=8192 if chunked else None, enable_chunked_prefill=chunked)
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]          # noqa: E731

@@ -8,7 +8,7 @@ import sys
 
 import uvicorn
 
-from engine.config import preset_names
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, preset_names
 from engine.parallel import SP_STRATEGIES
 from kernels.attention import ATTENTION_BACKENDS
 
@@ -80,16 +80,18 @@ def serve_parser(sub) -> None:
                    help="keep finished requests' KV in the cache (evicted least recently used first) and prefill "
                         "only what a new prompt adds to the longest cached prefix (default: on; "
                         "--no-enable-prefix-caching: every prompt prefilled whole)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill a prompt longer than --max-num-batched-tokens in chunks, decoding the running "
+                        "requests between chunks and prefilling short new prompts before the next chunk (default: "
+                        "on; --no-enable-chunked-prefill: every prompt in one prefill, the others wait for it)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="prefill a longer prompt in chunks of at most N tokens, decoding the running requests "
-                        "between chunks and prefilling short new prompts before the next chunk (default: every "
-                        "prompt in one prefill)")
+                   help=f"the largest chunk of chunked prefill (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--itl-target-ms", type=float, default=50.0, metavar="MS",
-                   help="with --max-num-batched-tokens: while other requests decode, each chunk is sized so that it "
+                   help="with chunked prefill: while other requests decode, each chunk is sized so that it "
                         "and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
                         "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always")
     p.add_argument("--mixed-batch", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --max-num-batched-tokens: a chunk after a prompt's first and the running requests' "
+                   help="with chunked prefill: a chunk after a prompt's first and the running requests' "
                         "decode step run as one forward pass (the weights read once for both). Default: on where "
                         "the workers replay that pass as CUDA graphs (CUDA with flash-attn-4, chunks up to 1024 "
                         "tokens graphed), else a chunk, then a decode step; --no-mixed-batch: never")
@@ -185,6 +187,7 @@ def serve(args) -> None:
                   cuda_graphs=not args.enforce_eager, attention_backend=args.attention_backend,
                   async_scheduling=args.async_scheduling,
                   max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_chunked_prefill=args.enable_chunked_prefill,
                   enable_prefix_caching=args.enable_prefix_caching, itl_target_ms=args.itl_target_ms or None,
                   mixed_batch=args.mixed_batch, extend_ring_min_tokens=args.extend_ring_min_tokens,
                   nnodes=args.nnodes, master_addr=args.master_addr, master_port=args.master_port,

@@ -48,3 +48,30 @@ def test_a_live_round_against_a_chunked_cpu_server(tmp_path):
     assert raw["short_first"] < raw["long_first"]               # not stuck behind the long prompt's chunks
     assert all(times[-1] > raw["long_first"] for times in raw["streams"])   # every stream outlived the window
     assert os.path.exists(out / "results.csv") and "Interference" in open(out / "results.md").read()
+
+
+def test_default_flags_keep_streams_flowing_while_a_long_prompt_prefills(tmp_path):
+    """The server as shipped (no chunking flag given): 4 streams decode while a prompt that takes at least
+    3 s to prefill alone is admitted; no stream waits more than 0.5 s for a token, and a 16-token request
+    sent during that prefill has its first token before the long prompt does. The long prompt is shorter
+    than the default chunk: it is chunked because others decode and one call would hold their tokens past
+    the ITL target."""
+    out = tmp_path / "defaults"
+    bench("interference", "--serve", "--model tiny --devices cpu", "--streams", "4", "--stream-len", "16",
+          "--stream-output-len", "100000", "--long-len", str(LONG_CPU), "--short-len", "16", "--short-delay", "0.5",
+          "--settle", "1.0", "--warmup", "0", "--repeats", "1", "--output-dir", str(out))
+    data = json.load(open(out / "results.json"))
+    assert data["error"] is None and len(data["rounds"]) == 1
+    r = data["rounds"][0]
+    print(f"default flags, {LONG_CPU}-token prompt: alone {r['long_ttft_alone_s']:.2f} s, beside 4 streams "
+          f"{r['long_ttft_under_load_s']:.2f} s; streams' largest gap {r['max_itl_during_ms']:.0f} ms "
+          f"({r['itl_during_count']} gaps during); 16-token request {r['short_ttft_s'] * 1e3:.0f} ms")
+    assert r["long_ttft_alone_s"] >= 3.0, "the long prompt must take at least 3 s alone for this test to mean anything"
+    assert r["itl_during_count"] >= 4 * 3                       # the streams kept decoding during the prefill
+    assert r["max_itl_during_ms"] <= 500, r
+    raw = r["raw"]
+    assert raw["short_first"] < raw["long_first"]
+    assert all(times[-1] > raw["long_first"] for times in raw["streams"])   # every stream outlived the window
+
+
+LONG_CPU = 16384     # tiny on a 2-core CI machine: about 5-8 s alone, well under the default chunk (65536)

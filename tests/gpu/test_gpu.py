@@ -189,7 +189,7 @@ def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_c
     free, total = torch.cuda.mem_get_info(0)
     utilization = (total - free + 1.5 * 2**30) / total
     options = dict(devices="cuda:0", dtype="bfloat16", max_model_len=262144, gpu_memory_utilization=utilization)
-    with LLM(path, **options) as llm:
+    with LLM(path, enable_chunked_prefill=False, **options) as llm:
         one_call = llm.kv_capacity_tokens
         prompt = [random.randrange(2000) for _ in range(one_call + 2048)]
         with pytest.raises(InvalidRequestError, match="more than the engine's capacity"):

@@ -3,12 +3,13 @@
 # Issue 12 on one GPU (llama3-8b preset, bf16): the prefix cache's warm TTFT (`burstserve bench shared`,
 # a 512-token question after a cached 32K and 128K document), and what a 128K prompt's prefill does to
 # 8 decoding streams and to a 1K request arriving 0.5 s into it (`burstserve bench interference`), on a
-# server with chunked prefill (--max-num-batched-tokens 8192, --itl-target-ms 50) and on one without
-# (the long prompt prefilled in one call: its unchunked TTFT, the streams' stall). Two back-to-back
+# server with default flags (chunked prefill on), on one with --max-num-batched-tokens CHUNK and
+# --itl-target-ms T for each T in ITL_TARGETS (none by default), and on one without chunked prefill (the long
+# prompt prefilled in one call: its unchunked TTFT, the streams' stall; UNCHUNKED=0 leaves it out). Two back-to-back
 # device calls (after ../shared/gpu/prepare.sh and ../shared/gpu/fa4-prepare.sh here):
 #   1. carry [".fa4a"]:          mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/
 #   2. carry [".fa4b", ".whl"]:  bash scripts/gpu_prefix.sh      (within ~30 s of the first)
-# CHUNK: the chunked server's --max-num-batched-tokens (default 8192).
+# CHUNK: the ITL_TARGETS servers' --max-num-batched-tokens (default 8192). REPEATS: interference rounds (1).
 # SERVE_EXTRA: more server arguments (say "--log-level debug": each chunk's size and time in stderr.log).
 # PARTS="shared interference http" picks parts (http: issue 13's HTTP overhead, `bench sweep` over HTTP
 # against --offline at 8K and 128K, same engine, same run, and the server's TTFT parts per request from its
@@ -41,13 +42,15 @@ if [[ " $PARTS " == *" shared "* ]]; then
   run shared-128K 200 shared $offline --doc-len "$LONG" --question-len 512 --questions 3 --repeats 1 --warmup 1
 fi
 if [[ " $PARTS " == *" interference "* ]]; then
-  common="--streams 8 --stream-len 1024 --long-len $LONG --short-len 1024 --short-delay 0.5 --warmup 1 --repeats 1"
-  for target in ${ITL_TARGETS:-50}; do
+  common="--streams 8 --stream-len 1024 --long-len $LONG --short-len 1024 --short-delay 0.5 --warmup 1"
+  common+=" --repeats ${REPEATS:-1}"
+  run interference-default 330 interference --serve "$serve" $common --label "default flags"
+  for target in ${ITL_TARGETS:-}; do
     run "interference-chunked-itl$target" 260 interference --serve "$serve --max-num-batched-tokens ${CHUNK:-8192} --itl-target-ms $target" \
         $common --label "chunked ${CHUNK:-8192}, itl target $target ms"
   done
   [ "${UNCHUNKED:-1}" = 0 ] || \
-  run interference-unchunked 200 interference --serve "$serve --no-enable-chunked-prefill" $common --label "unchunked"
+  run interference-unchunked 260 interference --serve "$serve --no-enable-chunked-prefill" $common --label "unchunked"
 fi
 if [[ " $PARTS " == *" http "* ]]; then
   sweep="--lengths 8192,$LONG --repeats ${HTTP_REPEATS:-2} --warmup 1"

@@ -366,8 +366,9 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
                              ignore_eos=True, logprobs=[None, 0][i % 4 == 1]) for i in range(len(prompts))]
     runs = {}
     for asynchronous in (True, False):
+        # chunked prefill off: chunk sizes follow timings, and the two runs must prefill alike
         with LLM(path, devices=devices, dtype="bfloat16", max_num_seqs=8, async_scheduling=asynchronous,
-                 enable_prefix_caching=False) as llm:
+                 enable_prefix_caching=False, enable_chunked_prefill=False) as llm:
             assert llm.worker_info[0]["cuda_graphs"]
             runs[asynchronous] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]

@@ -81,8 +81,9 @@ def serve_parser(sub) -> None:
                         "only what a new prompt adds to the longest cached prefix (default: on; "
                         "--no-enable-prefix-caching: every prompt prefilled whole)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill a prompt longer than --max-num-batched-tokens in chunks, decoding the running "
-                        "requests between chunks and prefilling short new prompts before the next chunk (default: "
+                   help="prefill a prompt longer than --max-num-batched-tokens in chunks, and a shorter one too "
+                        "when in one call it would hold the running requests past --itl-target-ms; the running "
+                        "requests decode between chunks and short new prompts go before the next chunk (default: "
                         "on; --no-enable-chunked-prefill: every prompt in one prefill, the others wait for it)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"the largest chunk of chunked prefill (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")

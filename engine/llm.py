@@ -49,7 +49,8 @@ class LLM:
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
     enable_chunked_prefill, max_num_batched_tokens: a prompt longer than max_num_batched_tokens (default
-        DEFAULT_MAX_NUM_BATCHED_TOKENS) is prefilled in chunks, the running sequences decoding between them;
+        DEFAULT_MAX_NUM_BATCHED_TOKENS) is prefilled in chunks, the running sequences decoding between them,
+        and a shorter one too while others decode when one call would hold them past itl_target_ms;
         enable_chunked_prefill=False prefills every prompt in one call.
     nnodes, master_addr, master_port, join_timeout: with nnodes > 1 this is the head of an engine over
         several hosts (engine/cluster.py): it keeps the rendezvous at master_addr:master_port, waits up to

@@ -17,7 +17,7 @@ server or offline.
     burstserve bench interference --serve "--model llama3-8b --devices cuda --max-num-batched-tokens 8192" \
         --streams 8 --long-len 131072 --short-len 1024
     burstserve bench merge out-a/results.json out-b/results.json --output-dir merged \
-        --doc docs/benchmarks.md --section llama3-8b --title "llama3-8b, every strategy"
+        --doc merged/README.md --section llama3-8b --title "llama3-8b, every strategy"
 """
 import argparse
 import asyncio

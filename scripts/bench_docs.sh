@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Merges scripts/gpu_bench.sh's results (RESULTS/MODEL/CONFIG/results.json) into docs/benchmarks.md
+# Merges `scripts/gpu.sh bench`'s results (RESULTS/MODEL/CONFIG/results.json) into one markdown page
+# (default RESULTS/merged.md, its plots beside it; docs/benchmarks.md takes the latest tables from it by hand)
 # with `burstserve bench merge --doc`: per model, every strategy over the prompt lengths; the scaling
 # table at SCALING_LENGTH over 1, 2 and all GPUs; burst with and without overlap.
 #   bash scripts/bench_docs.sh RESULTS [DOC]
 set -euo pipefail
 results=${1:?RESULTS directory}
-doc=${2:-docs/benchmarks.md}
+doc=${2:-$results/merged.md}
 MODELS=${MODELS:-llama3-8b llama2-7b}
 SCALING_LENGTH=${SCALING_LENGTH:-65536}
 OVERLAP_LENGTHS=${OVERLAP_LENGTHS:-32768,131072}

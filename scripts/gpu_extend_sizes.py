@@ -1,9 +1,8 @@
 """A chunk's extend time by size late in a long prompt, one GPU (llama3-8b preset, bf16): the extend CUDA
 graphs of 256..1024 new tokens after ~C cached, with the cached keys cut into the runs the engine picks
-(kernels.paged_attention.runs_filling_waves) or, with BURSTSERVE_RUNS_ONE_WAVE=1, as many as fill one wave
-(the rule before 2026-11-25). Per size: the runs, the mean of 5 extends (each truncated back after), attention TFLOP/s of
-the whole call. Usage: [BURSTSERVE_RUNS_ONE_WAVE=1] python scripts/gpu_extend_sizes.py [context]   (a markdown table)"""
-import os
+(kernels.paged_attention.runs_filling_waves). Per size: the runs, the mean of 5 extends (each truncated back
+after), attention TFLOP/s of the whole call. Usage: python scripts/gpu_extend_sizes.py [context]   (a markdown
+table; `bash scripts/gpu.sh extend` runs it)"""
 import sys
 import time
 
@@ -22,7 +21,7 @@ prompt = torch.randint(0, 250, (ctx + 2048,), generator=torch.Generator().manual
 runner.prefill(0, prompt[:chunk])
 for start in range(chunk, ctx, chunk):
     runner.extend(0, prompt[start:min(start + chunk, ctx)], start)
-print(f"{'one-wave' if os.environ.get('BURSTSERVE_RUNS_ONE_WAVE') == '1' else 'whole-wave'} runs, {ctx} cached, {torch.cuda.get_device_name(0)}\n")
+print(f"runs as the engine picks them, {ctx} cached, {torch.cuda.get_device_name(0)}\n")
 print("| new tokens | runs | extend ms (mean of 5) | graphed | attention TFLOP/s (whole call) |\n|---|---|---|---|---|")
 for m in range(256, 1025, 128):
     times, graphed = [], None

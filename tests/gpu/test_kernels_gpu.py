@@ -2,7 +2,7 @@
 paged_attention on CUDA (flash-attn-4 path with and without the split, the dense fallback; the decode
 fast path, max_seqlen_q=1, with the split's Triton kernels and with their torch fallback) against the
 CPU reference on the CPU tests' cases, and captured + replayed in a CUDA graph on the flash-attn-4 path.
-Run: `python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py` (scripts/gpu_kernels.sh)."""
+Run: `python -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py` (bash scripts/gpu.sh kernels)."""
 import os
 import random
 import sys

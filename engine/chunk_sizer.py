@@ -29,8 +29,8 @@ MIN_CHUNK = 256          # on a GPU smaller chunks read the weights for too litt
 MIN_CHUNK_CPU = 32       # on a CPU a call's fixed cost is small beside its attention, so small chunks cost little
 HISTORY = 48             # calls the model is fitted to (the latest: the GPU's clocks and kernels drift)
 OUTLIER = 2.5            # a call this many times slower than the fit predicts is left out of it (a kernel
-                         # built on first use took 3.0 s where 0.27 s was usual, and the next chunks were
-                         # sized from it: one H200, 2026-11-24)
+                         # built on first use takes ten times a usual call, and the next chunks would be
+                         # sized from it)
 
 
 def attention_flop_ratio(cfg: ModelConfig) -> float:

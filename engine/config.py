@@ -36,7 +36,6 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    architecture: str = "LlamaForCausalLM"
 
     @property
     def kv_groups(self) -> int:
@@ -103,7 +102,6 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        architecture=arch,
     )
 
 
@@ -144,7 +142,7 @@ def preset_config(name: str) -> ModelConfig:
 # Chunked prefill's default chunk: large enough that a lone long prompt keeps its unchunked time to first
 # token, small enough that the KV pool is not held back for a whole prompt's activations; while others
 # decode, the chunk sizer (engine/chunk_sizer.py) cuts chunks to the ITL target anyway. How it was chosen:
-# docs/benchmarks.md, "Chunked prefill".
+# docs/benchmarks.md, "Chunked prefill and interference".
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 65536
 
 
@@ -171,8 +169,9 @@ class EngineConfig:
                                             # (engine/scheduler.py _decode_ahead)
     enable_prefix_caching: bool = True      # finished sequences stay in the KV cache; a prompt reuses their prefix
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
-                                                # tokens (decode steps run between them); None: in one call.
-                                                # LLM's default: DEFAULT_MAX_NUM_BATCHED_TOKENS
+                                                # tokens (decode steps run between them), a shorter one too when
+                                                # one call would pass itl_target_ms while others decode; None: every
+                                                # prompt in one call. LLM's default: DEFAULT_MAX_NUM_BATCHED_TOKENS
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)

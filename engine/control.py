@@ -4,10 +4,11 @@ Every call is (method name, arguments), pickled once by worker 0 and run by ever
 order. Two ways to carry it:
 - `PipeControl` (every worker on worker 0's host, started by `LLM`): one OS pipe to each other worker.
   Worker 0 writes and goes on at once (the pipe buffers; a message larger than the buffer is written while
-  the reader reads it); a worker waiting for its next call sleeps in `recv`, woken by the write. Measured on
-  this project's 2-core CPU machine, one decode step's call: 10 us to send, 35 us to the reader (round
-  trip 71 us), against 554 us for gloo's `broadcast_object_list`, which worker 0 waited out before running
-  its own share of every call (scripts/control_latency.py).
+  the reader reads it); a worker waiting for its next call sleeps in `recv`, woken by the write. Worker 0
+  does not wait out a broadcast before running its own share of every call, as it does with gloo's
+  `broadcast_object_list`, and a decode step's call reaches the readers several times sooner
+  (scripts/control_latency.py; docs/results/log.md, The control plane: worker 0's call to the other
+  workers, gloo against pipes (issue 11 item 4)).
 - `GlooControl` (workers on several hosts, or under torchrun): `broadcast_object_list` on a gloo group.
 A worker whose peer is gone gets an error, never a hang: the pipe's reader sees EOF when worker 0's process
 is gone (no other process keeps its write end), worker 0's write fails once a reader's process is gone.
@@ -77,9 +78,9 @@ def close_parent_ends(writers, readers) -> None:
 
 
 def dumps(obj) -> bytes:
-    """pickle, with CPU tensors as their raw bytes: torch's own reduction of a tensor costs 43 us to write and
-    59 to read for 256 token ids, 0.6 ms and 1.4 ms for 131072 (a 2-core machine); raw bytes 5 / 5 us and
-    61 / 56 us. Large int64 tensors whose values fit go as int32 (NARROW_FROM) and come back int64."""
+    """pickle, with CPU tensors as their raw bytes: torch's own reduction of a tensor costs ten times as much
+    or more to write and read, for a decode step's ids as for a long prompt's. Large int64 tensors whose
+    values fit go as int32 (NARROW_FROM) and come back int64."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = {torch.Tensor: _reduce_tensor}

@@ -6,16 +6,17 @@ prefix). Three ways, chosen by ModelRunner (`way`):
   the worker holds every key the new tokens see. Their K/V go into the pages first and one causal
   paged_attention call over all of the sequence's pages does the rest (causal aligned to the end: new
   token i sees the cached tokens and new tokens 0..i), nothing exchanged or merged. A chunk late in a
-  long prompt is bound by the host's launches (a 256-token chunk after 60K cached tokens: 37 ms
-  whatever the context, one H200), so one kernel call and no merge per layer is what counts there.
+  long prompt is bound by the host's launches (a small chunk takes about as long whatever its context),
+  so one kernel call and no merge per layer is what counts there.
 - "whole" (several workers, fewer than --extend-ring-min-tokens new tokens): every worker runs all n
   new tokens through the model, as a decode step runs its batch; one worker (the one holding fewest
   of the sequence's tokens) keeps their K/V. Per layer each worker attends the n queries to the keys it
   holds with one paged_attention call (the keeper causally over its cached and the new keys, the
   others without a mask over their cached keys), and one all-gather of the partials, merged in fp32,
   gives every worker the same rows. The new tokens' GEMMs run on every worker, but a layer is one
-  kernel call and one collective: a small chunk on 2 x H200 through the ring took 80-130 ms whatever
-  its context (2026-11-24), where one H200 alone took 20-40 ms.
+  kernel call and one collective, where the ring's three collectives and merges a layer made a small
+  chunk on two workers several times slower than on one (docs/benchmarks.md, Chunked prefill and
+  interference).
 - "ring": the new tokens sharded over the workers like a prompt (zigzag over the n new tokens, at
   positions L + ...), and each worker's queries see the new tokens' own K/V causally through
   BurstAttention's K/V ring (pass-KV), and the L cached tokens, all visible, by passing the queries

@@ -2,9 +2,9 @@
 its cached prefix, in the "local" and "whole" ways of engine/extend_attention.py, one graph per chunk size.
 
 Why: a late chunk of a long prompt (256 new tokens after 116K cached) launches ~540 kernels eagerly, and
-its host time decides how long it takes: 34-47 ms for the same ~31 ms of GPU work, depending on the
-machine's CPU (one H200, 2026-11-24, scripts/gpu_mixed_profile.py). On two workers every layer also meets
-a collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
+its host time, not its GPU work, decides how long it takes, so it varies with the machine's CPU
+(docs/benchmarks.md, Chunked prefill and interference). On two workers every layer also meets a
+collective, so the slower host of the two sets the pace. Replayed as one graph, the host issues one
 call.
 
 Graphs: one for each chunk size in SIZES (multiples of 128 up to MAX_TOKENS rows a worker; with --mixed-batch the
@@ -50,17 +50,19 @@ from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_run
 log = logging.getLogger(__name__)
 
 STEP = 128                  # chunk sizes are multiples of the page size (engine/chunk_sizer.py aligns them)
-MAX_TOKENS = 2048           # rows a worker; larger chunks keep the GPU busy eagerly (a 1024-token late chunk:
-                            # 140 ms of GPU work). Up to 2048, not 1024: on 2 workers chunks of 2049-4095 tokens
+MAX_TOKENS = 2048           # rows a worker; larger chunks keep the GPU busy eagerly (their GPU work outlasts
+                            # the launches). Up to 2048, not 1024: on 2 workers chunks of 2049-4095 tokens
                             # (below --extend-ring-min-tokens) then split their GEMMs instead of running them
                             # eagerly on both workers
 MIXED_MAX_TOKENS = 1024     # rows a worker of the sizes also captured with a decode step (--mixed-batch): larger
-                            # chunks run, then a decode step (one H200: a 1024-token chunk and 8 streams' step in
-                            # one graph was no faster than the two graphs apart, docs/benchmarks.md)
+                            # chunks run, then a decode step (at 1024 tokens one graph of both is no faster than
+                            # the two graphs apart: docs/benchmarks.md, Chunked prefill and interference)
 SIZES = tuple(range(STEP, MAX_TOKENS + 1, STEP))
 META = 5                    # page-table row, cached keys here, keeps the new K/V (1/0), the worker and its row
                             # whose logits return
-ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"   # "1": CPU workers run small extends through the graphs' forward
+# Test hook: "1" makes CPU workers run small extends through the graphs' forward uncaptured (capture=False),
+# so the CPU tests check the graphs' code against transformers; GPUs always capture, CPUs otherwise run eagerly
+ON_CPU_ENV = "BURSTSERVE_EXTEND_GRAPHS_ON_CPU"
 MIXED_BUCKETS = (8, 32, 128, 512)   # --mixed-batch: a step's decode rows padded up to one of these (and max_num_seqs)
 
 

@@ -4,7 +4,6 @@ Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` call
 model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
 distributed KV cache. Tensors are [tokens, ...] with no batch dimension.
 """
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.rope import attention_scaling, inverse_frequencies, rope_cos_sin
 from kernels import fp8, fused
-from kernels.fp8 import FP8_UNFUSED_ENV, Fp8Weight
+from kernels.fp8 import Fp8Weight
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,9 +71,9 @@ class LlamaModel:
         self.dtype = self.embed.dtype
         self.layers = [self._layer(weights, i, quantization) for i in range(cfg.num_layers)]
         # FP8 linears: the norms before q/k/v and gate/up and the silu before down write their rows
-        # quantized (kernels/fp8.py: one kernel each on GPUs, the same bits); FP8_UNFUSED_ENV=1 keeps the
-        # bf16 rows and quantizes them apart (the benchmarks' A/B)
-        self.fp8_rows = quantization == "fp8" and os.environ.get(FP8_UNFUSED_ENV) != "1"
+        # quantized (kernels/fp8.py: one kernel each on GPUs, the same bits as quantizing the bf16 rows
+        # apart, and a quantization kernel fewer each: docs/benchmarks.md, FP8 linears)
+        self.fp8_rows = quantization == "fp8"
         self.inv_freq = inverse_frequencies(cfg).to(device)
         self.rope_scaling = attention_scaling(cfg)                     # YaRN's factor on cos/sin, else 1
 

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v [n, Hkv, D] -> [n, 2, Hkv, D]: a view where v follows k in each row (as the qkv projection's
-    output lays them out), else a stack. No ring sends it, so no copy is needed (2.3 ms of an 8K
-    prefill on one H200)."""
+    output lays them out), else a stack. No ring sends it, so no copy is needed (a copy a layer is a
+    measurable share of a short prefill)."""
     n, hkv, d = k.shape
     if (k.stride() == v.stride() and k.stride()[1:] == (d, 1)
             and v.data_ptr() == k.data_ptr() + hkv * d * k.element_size()):
@@ -665,8 +665,8 @@ class ModelRunner:
         """Builds at start the flash-attn-4 kernels an incremental prefill uses in its "local" and "whole"
         ways (the causal paged call over cached + new keys, the unmasked one over cached keys, and a small
         late chunk's prefix runs with their causal call over the chunk), so that none is built under
-        load: the first prefix-runs call, built while 8 streams decoded, stalled them all for 1.7 s (one
-        H200, 2026-11-24). Reads only the scratch page; the results are dropped. Each worker alone."""
+        load: a kernel built on first use while streams decode stalls every one of them for the whole build
+        (a second or more). Reads only the scratch page; the results are dropped. Each worker alone."""
         if self.device.type != "cuda" or not fa4_available(self.device):
             return
         m, h, hkv, d = MIN_CHUNK, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim

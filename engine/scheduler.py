@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def token_tensor(ids: list[int]) -> torch.Tensor:
-    """[n] int64 of a list of token ids, through an array (a third of torch.tensor's time: 2.6 ms at 128K)."""
+    """[n] int64 of a list of token ids, through an array (a third of torch.tensor's time on a long prompt)."""
     return torch.frombuffer(array.array("q", ids), dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
 
 
@@ -46,7 +46,6 @@ class RunningSequence:
     request: Request
     seq_id: int
     generated: list[int] = field(default_factory=list)
-    aborted: bool = False
     prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
     grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
     preemptions: int = 0                         # times preempted (its cache now starts with prompt + generated)
@@ -91,10 +90,9 @@ class StepInFlight:
 def mixed_batch_limit(runner) -> int | None:
     """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk; 0
     with --no-mixed-batch), or by default (None) the chunks that worker 0 replays with a decode step as one
-    CUDA graph (engine/extend_graphs.py; every worker decides alike), 0 where none: a late 256-token chunk
-    and 8 streams' step in one graph took 36 ms against 40 ms for the two graphs apart, where the eager
-    mixed pass, bound by the host, took 57 ms, and its first call of a large chunk 152 ms (one H200,
-    docs/benchmarks.md)."""
+    CUDA graph (engine/extend_graphs.py; every worker decides alike), 0 where none: one graph of a late
+    chunk and the decode step beats the two graphs apart, while an eager mixed pass is bound by the host and
+    slower than both (docs/benchmarks.md, Chunked prefill and interference)."""
     asked = runner.engine.mixed_batch
     if asked is not None:
         return None if asked else 0
@@ -565,7 +563,7 @@ class Scheduler:
         if request.params.prompt_logprobs is not None:
             return None
         ids = request.prompt_token_ids
-        return next((s for s in self.running if not s.aborted and not s.preemptions
+        return next((s for s in self.running if not s.preemptions
                      and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
 
     def _decode(self) -> None:

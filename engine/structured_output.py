@@ -222,7 +222,6 @@ class GrammarBackend:
         if tokenizer is None:
             from engine.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(source.model, source.is_preset)
-        self.source = source
         self.info = tokenizer_info(tokenizer, source)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILER_THREADS, cache_enabled=False)
         self.cache: OrderedDict[str, object] = OrderedDict()

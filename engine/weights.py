@@ -10,7 +10,6 @@ import os
 
 import torch
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"

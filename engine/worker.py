@@ -22,16 +22,20 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-# A thread holding the GIL hands it over within this many seconds when another asks (Python's default
-# 5 ms held a finished request's token in the output queue's feeder thread while the scheduler filled
-# the prefix cache: "back" 4-6 ms at 128K tokens on one H200). Set in the workers and the server.
+# A thread holding the GIL hands it over within this many seconds when another asks: Python's default (5 ms)
+# holds a finished request's token in the output queue's feeder thread while the scheduler fills the prefix
+# cache, a delay on every first token (docs/benchmarks.md, HTTP overhead). Set in the workers and the server.
 GIL_SWITCH_INTERVAL = 0.001
-PROFILE_ENV = "BURSTSERVE_PROFILE_SCHEDULER"     # a file: worker 0's scheduler loop runs under cProfile (profiled)
+# Operator's profiling switch: a file path; worker 0's scheduler loop runs under cProfile and its stats are
+# written there at shutdown (profiled; scripts/gpu_scheduler_profile.py reads them)
+PROFILE_ENV = "BURSTSERVE_PROFILE_SCHEDULER"
 
 
 def worker_main(rank: int, engine: EngineConfig, init_method: str | None, requests, outputs, pipes=None) -> None:
     """Entry point of worker `rank`. init_method None: read the rendezvous from the environment. pipes
     (every worker on one host): worker 0's write ends (a list), another worker's read end; None: gloo."""
+    # the workers' log level: `serve --log-level` sets BURSTSERVE_LOG_LEVEL (server/cli.py) so spawned workers
+    # log as the server does; set by hand for an offline LLM (default WARNING)
     logging.basicConfig(level=os.environ.get("BURSTSERVE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
@@ -81,8 +85,8 @@ def profiled(run, path: str | None) -> None:
 
 def freeze_heap() -> None:
     """After start-up: every object alive (torch, the model, its kernels: ~400K) moves to the collector's
-    permanent generation, never walked again. A full collection of them took 185 ms on a 2-core
-    machine: a stall inside a prefill or between two tokens (vLLM and SGLang freeze theirs too)."""
+    permanent generation, never walked again. A full collection walks them all: a stall of a hundred
+    milliseconds or more inside a prefill or between two tokens (vLLM and SGLang freeze theirs too)."""
     gc.collect()
     gc.freeze()
 

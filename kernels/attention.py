@@ -52,8 +52,8 @@ def _flash_aten(q, k, v, causal, scale):
 
 
 def _flash_cpu(q, k, v, causal, scale):
-    """PyTorch's CPU flash attention (blocked, multi-threaded, no score matrix): 20x the reference on a
-    causal 8K block (tiny's shapes, 2 cores). It wants as many K/V heads as query heads: GQA repeats
+    """PyTorch's CPU flash attention (blocked, multi-threaded, no score matrix): an order of magnitude
+    faster than the reference on a long causal block. It wants as many K/V heads as query heads: GQA repeats
     them (query head j reads K/V head j // group, as the reference)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -82,11 +82,11 @@ _FA4_DIRECT = [True]     # False once flash-attn-4's private forward refused our
 
 def fa4_forward(q, k, v, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """flash-attn-4's forward with LSE -> (out, lse), called as `flash_attn.cute.interface._flash_attn_fwd`
-    without the autograd Function and the wrappers of the public functions around it: 95 against 142 us of
-    host time for a 256 x 256 ring block, 109 against 156 for a paged call (one H200,
-    scripts/gpu_fa4_host.py), which counts where a small chunk is bound by the host. kwargs are the
-    public functions' own (softmax_scale, causal; cu_seqlens_q, seqused_k, page_table, max_seqlen_q);
-    a flash-attn-4 whose private function is gone or takes other arguments gets the public ones."""
+    without the autograd Function and the wrappers of the public functions around it: a third less host
+    time a call, which counts where a small chunk is bound by the host (docs/benchmarks.md, Kernels).
+    kwargs are the public functions' own (softmax_scale, causal; cu_seqlens_q, seqused_k, page_table,
+    max_seqlen_q); a flash-attn-4 whose private function is gone or takes other arguments gets the
+    public ones."""
     if _FA4_DIRECT[0]:
         try:
             from flash_attn.cute.interface import _flash_attn_fwd
@@ -138,8 +138,8 @@ def enable_fa4_compile_cache() -> None:
 
 
 def available_backends(device: torch.device) -> list[str]:
-    """Backends that may run on this device, fastest first: flash-attn-4 on SM90+ (measured
-    1.1-1.5x cuDNN on H200), then cuDNN, flash_attn 2.x if installed, PyTorch's FA2."""
+    """Backends that may run on this device, fastest first (docs/benchmarks.md, Kernels): flash-attn-4 on
+    SM90+, then cuDNN, flash_attn 2.x if installed, PyTorch's FA2."""
     if device.type != "cuda":
         return ["flash", "reference"]
     names = []

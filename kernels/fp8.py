@@ -18,7 +18,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
 MIN_SCALE = 1e-12                  # an all-zero row's scale (its values stay 0)
 QUANTIZATIONS = ("none", "fp8")
-FP8_UNFUSED_ENV = "BURSTSERVE_FP8_UNFUSED"   # "1": activations quantized by their own kernel (A/B benchmarks)
 
 
 @dataclass

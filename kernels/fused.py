@@ -9,16 +9,14 @@
     merge_(out, lse, block_out, block_lse)                           a partial attention result absorbed
                                                                      in place (kernels/merge.py's merge_into)
 
-A decode step of an 8B model spends as much GPU time on these as on its weights' GEMMs when each is
-a chain of torch ops (measured on an H200, llama3-8b, 8K context: 41 kernels a layer, 2.0 of 6.7 ms
-outside the GEMMs and attention; scripts/gpu_decode_profile.py). The Triton kernels round where the
-torch ops round (bf16 after each product and sum, as transformers' LLaMA does), so they agree with
-the torch path to fp32 summation order. Off with BURSTSERVE_FUSED_TRITON=0; a kernel that fails to
-build or launch logs once and the torch ops serve from then on.
+A decode step of an 8B model spends a large share of its GPU time on these when each is a chain of
+torch ops (41 kernels a layer at llama3-8b's shapes, against 13-15 fused).
+The Triton kernels round where the torch ops round (bf16 after each product and sum, as transformers'
+LLaMA does), so they agree with the torch path to fp32 summation order. The torch ops are the path off
+CUDA; on CUDA a kernel that fails to build or launch logs once and the torch ops serve from then on.
 """
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from kernels.merge import merge_into
 
 log = logging.getLogger(__name__)
-_TRITON = os.environ.get("BURSTSERVE_FUSED_TRITON", "1") != "0"
+_TRITON = True   # cleared by _failed (the torch ops for good); the GPU tests clear it to run the torch ops
 tl = None   # triton.language, bound by _build (the kernels resolve it as a global)
 
 

@@ -12,7 +12,7 @@ sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and 
 
 rows_see_keys: the caller guarantees every query row sees at least one key (causal: seq_lens_k >= q_len
 for every sequence; not causal: seq_lens_k > 0), so the flash-attn-4 path skips finding and zeroing rows
-without keys (about 12 small kernels a call: a 256-token chunk's extend was host-bound, one H200).
+without keys (about 12 small kernels a call, which a small chunk's extend, bound by the host, pays per layer).
 
 max_seqlen_q (flash-attn's name; optional, host-known): the largest q_len in the batch. With
 max_seqlen_q == 1 and total_q == B every sequence has exactly one new token (decode), so
@@ -39,7 +39,6 @@ Backends, chosen by device:
 """
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +76,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
 
 # ---------------------------------------------------------------- gathered (reference, dense fallback)
 
-def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn,
-              max_seqlen_q=None, rows_see_keys=False):
+def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn, max_seqlen_q=None):
     total_q, h, d = q.shape
     bs = k_cache.shape[1]
     out = torch.zeros(total_q, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
@@ -178,8 +176,8 @@ def guarded_table(table: torch.Tensor) -> torch.Tensor:
     flash-attn-4 4.0.0b36 (SM90, TMA paged path: page size == its key tile) reads page_table[b, -1]
     for a row b with no keys (n_block_max - 1 = -1; the loaded tile is all out of bounds, so the
     value does not matter); for row 0 that is the int32 before the table: outside any allocation
-    when the table starts a memory segment, an illegal memory access (seen 2026-11-23 on an H200
-    while warming up the decode graphs: every row of a padding batch has no keys). A table that is
+    when the table starts a memory segment, an illegal memory access (the decode graphs' warm-up hits
+    it: every row of a padding batch has no keys). A table that is
     a view with an offset into its storage is returned as it is (callers that run many layers build
     it so once: engine.model_runner); else it is copied after one zero entry (1 kernel)."""
     if table.storage_offset() > 0 and table.is_contiguous():
@@ -248,7 +246,6 @@ def _fa4_split(q, k_cache, v_cache, table, visible, scale, c):
 MIN_RUN_KEYS = 32768     # a run of the cached prefix covers at least this many keys (below: host time > gain)
 MAX_RUNS = 8
 WAVE_SLACK = 0.05        # runs_filling_waves: a run more only for 5 points more of the SMs' waves busy
-ONE_WAVE_ENV = "BURSTSERVE_RUNS_ONE_WAVE"
 
 
 @dataclass
@@ -264,9 +261,9 @@ class PrefixRuns:
 
 def prefix_run_count(rows: int, q_per_kv: int, num_kv_heads: int, cached: int, num_sms: int) -> int:
     """Runs for a chunk of `rows` queries against `cached` keys: enough to fill the SMs (the kernel runs one
-    CTA per 128 packed query rows per kv head: 256 new tokens of llama3-8b make 64 CTAs on 132 SMs, and
-    ran their attention to 128K cached keys at 341-359 TFLOP/s against 678 for 512; split 2 ways the
-    same call ran 0.87-0.93 ms against 1.53-1.61, one H200, 2026-11-23), each at least MIN_RUN_KEYS."""
+    CTA per 128 packed query rows per kv head: 256 new tokens of llama3-8b make 64 CTAs on 132 SMs, over
+    half of them idle, and split 2 ways the same call takes little more than half the time:
+    docs/benchmarks.md, Kernels), each at least MIN_RUN_KEYS."""
     limit = max(1, min(cached // MIN_RUN_KEYS, MAX_RUNS))
     return runs_filling_waves(attention_ctas(rows, q_per_kv, num_kv_heads), num_sms, limit)
 
@@ -281,11 +278,8 @@ def runs_filling_waves(ctas: int, num_sms: int, limit: int) -> int:
     """The runs r (1..limit) whose ctas x r CTAs keep the SMs busiest over whole waves: a grid that is not
     a multiple of the SMs leaves its last wave partly idle (llama3-8b on 132 SMs: 384 new tokens make 96
     CTAs, 73% of one wave, 4 runs 384 CTAs, 97% of 3; 640 tokens 160 CTAs, 61% of 2 waves, 4 runs 97%).
-    The fewest runs within WAVE_SLACK of the best: each run adds a partial to merge. ONE_WAVE_ENV=1: the
-    rule before (runs only while one wave is not full), for the benchmarks' A/B."""
-    if os.environ.get(ONE_WAVE_ENV) == "1":
-        return max(1, min(num_sms // max(ctas, 1), limit))
-
+    The fewest runs within WAVE_SLACK of the best: each run adds a partial to merge. Filling whole waves,
+    not just one, is what makes mid-sized chunks cheaper (docs/benchmarks.md, Kernels)."""
     def busy(r: int) -> float:
         grid = ctas * r
         return grid / (-(-grid // num_sms) * num_sms)
@@ -407,8 +401,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype,
     one gathered buffer) -> (out [R, H, D] in dtype, lse [R, H] fp32), merged by LSE in fp32; a partial
     with lse -inf weighs 0. used [P] int32 (optional, on the device): partial p weighs 0 where used[p] == 0,
     whatever it holds (a kernel's output for a run without keys is never read). One Triton kernel on
-    CUDA (the split path's merge), else kernels.merge.merge_stacked (15 small kernels, 288 us of host
-    time per call measured beside an all-gather, one H200)."""
+    CUDA (the split path's merge), else kernels.merge.merge_stacked (15 small kernels, several times the
+    host time of the one kernel: docs/benchmarks.md, Kernels)."""
     kern = _triton_kernels(outs.device)
     if kern is not None:
         try:
@@ -422,9 +416,10 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype,
     return o.to(dtype), l
 
 
-# Triton: two small kernels replacing ~16 torch ops on the split path. Off with BURSTSERVE_SPLIT_TRITON=0;
-# any failure to build, compile or launch logs once and falls back to the torch ops for good.
-_SPLIT_TRITON = os.environ.get("BURSTSERVE_SPLIT_TRITON", "1") != "0"
+# Triton on CUDA: two small kernels replacing ~16 torch ops on the split path (docs/benchmarks.md, Kernels).
+# Any failure to build, compile or launch logs once and clears this flag: the torch ops serve for good (they
+# are the CPU's path too; the GPU tests clear it to check them).
+_SPLIT_TRITON = True
 tl = None   # triton.language, bound by _build_triton_kernels (its kernels resolve it as a global)
 
 

@@ -15,7 +15,6 @@ import torch
 from engine.devices import host_to_device
 from kernels.fused import store_kv
 
-SCRATCH_PAGE = 0
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
 

@@ -75,11 +75,8 @@ class PrefixCache:
     def _indexed_keys(self, tokens: list[int], limit: int) -> list[int]:
         """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that
         shares a longer prefix holds every shorter one's key too, so a miss costs one block's hash, not
-        the prompt's (4 ms at 128K tokens)."""
+        the whole prompt's."""
         return list(itertools.takewhile(self.index.__contains__, chain(tokens, limit)))
-
-    def oldest(self) -> int:
-        return next(iter(self.entries))
 
     def lookup(self, prompt: list[int]) -> tuple[int, int] | None:
         """(entry, L): the entry sharing the longest prefix with the prompt and that prefix's length, at

@@ -7,12 +7,13 @@
 On a GPU the pool gets what is left of U x total memory after what is in use (weights, the CUDA
 context, other processes) and a reserve for the activations of the longest prefill a worker can
 run: a prefill of T tokens on one worker needs about T x `activation_bytes_per_token` besides its
-K/V (measured: burst on 4 H200 at 256K, llama3-8b, 33.4 GiB peak = 16 weights + 8 KV + 9.4 for
-64K tokens, ~150 KB a token; the estimate below gives 160 KB). The longest prefill is the prompt a
-worker's pool could hold, or max_model_len's share when that is shorter; with chunked prefill
-(--max-num-batched-tokens) on flash-attn-4, one chunk's tokens (prefill_rows_reserved): the KV pool
-then takes nearly all the memory, and a prompt several times longer fits (llama3-8b on one H200:
-about 880K tokens of KV instead of 400K, by tests/engine/test_sizing.py's arithmetic).
+K/V (the estimate below is a little above a measured prefill's peak, so the reserve errs on the safe
+side: docs/results/log.md, Prefill: time to first token, `llama3-8b` preset, every strategy on 4 GPUs
+(bf16, batch 1), its peak GiB/GPU column). The longest prefill is the prompt a worker's pool could hold,
+or max_model_len's share when that is shorter; with chunked prefill (--max-num-batched-tokens) on
+flash-attn-4, one chunk's tokens (prefill_rows_reserved): the KV pool then takes nearly all the memory,
+and a prompt several times longer fits (tests/engine/test_sizing.py's arithmetic; docs/benchmarks.md,
+Capacity: the longest prompt on one GPU).
 """
 from engine.config import ModelConfig
 

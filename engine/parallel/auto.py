@@ -1,9 +1,9 @@
 """auto: the prefill strategy chosen per prompt.
 
-ulysses on short prompts (it has no per-ring-step cost; measured 2x faster than burst at 4K on 4
-H200s) and burst on long ones, or burst whenever the workers do not divide the query heads. Both
-keep the same zigzag KV layout (this strategy's shards), so decoding does not care; each prefill
-reports the name of the one that ran it.
+ulysses on short prompts (it has no per-ring-step cost, so it is the faster of the two there:
+docs/benchmarks.md, Prefill: time to first token by strategy and GPU count) and burst on long ones, or
+burst whenever the workers do not divide the query heads. Both keep the same zigzag KV layout (this
+strategy's shards), so decoding does not care; each prefill reports the name of the one that ran it.
 """
 from engine.parallel.burst_attention import BurstStrategy
 from engine.parallel.sharding import Shard

@@ -9,7 +9,7 @@ exposed time). The share hidden is judged against the exchanges' time alone (see
 engine/parallel/exchange_time.py), since overlap itself stretches a transfer.
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

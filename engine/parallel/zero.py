@@ -92,7 +92,9 @@ def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
     return torch.tensor(gate + [g + per for g in gate], dtype=torch.int64)
 
 
-GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"   # "data": the layer gathers on the data group
+# Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no
+# overlap), should a GPU hang with two NCCL communicators in flight (see LayerGather.__init__); default "own"
+GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"
 
 
 class LayerGather:

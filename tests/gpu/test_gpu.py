@@ -611,11 +611,11 @@ def test_fp8_row_quantization_kernel_matches_the_torch_ops(k):
     assert (back[3] == 0).all() and not torch.isnan(back).any()
 
 
-def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf16_checkpoint, monkeypatch):
+def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf16_checkpoint):
     """kernels/fp8.py's rms_norm_rows and silu_and_mul_rows (the norm or silu and the per-token FP8
     quantization in one Triton kernel) give the bits of the bf16 kernel then quantize_fp8_rows, at
-    llama3-8b's widths; so a whole FP8 model's logits are the same bits with them as without
-    (FP8_UNFUSED_ENV=1)."""
+    llama3-8b's widths; so a whole FP8 model's logits are the same bits with them (fp8_rows, the
+    default) as with the two steps (the path tp-v3's gathered rows take)."""
     from engine.config import load_model_config
     from engine.model import LlamaModel, hf_weight_shapes
     from engine.weights import load_weights
@@ -643,15 +643,15 @@ def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf
     backend = select_backend(dev, torch.bfloat16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "auto")
     ids = torch.randint(0, 2000, (777,), device=dev)
     attend = lambda layer, q, k, v: backend(q, k, v, True, cfg.head_dim ** -0.5)[0]    # noqa: E731
+    m = LlamaModel(cfg, load_weights(path, list(hf_weight_shapes(cfg)), dev, torch.bfloat16), dev,
+                   quantization="fp8")
+    assert m.fp8_rows
     logits = {}
-    for unfused in ("0", "1"):
-        monkeypatch.setenv(fp8.FP8_UNFUSED_ENV, unfused)
-        m = LlamaModel(cfg, load_weights(path, list(hf_weight_shapes(cfg)), dev, torch.bfloat16), dev,
-                       quantization="fp8")
-        assert m.fp8_rows == (unfused == "0")
+    for rows in (True, False):
+        m.fp8_rows = rows
         with torch.inference_mode():
-            logits[unfused] = m.logits(m.forward(ids, torch.arange(777, device=dev), attend))
-    assert torch.equal(logits["0"], logits["1"])
+            logits[rows] = m.logits(m.forward(ids, torch.arange(777, device=dev), attend))
+    assert torch.equal(logits[True], logits[False])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

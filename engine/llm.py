@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.cluster import ClusterConfig, Head
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, context_limit, resolve_model
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput

@@ -197,8 +197,8 @@ def test_a_short_request_goes_before_the_next_chunk_of_a_long_prompt(checkpoint)
 
 def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
     """An unreachable --itl-target-ms: while a request decodes, the long prompt's chunks are the floor
-    (engine.chunk_sizer.MIN_CHUNK); alone, the largest. Chunks of any size give transformers' tokens."""
-    from engine.chunk_sizer import MIN_CHUNK
+    (engine.chunk_sizer.MIN_CHUNK_CPU on CPU); alone, the largest. Chunks of any size give transformers' tokens."""
+    from engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU
     path, model = checkpoint
     vocab = model.config.vocab_size
     long = [random.randrange(vocab) for _ in range(3 * MIN_CHUNK + 100)]
@@ -213,7 +213,7 @@ def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
         assert alone.metrics.prefill_stats["largest_chunk"] == 2 * MIN_CHUNK
         outs = llm.generate([short, long], [busy, params])
         stats = outs[1].metrics.prefill_stats
-        assert stats["largest_chunk"] == MIN_CHUNK and stats["chunks"] == 4, stats
+        assert stats["largest_chunk"] == MIN_CHUNK_CPU and stats["chunks"] == -(-len(long) // MIN_CHUNK_CPU), stats
         ref_logits, ref_tokens = hf_next_logits_and_greedy(model, long, NUM_TOKENS)
         assert outs[1].outputs[0].token_ids == ref_tokens == alone.outputs[0].token_ids
 

@@ -12,6 +12,11 @@ KINDS = ["llama-mha", "llama3-gqa", "qwen2"]
 NUM_TOKENS = 32
 
 
+# Chunked prefill off: each prompt is prefilled whole by the strategy under test (with it on, a prompt that
+# arrives while others decode may be chunked, its later chunks run as incremental prefills).
+WHOLE = dict(enable_chunked_prefill=False)
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
@@ -57,7 +62,7 @@ def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, st
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     options = ({"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 500} if strategy == "burst-zero-sliced"
                else {"sp_strategy": strategy})
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", **options) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", **WHOLE, **options) as llm:
         outputs = llm.generate(prompts, params)
         ways = [o.metrics.prefill_stats.get("strategy") for o in outputs]
         if strategy == "burst-zero-sliced":

@@ -7,6 +7,11 @@ from engine import LLM, InvalidRequestError, SamplingParams
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint
 
 
+# Chunked prefill off: each prompt is prefilled whole by the strategy under test (with it on, a prompt that
+# arrives while others decode may be chunked, its later chunks run as incremental prefills).
+WHOLE = dict(enable_chunked_prefill=False)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("strategies"))
@@ -24,7 +29,7 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
     prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
     options = ({"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 1000} if strategy == "burst-zero-sliced"
                else {"sp_strategy": strategy})
-    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", **options) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", **WHOLE, **options) as llm:
         assert llm.engine.world_size == (1 if strategy == "single" else workers)
         outs = llm.generate(prompts + prompts[-1:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert outs[-1].metrics.prefill_stats.get("shared_prefill")   # the repeated prompt forks the K/V
@@ -43,7 +48,7 @@ def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(che
     monkeypatch.setenv(GATHER_GROUP_ENV, "data")
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 300)]
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy="burst-zero",
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", **WHOLE, sp_strategy="burst-zero",
              zero_sliced_max_tokens=0) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
@@ -102,7 +107,7 @@ def test_cqs_plan_computes_every_block_once(workers):
 def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint):
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (3, 40, 41, 300)]
-    with LLM(path, devices="cpu", context_parallel_size=4, dtype="float32", sp_strategy="auto",
+    with LLM(path, devices="cpu", context_parallel_size=4, dtype="float32", **WHOLE, sp_strategy="auto",
              auto_ulysses_max_tokens=40) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
@@ -111,7 +116,7 @@ def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
             assert out.outputs[0].token_ids == ref_tokens, len(prompt)
     # 3 workers do not divide the heads
-    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", sp_strategy="auto") as llm:
+    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", **WHOLE, sp_strategy="auto") as llm:
         out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
         assert out.metrics.prefill_stats["strategy"] == "burst"
     with pytest.raises(InvalidRequestError, match="auto_ulysses_max_tokens"):

@@ -1,6 +1,6 @@
 """How worker 0 tells the other workers what to run: the control plane (the data plane is NCCL / gloo).
 
-Every call is (method name, arguments), pickled once by worker 0 and run by every worker in the same
+Every call is one message (engine/calls.py), pickled once by worker 0 and run by every worker in the same
 order. Two ways to carry it:
 - `PipeControl` (every worker on worker 0's host, started by `LLM`): one OS pipe to each other worker.
   Worker 0 writes and goes on at once (the pipe buffers; a message larger than the buffer is written while
@@ -30,13 +30,13 @@ class GlooControl:
     def __init__(self, group):
         self.group = group
 
-    def send(self, name: str, args: tuple) -> None:
-        dist.broadcast_object_list([name, args], src=0, group=self.group)
+    def send(self, message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
 
-    def receive(self) -> tuple[str, tuple]:
-        message = [None, None]
+    def receive(self):
+        message = [None]
         dist.broadcast_object_list(message, src=0, group=self.group)
-        return message[0], message[1]
+        return message[0]
 
 
 class PipeControl:
@@ -45,12 +45,12 @@ class PipeControl:
     def __init__(self, writers=None, reader=None):
         self.writers, self.reader = writers or [], reader
 
-    def send(self, name: str, args: tuple) -> None:
-        data = dumps((name, args))
+    def send(self, message) -> None:
+        data = dumps(message)
         for w in self.writers:
             w.send_bytes(data)
 
-    def receive(self) -> tuple[str, tuple]:
+    def receive(self):
         return pickle.loads(self.reader.recv_bytes())
 
 

@@ -34,6 +34,8 @@ from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_
 from engine.helix_decode import HelixDecodeAttention
 from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
 from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
+from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, Prefill,
+                          PrefillResult, Reinstate, Retire, Truncate)
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
@@ -122,10 +124,11 @@ class ModelRunner:
                  self.block_size, self.pool.bytes() / 2**30, "in CUDA graphs" if self.graphs else "eager")
 
     @torch.inference_mode()
-    def prefill(self, seq_id: int, token_ids: torch.Tensor, prompt_logprobs: int | None = None) -> dict:
-        """token_ids [N] int64 (CPU). Returns on worker 0: logits [V] (CPU fp32), timings, and with
+    def prefill(self, call: Prefill) -> PrefillResult:
+        """call.token_ids [N] int64 (CPU). Returns timings, and on worker 0 the logits [V] (CPU fp32) and with
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
+        seq_id, token_ids, prompt_logprobs = call.seq_id, call.token_ids, call.prompt_logprobs
         if prompt_logprobs is None and token_ids.shape[0] <= self.sliced_max_tokens:
             return self._prefill_on_slices(seq_id, token_ids, entered)
         shards = self.strategy.shards(token_ids.shape[0])
@@ -161,26 +164,26 @@ class ModelRunner:
         stats = self.ring.collect_stats() if self.ring else None
         self._sync()
         end = time.perf_counter()
-        result = {"prefill_seconds": end - start, "strategy": chosen.name, "setup_seconds": start - entered}
+        result = PrefillResult(end - start, chosen.name, setup_seconds=start - entered)
         if stats is not None:
-            result.update(exposed_seconds=stats.exposed_seconds, exchange_overlapped_seconds=stats.exchange_seconds)
+            result.exposed_seconds, result.exchange_overlapped_seconds = stats.exposed_seconds, stats.exchange_seconds
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
             share = 1.0 - stats.exposed_seconds / exchange_alone
-            result.update(exchange_seconds=exchange_alone, hidden_fraction=min(1.0, max(0.0, share)))
+            result.exchange_seconds, result.hidden_fraction = exchange_alone, min(1.0, max(0.0, share))
         if self.device.type == "cuda":
-            result["peak_memory_bytes"] = self._peak_memory_all_workers()
+            result.peak_memory_bytes = self._peak_memory_all_workers()
         if self.rank == 0:
-            result["logits"] = logits.cpu()
+            result.logits = logits.cpu()
         if prompt_logprobs is not None:
             if seq_parallel:                                            # every row on every worker, as tp
                 hidden, positions = seq_parallel.gather(hidden)[:n], positions[:n]
             entries = self._prompt_logprobs(hidden, positions, token_ids, prompt_logprobs)
             if self.rank == 0:
-                result["prompt_logprobs"] = entries
-        result["wrapup_seconds"] = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
+                result.prompt_logprobs = entries
+        result.wrapup_seconds = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
         return result
 
-    def _prefill_on_slices(self, seq_id: int, token_ids: torch.Tensor, entered: float) -> dict:
+    def _prefill_on_slices(self, seq_id: int, token_ids: torch.Tensor, entered: float) -> PrefillResult:
         """burst-zero, a short prompt: every worker runs all of it through its weight slices (tensor parallel),
         the K/V left in burst's layout (engine/parallel/zero_sliced.py). Returns as prefill does."""
         n = token_ids.shape[0]
@@ -198,12 +201,12 @@ class ModelRunner:
         logits = self.model.logits(hidden[-1:])[0]                               # [V], on every worker
         self._sync()
         end = time.perf_counter()
-        result = {"prefill_seconds": end - start, "strategy": SLICED, "setup_seconds": start - entered}
+        result = PrefillResult(end - start, SLICED, setup_seconds=start - entered)
         if self.device.type == "cuda":
-            result["peak_memory_bytes"] = self._peak_memory_all_workers()
+            result.peak_memory_bytes = self._peak_memory_all_workers()
         if self.rank == 0:
-            result["logits"] = logits.cpu()
-        result["wrapup_seconds"] = time.perf_counter() - end
+            result.logits = logits.cpu()
+        result.wrapup_seconds = time.perf_counter() - end
         return result
 
     def _sliced_max_tokens(self) -> int:
@@ -226,20 +229,21 @@ class ModelRunner:
         return limit
 
     @torch.inference_mode()
-    def extend(self, seq_id: int, token_ids: torch.Tensor, start: int) -> dict:
+    def extend(self, call: Extend) -> PrefillResult:
         """An incremental prefill: token_ids [n] int64 (CPU) are the sequence's tokens start .. start+n-1,
         after the `start` already in the cache (a chunked prefill's next chunk, or a prompt beyond its
         cached prefix), in one of three ways (engine/extend_attention.py, chosen by _extend_way): "local"
         (one worker, or replicated K/V), "whole" (every worker runs the n tokens, one keeps their K/V) or
         "ring" (sharded over the workers, the K/V ring among them, their queries passed to the cache).
-        Returns on worker 0: logits [V] of the last token (CPU fp32) and timings."""
+        Returns timings, and on worker 0 the logits [V] of the last token (CPU fp32)."""
+        seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
         self._sync()
         start_time = time.perf_counter()
         placed = self._place_extend(seq_id, token_ids.shape[0], start)
         if self._graphed_extend(placed):
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
-            return {**self._extend_result(logits, start, start_time, "extend", placed.way), "graphed": True}
+            return self._extend_result(logits, start, start_time, "extend", placed.way, graphed=True)
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed)
         if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
             wrapped = HelixDecodeAttention(attend, self.cfg, self.rank, self.world_size, self.data_group)
@@ -250,15 +254,16 @@ class ModelRunner:
         return self._extend_result(logits, start, start_time, "extend", attend.way)
 
     @torch.inference_mode()
-    def extend_and_decode(self, seq_id: int, token_ids: torch.Tensor, start: int, seq_ids: list[int],
-                          decode_tokens: list[int], decode_positions: list[int],
-                          sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None) -> dict:
+    def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
         """A chunk of a prompt (as `extend`) and one decode step of other sequences (as `decode`) in one
         forward pass (Sarathi's mixed batch): each worker's rows are its share of the chunk followed by the
         B decode tokens, so the weights are read once for both; per layer the chunk's rows attend through
         ExtendAttention and the decode rows through DecodeAttention: one CUDA graph replay where
         engine/extend_graphs.py has one for the chunk's size and way and the batch, else eagerly. Returns
-        `extend`'s result, and on worker 0 under "decode" what `decode` returns."""
+        `extend`'s result, and on worker 0 in its `decode` what `decode` returns."""
+        seq_id, token_ids, start = call.extend.seq_id, call.extend.token_ids, call.extend.start
+        step = call.decode
+        seq_ids, decode_tokens, decode_positions = step.seq_ids, step.token_ids, step.positions
         self._sync()
         start_time = time.perf_counter()
         step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
@@ -267,9 +272,9 @@ class ModelRunner:
             step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = {**self._extend_result(logits, start, start_time, "extend+decode", placed.way), "graphed": True}
+            result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
             if self.rank == 0:
-                result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
+                result.decode = self._sampled(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
@@ -284,7 +289,7 @@ class ModelRunner:
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
         result = self._extend_result(logits, start, start_time, "extend+decode", chunk.way)
         if self.rank == 0:
-            result["decode"] = self._sampled(decode_logits, seq_ids, sampling, host_rows)
+            result.decode = self._sampled(decode_logits, step)
         return result
 
     def _place_extend(self, seq_id: int, num_tokens: int, start: int, reserved: list[int] | None = None) -> "PlacedExtend":
@@ -320,15 +325,16 @@ class ModelRunner:
         last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
-    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str) -> dict:
+    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str,
+                       graphed: bool = False) -> PrefillResult:
         """After an incremental prefill's forward: its timings and way, and on worker 0 the logits (CPU)."""
         if self.ring is not None:
             self.ring.collect_stats()                                    # not reported: a chunk's ring is short
         self._sync()
-        result = {"prefill_seconds": time.perf_counter() - start_time, "strategy": strategy, "cached_tokens": start,
-                  "extend_way": way}
+        result = PrefillResult(time.perf_counter() - start_time, strategy, cached_tokens=start, extend_way=way,
+                               graphed=graphed)
         if self.rank == 0:
-            result["logits"] = logits.cpu()
+            result.logits = logits.cpu()
         return result
 
     def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:
@@ -446,25 +452,28 @@ class ModelRunner:
         return parts
 
     @torch.inference_mode()
-    def decode(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-               sampling: "list[RowSampling] | None" = None, host_rows: list[int] | None = None,
-               fed_from: list[int] | None = None, keep: bool = False):
-        """One new token per sequence. On worker 0: (every row's token: the argmax, or drawn on the device
-        by sampling[row]; logits [len(host_rows), V] CPU fp32 of the rows the host samples (grammars);
-        per row its logprobs dict where sampling asks for them, else None); None elsewhere.
-        Asynchronous scheduling (engine/step_tokens.py): `fed_from` gives per row the row of the previous
-        step (run with `keep`) whose sampled token is its input (token_ids are then unused); with `keep`
-        the step's tokens stay on the device for the next step and worker 0 returns PendingTokens at once
-        (their logprobs with them; no host rows then)."""
-        step_inputs = self._decode_inputs(seq_ids, token_ids, positions)   # [5, B] int64 on the host
-        fed = None if fed_from is None else (self.fed_tokens, host_to_device(torch.tensor(fed_from), self.device))
-        if self.graphs is not None and self.graphs.fits(len(seq_ids)):
-            logits = self.graphs.run(step_inputs, fed)                       # [B, V] fp32
-        else:
-            logits = self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids), fed)
-        if keep:
-            return self._keep_tokens(logits, sampling)
-        return self._sampled(logits, seq_ids, sampling, host_rows) if self.rank == 0 else None
+    def decode(self, call: Decode) -> DecodeResult | None:
+        """One new token per sequence. On worker 0: every row's token (the argmax, or drawn on the device
+        by its RowSampling), the logits of the rows the host samples (grammars), per row its logprobs where
+        asked; None elsewhere. With call.fed_from (asynchronous scheduling, engine/step_tokens.py) a row's
+        input token is the previous step's (a DecodeAhead) on the device."""
+        logits = self._decode_logits(call)                                   # [B, V] fp32
+        return self._sampled(logits, call) if self.rank == 0 else None
+
+    @torch.inference_mode()
+    def decode_ahead(self, call: DecodeAhead) -> "PendingTokens | None":
+        """As decode, but the step's tokens stay on the device for the next step: worker 0 returns
+        PendingTokens at once (their logprobs with them; no host rows)."""
+        return self._keep_tokens(self._decode_logits(call), call.sampling)
+
+    def _decode_logits(self, call: Decode) -> torch.Tensor:
+        """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
+        step_inputs = self._decode_inputs(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
+        fed = (None if call.fed_from is None else
+               (self.fed_tokens, host_to_device(torch.tensor(call.fed_from), self.device)))
+        if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
+            return self.graphs.run(step_inputs, fed)
+        return self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in call.seq_ids), fed)
 
     def _keep_tokens(self, logits: torch.Tensor, sampling: "list[RowSampling] | None") -> "PendingTokens | None":
         """A step's tokens [B] (worker 0 samples them from logits [B, V]) into every worker's fed_tokens, with
@@ -485,22 +494,22 @@ class ModelRunner:
             dist.broadcast(kept, src=self._global_rank(0), group=self.data_group)
         return PendingTokens(kept, logprobs) if self.rank == 0 else None
 
-    def _sampled(self, logits: torch.Tensor, seq_ids: list[int], sampling, host_rows):
+    def _sampled(self, logits: torch.Tensor, call: Decode) -> DecodeResult:
         """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""
+        sampling, host_rows = call.sampling, call.host_rows
         if sampling is None:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = sample_rows(logits, sampling)                           # [B] on the device
-        host_rows = host_rows or []
         logprobs = None
         wanted = [i for i, r in enumerate(sampling or []) if r.logprobs is not None and i not in host_rows]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
             entries = rows_logprobs(logits[rows], tokens[rows], [sampling[i].logprobs for i in wanted])
-            logprobs = [None] * len(seq_ids)
+            logprobs = [None] * len(call.seq_ids)
             for i, entry in zip(wanted, entries):
                 logprobs[i] = entry
-        return tokens.tolist(), (logits[host_rows].cpu() if host_rows else logits[:0].cpu()), logprobs
+        return DecodeResult(tokens.tolist(), logits[host_rows].cpu() if host_rows else logits[:0].cpu(), logprobs)
 
     def _decode_inputs(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
@@ -553,19 +562,20 @@ class ModelRunner:
         return [pages_for(n, self.block_size) for n in tokens]
 
     @torch.inference_mode()
-    def fork(self, source_id: int, seq_id: int) -> None:
+    def fork(self, call: Fork) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
         fill each worker's first slots; what the source decoded since is not copied)."""
+        source_id, seq_id = call.source_id, call.seq_id
         counts = self.ledger.prompt_tokens(source_id)
         self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
         self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
 
     @torch.inference_mode()
-    def adopt(self, source_id: int, seq_id: int, position: int) -> None:
+    def adopt(self, call: Adopt) -> None:
         """A new sequence whose cache starts as a copy of the source's tokens before `position` (a
         cached prefix: on every worker, the source's first slots there, whole pages copied)."""
-        counts = self.ledger.add_prefix_of(source_id, seq_id, position)
-        self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
+        counts = self.ledger.add_prefix_of(call.source_id, call.seq_id, call.position)
+        self.pool.copy_prefix(call.source_id, call.seq_id, counts[self.rank])
 
     def _ranges(self, shards, offset: int) -> list[list[tuple[int, int]]]:
         """By rank, the positions (offset + shard ranges) each worker stores of a prefill or a chunk."""
@@ -576,22 +586,22 @@ class ModelRunner:
         return [[(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
                 for s in shards]
 
-    def retire(self, seq_ids: list[int]) -> None:
+    def retire(self, call: Retire) -> None:
         """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""
-        for s in seq_ids:
+        for s in call.seq_ids:
             self.pool.retire(s)
 
-    def truncate(self, seq_id: int, position: int) -> None:
+    def truncate(self, call: Truncate) -> None:
         """A prefix-cache entry keeps only its tokens before `position` (its tail's pages freed on every worker)."""
-        self.pool.truncate(seq_id, self.ledger.truncate(seq_id, position)[self.rank])
+        self.pool.truncate(call.seq_id, self.ledger.truncate(call.seq_id, call.position)[self.rank])
 
-    def reinstate(self, seq_ids: list[int]) -> None:
+    def reinstate(self, call: Reinstate) -> None:
         """Retired sequences decode again on the pages they kept (a preempted sequence's entry taken back)."""
-        for s in seq_ids:
+        for s in call.seq_ids:
             self.pool.reinstate(s)
 
-    def free(self, seq_ids: list[int]) -> None:
-        for s in seq_ids:
+    def free(self, call: Free) -> None:
+        for s in call.seq_ids:
             self.pool.free(s)
             self.ledger.remove(s)
 

@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 
 from engine.outputs import Request, StepOutput
+from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, Prefill,
+                          PrefillResult, Reinstate, Retire, Truncate)
 from engine.cache.prefix_cache import BLOCK, PrefixCache
 from engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU, ChunkSizer, attention_flop_ratio
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
@@ -288,11 +290,11 @@ class Scheduler:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if enough(mid) else (lo, mid - 1)
         self.prefix_cache.truncate(seq_id, lo * BLOCK)
-        self.call("truncate", seq_id, lo * BLOCK)
+        self.call(Truncate(seq_id, lo * BLOCK))
 
     def _evict(self, seq_id: int) -> None:
         self.prefix_cache.remove(seq_id)
-        self.call("free", [seq_id])
+        self.call(Free([seq_id]))
 
     def _refuse_head(self) -> None:
         """Nothing runs and the first waiting sequence still does not fit: LLM.submit refuses any request
@@ -388,24 +390,23 @@ class Scheduler:
                 self._advance(job, len(request.prompt_token_ids) - cached)
             return
         if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
-            self.call("fork", twin.seq_id, seq.seq_id)
-            logits, result = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}
+            self.call(Fork(twin.seq_id, seq.seq_id))
+            logits, stats, prompt_logprobs = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}, None
         else:
             called = time.perf_counter()
-            result = self.call("prefill", seq.seq_id, token_tensor(request.prompt_token_ids),
-                               request.params.prompt_logprobs)
-            result["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
-            result["queued_seconds"] = queued
+            result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
+            stats = result.stats()
+            stats["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
+            stats["queued_seconds"] = queued
             self._observe(len(request.prompt_token_ids), 0, result)
-            logits = result.pop("logits")
+            logits, prompt_logprobs = result.logits, result.prompt_logprobs
         seq.prompt_logits = logits
-        self._emit(seq, logits, prefill=result, keep_logits=request.return_logits,
-                   prompt_logprobs=result.pop("prompt_logprobs", None))
+        self._emit(seq, logits, prefill=stats, keep_logits=request.return_logits, prompt_logprobs=prompt_logprobs)
 
-    def _observe(self, new_tokens: int, context: int, result: dict) -> None:
+    def _observe(self, new_tokens: int, context: int, result: PrefillResult) -> None:
         """A prefill or extend call's time, for the chunk sizer's cost model."""
         if self.sizer is not None:
-            self.sizer.observe(new_tokens, context, result["prefill_seconds"])
+            self.sizer.observe(new_tokens, context, result.prefill_seconds)
 
     def _chunked(self, request: Request) -> bool:
         """Is this prompt prefilled in chunks (chunked prefill on)? One longer than chunk_tokens
@@ -430,7 +431,7 @@ class Scheduler:
         source, length = hit
         if not self._fits_beside(self.kv.adopt_pages(source, length, len(ids) - length, chunk), keep_entry=source):
             return 0                                     # the copy and its extension do not fit: a prefill, as admitted
-        self.call("adopt", source, seq.seq_id, length)
+        self.call(Adopt(source, seq.seq_id, length))
         return length
 
     def _prefill_chunk(self) -> None:
@@ -473,11 +474,11 @@ class Scheduler:
         return self.sizer.size(job.done, remaining, True, 0.0) if self.sizer else remaining
 
     def _decode_batch(self, batch: list[RunningSequence]) -> None:
-        args = self._decode_args(batch)
+        step = self._decode_call(batch)
         called = time.perf_counter()
-        decoded = self.call("decode", *args)
+        decoded = self.call(step)
         self.step_seconds = time.perf_counter() - called
-        self._finish_decode(batch, args[4], *decoded)
+        self._finish_decode(batch, step.host_rows, decoded)
 
     def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> bool:
         """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
@@ -487,41 +488,41 @@ class Scheduler:
         chunk = token_tensor(ids[job.done:job.done + n])
         called = time.perf_counter()
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
-            result = self.call("prefill", job.seq.seq_id, chunk, None)
+            result = self.call(Prefill(job.seq.seq_id, chunk))
         elif decode is None:
-            result = self.call("extend", job.seq.seq_id, chunk, job.done)
+            result = self.call(Extend(job.seq.seq_id, chunk, job.done))
         else:
-            args = self._decode_args(decode)
-            result = self.call("extend_and_decode", job.seq.seq_id, chunk, job.done, *args)
-            self._finish_decode(decode, args[4], *result.pop("decode"))   # before the prompt joins the running
+            step = self._decode_call(decode)
+            result = self.call(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
+            self._finish_decode(decode, step.host_rows, result.decode)   # before the prompt joins the running
         job.call_seconds += time.perf_counter() - called
         if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
             log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms", n,
-                      job.done, result.get("extend_way", "prefill"), result["prefill_seconds"] * 1e3,
+                      job.done, result.extend_way or "prefill", result.prefill_seconds * 1e3,
                       self.sizer.predict(n, job.done) * 1e3, self.step_seconds * 1e3)
         self._observe(n, job.done, result)
-        job.prefill_seconds += result["prefill_seconds"]
+        job.prefill_seconds += result.prefill_seconds
         job.done += n
         job.chunks += 1
         job.smallest, job.largest = min(job.smallest or n, n), max(job.largest, n)
-        way = result.pop("extend_way", None)
-        if way is not None:
-            job.extend_ways[way] = job.extend_ways.get(way, 0) + 1
-        job.graphed += int(result.pop("graphed", False))
+        if result.extend_way is not None:
+            job.extend_ways[result.extend_way] = job.extend_ways.get(result.extend_way, 0) + 1
+        job.graphed += int(result.graphed)
         job.mixed += int(decode is not None)
         if job.done < len(ids):
             return False
-        logits = result.pop("logits")
+        logits = result.logits
         if job.resumed:                       # its cache is whole again: it samples on, no first-token stats
             self._emit(job.seq, logits)
             return True
-        result.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
+        stats = result.stats()
+        stats.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
                       cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
                       adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
                       extend_ways=dict(job.extend_ways), graphed_extends=job.graphed,
                       mixed_chunks=job.mixed)
         job.seq.prompt_logits = logits
-        self._emit(job.seq, logits, prefill=result, keep_logits=job.seq.request.return_logits)
+        self._emit(job.seq, logits, prefill=stats, keep_logits=job.seq.request.return_logits)
         return True
 
     def _make_room_for_chunk(self, job: "ChunkedPrefill", n: int) -> bool:
@@ -617,7 +618,7 @@ class Scheduler:
         sampling = [row_sampling(s.request.params, len(s.generated) + ahead) for s in batch]
         if all(r.greedy and r.logprobs is None for r in sampling):
             sampling = None                                                  # argmax only
-        pending = self.call("decode", [s.seq_id for s in batch], tokens, positions, sampling, [], fed_from, True)
+        pending = self.call(DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from))
         return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
 
     def _drain(self) -> None:
@@ -646,19 +647,20 @@ class Scheduler:
         self.outputs.put(("outs", outputs))
 
     @staticmethod
-    def _decode_args(batch: list[RunningSequence]) -> tuple:
-        """(seq ids, last tokens, their positions, sampling rules or None for argmax only, host rows)."""
+    def _decode_call(batch: list[RunningSequence]) -> Decode:
+        """The batch's decode step: seq ids, last tokens, their positions, sampling rules (None: argmax only),
+        the rows sampled on the host."""
         tokens = [s.generated[-1] for s in batch]
         positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in batch]
         host_rows = [i for i, s in enumerate(batch) if s.grammar is not None]   # masked on the host
         sampling = [s.sampling() for s in batch]
         if all(r.greedy and r.logprobs is None for r in sampling):
             sampling = None                                                # argmax only
-        return [s.seq_id for s in batch], tokens, positions, sampling, host_rows
+        return Decode([s.seq_id for s in batch], tokens, positions, sampling, host_rows)
 
-    def _finish_decode(self, batch: list[RunningSequence], host_rows: list[int], sampled: list[int],
-                       logits: torch.Tensor, logprobs: list | None) -> None:
+    def _finish_decode(self, batch: list[RunningSequence], host_rows: list[int], decoded: DecodeResult) -> None:
         """Commits a decode step's tokens (grammar rows sampled here from their masked logits)."""
+        sampled, logits, logprobs = decoded.tokens, decoded.host_logits, decoded.logprobs
         masked = {}
         if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
             rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])
@@ -695,10 +697,10 @@ class Scheduler:
         if computed is None:
             computed = seq.request.prompt_token_ids + seq.generated[:-1]
         if self.prefix_cache is not None and computed:
-            self.call("retire", [seq.seq_id])
+            self.call(Retire([seq.seq_id]))
             self.prefix_cache.insert(seq.seq_id, computed)
         else:
-            self.call("free", [seq.seq_id])
+            self.call(Free([seq.seq_id]))
         seq.preemptions += 1
         self.num_preemptions += 1
         self.preempted.append(seq)
@@ -715,7 +717,7 @@ class Scheduler:
         kept = self._kept(seq)
         if kept:                              # it takes back its entry's pages
             self.prefix_cache.remove(seq.seq_id)
-            self.call("reinstate", [seq.seq_id])
+            self.call(Reinstate([seq.seq_id]))
             if kept == len(ids) - 1:          # all of them: it decodes on
                 self.running.append(seq)
                 log.info("request %s resumed on its kept pages", seq.request.request_id)
@@ -728,9 +730,9 @@ class Scheduler:
             self.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
             self._prefill_chunk()
             return
-        result = self.call("prefill", seq.seq_id, token_tensor(ids), None)
+        result = self.call(Prefill(seq.seq_id, token_tensor(ids)))
         self._observe(len(ids), 0, result)
-        self._emit(seq, result.pop("logits"))
+        self._emit(seq, result.logits)
 
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
               keep_logits: bool = False, prompt_logprobs: list | None = None,
@@ -765,14 +767,14 @@ class Scheduler:
         if reason is None:
             self.running.append(seq)
         elif self.prefix_cache is not None and reason != "abort":
-            self.call("retire", [seq.seq_id])
+            self.call(Retire([seq.seq_id]))
             computed = seq.generated if token_computed else seq.generated[:-1]                   # K/V computed
             self.prefix_cache.insert(seq.seq_id, seq.request.prompt_token_ids + computed)
         else:
             self._free([seq])
 
     def _free(self, seqs: list[RunningSequence]) -> None:
-        self.call("free", [s.seq_id for s in seqs])
+        self.call(Free([s.seq_id for s in seqs]))
 
     def _finish_reason(self, seq: RunningSequence, token: int) -> str | None:
         params = seq.request.params

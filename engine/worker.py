@@ -16,6 +16,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, Prefill, Reinstate, Retire,
+                          Shutdown, Truncate)
 from engine.config import EngineConfig, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.model_runner import ModelRunner
@@ -54,7 +56,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         if rank == 0:
             scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, cfg.eos_token_ids, runner)
             profiled(scheduler.run, os.environ.get(PROFILE_ENV))
-            call("shutdown")
+            call(Shutdown())
         else:
             _follow(runner, control)
     except BaseException as e:  # report every failure to the engine before dying: never hang it
@@ -112,22 +114,33 @@ def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_met
     return None, dist.new_group(backend="gloo") if gloo_control else None
 
 
+# One handler per call (engine/calls.py): what each worker runs for it.
+HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndDecode: ModelRunner.extend_and_decode,
+            Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, Fork: ModelRunner.fork,
+            Adopt: ModelRunner.adopt, Truncate: ModelRunner.truncate, Retire: ModelRunner.retire,
+            Reinstate: ModelRunner.reinstate, Free: ModelRunner.free}
+
+
+def run_call(runner: ModelRunner, message):
+    """Runs one call on this worker's runner -> its result (engine/calls.py)."""
+    return HANDLERS[type(message)](runner, message)
+
+
 def _make_call(runner: ModelRunner, control, world_size: int):
-    def call(name: str, *args):
+    """Worker 0's `call(message)`: sent to every other worker, then run here."""
+    def call(message):
         if world_size > 1:
-            control.send(name, args)
-        if name == "shutdown":
+            control.send(message)
+        if isinstance(message, Shutdown):
             return None
-        return getattr(runner, name)(*args)
+        return run_call(runner, message)
     return call
 
 
 def _follow(runner: ModelRunner, control) -> None:
-    while True:
-        name, args = control.receive()
-        if name == "shutdown":
-            return
-        getattr(runner, name)(*args)
+    """Another worker: runs worker 0's calls in order until Shutdown."""
+    while not isinstance(message := control.receive(), Shutdown):
+        run_call(runner, message)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from profile_table import kernel_table
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.calls import Decode, Extend, Prefill
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 CHUNK = int(os.environ.get("CHUNK", "0"))       # > 0: prefill in chunks of CHUNK (the pool sized for them): 512K fits
@@ -24,17 +25,17 @@ if int(os.environ.get("LAYERS", "0")):
 runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
 prompt = torch.randint(0, 250, (ctx,))
 if CHUNK:
-    runner.prefill(0, prompt[:CHUNK])
+    runner.prefill(Prefill(0, prompt[:CHUNK]))
     for start in range(CHUNK, ctx, CHUNK):
-        runner.extend(0, prompt[start:start + CHUNK], start)
+        runner.extend(Extend(0, prompt[start:start + CHUNK], start))
 else:
-    runner.prefill(0, prompt)
+    runner.prefill(Prefill(0, prompt))
 tok, pos = 5, ctx
 
 
 def step():
     global tok, pos
-    greedy = runner.decode([0], [tok], [pos])[0]
+    greedy = runner.decode(Decode([0], [tok], [pos])).tokens
     tok, pos = greedy[0], pos + 1
 
 

@@ -8,6 +8,7 @@ import time
 import torch
 from profile_table import kernel_table
 
+from engine.calls import Decode, Extend, ExtendAndDecode, Prefill
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 
@@ -19,18 +20,18 @@ runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
 prompt = torch.randint(0, 250, (ctx + 65536,))
 streams = list(range(100, 108))
 for s in streams:
-    runner.prefill(s, prompt[:1024])
+    runner.prefill(Prefill(s, prompt[:1024]))
 tokens, positions = [5] * 8, [1024] * 8
 done = 0
 while done < ctx:
-    runner.prefill(2, prompt[:8192]) if done == 0 else runner.extend(2, prompt[done:done + 8192], done)
+    runner.prefill(Prefill(2, prompt[:8192])) if done == 0 else runner.extend(Extend(2, prompt[done:done + 8192], done))
     done += 8192
 
 
 def separate(n):
     global done, positions
-    runner.extend(2, prompt[done:done + n], done)
-    runner.decode(streams, tokens, positions)
+    runner.extend(Extend(2, prompt[done:done + n], done))
+    runner.decode(Decode(streams, tokens, positions))
     done, positions = done + n, [p + 1 for p in positions]
 
 
@@ -47,7 +48,7 @@ def eagerly(fn):
 
 def mixed(n):
     global done, positions
-    runner.extend_and_decode(2, prompt[done:done + n], done, streams, tokens, positions)
+    runner.extend_and_decode(ExtendAndDecode(Extend(2, prompt[done:done + n], done), Decode(streams, tokens, positions)))
     done, positions = done + n, [p + 1 for p in positions]
 
 

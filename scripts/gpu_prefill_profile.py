@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.calls import Free, Prefill
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
 WORLD = int(os.environ.get("CP", "1"))
@@ -96,12 +97,12 @@ def run(rank: int) -> None:
         """-> (wall s, exposed exchange s) of one prefill of the prompt's first n tokens."""
         s = next(seq)
         wall0 = time.perf_counter()
-        result = runner.prefill(s, prompt[:n])
+        result = runner.prefill(Prefill(s, prompt[:n]))
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall0
-        runner.free([s])
-        return wall, result.get("exposed_seconds", 0.0)
+        runner.free(Free([s]))
+        return wall, result.exposed_seconds or 0.0
 
     rows, firsts, tops = [], [], {}
     for n in LENGTHS:

@@ -10,19 +10,20 @@ from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.scheduler import Scheduler
+from engine.worker import run_call
 
 
 def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None):
     """Each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
-    (outputs by request id: lists of StepOutput, the scheduler's calls as (name, args), the scheduler).
+    (outputs by request id: lists of StepOutput, the scheduler's calls (engine/calls.py messages), the scheduler).
     prepare(scheduler): called before it runs (to wrap its methods)."""
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
     calls = []
 
-    def call(name, *args):
-        calls.append((name, args))
-        return getattr(runner, name)(*args)
+    def call(message):
+        calls.append(message)
+        return run_call(runner, message)
 
     requests, outputs = queue.Queue(), queue.Queue()
     scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.calls import Decode, Prefill
 from engine.config import EngineConfig
 from hf_reference import assert_same_greedy, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
@@ -27,7 +28,7 @@ def checkpoint(tmp_path_factory):
 def _serve(path: str, batches: list[list[tuple]], **kw):
     """Worker 0's scheduler in-process over one CPU ModelRunner (the checkpoint, fp32, pages of 4 tokens;
     tests/scheduler_harness.py): batches of (request id, prompt, SamplingParams) -> (outputs by request id,
-    the scheduler's calls as (name, args), the scheduler)."""
+    the scheduler's calls (engine/calls.py), the scheduler)."""
     engine = EngineConfig(model=path, devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8, **kw)
     return serve_in_process(engine, batches)
 
@@ -38,7 +39,7 @@ def _tokens(got: dict) -> dict:
 
 def _ahead(calls) -> int:
     """Decode calls whose input tokens came from the step before, on the device."""
-    return sum(1 for name, args in calls if name == "decode" and len(args) > 5 and args[5] is not None)
+    return sum(1 for c in calls if isinstance(c, Decode) and c.fed_from is not None)
 
 
 def _stopping(prompts: list[list[int]], greedy: dict) -> list[tuple]:
@@ -82,7 +83,7 @@ def test_steps_run_ahead_and_give_the_tokens_of_steps_read_back_first(checkpoint
     got, calls, _ = _serve(path, [batch])
     _assert_alike(model, batch, got, want)
     assert {o.finish_reason for outs in got.values() for o in outs[-1:]} == {"stop", "length"}
-    steps = sum(1 for name, _ in calls if name == "decode")
+    steps = sum(1 for c in calls if isinstance(c, Decode))
     assert _ahead(calls) >= steps // 2, (_ahead(calls), steps)
 
 
@@ -115,7 +116,7 @@ def test_a_stop_tokens_kv_computed_ahead_is_cached_and_reused_as_its_cold_answer
 
 def _seq_of(calls, prompt: list[int]) -> int:
     """The sequence id the scheduler gave the prompt (its prefill call's first argument)."""
-    return next(args[0] for name, args in calls if name == "prefill" and args[1].tolist() == prompt)
+    return next(c.seq_id for c in calls if isinstance(c, Prefill) and c.token_ids.tolist() == prompt)
 
 
 def test_logprobs_come_with_the_tokens_of_steps_run_ahead(checkpoint):
@@ -150,7 +151,7 @@ def test_sampled_and_greedy_requests_on_workers_get_the_tokens_of_sync_schedulin
                              seed=random.randrange(1 << 20), max_tokens=GEN - i, ignore_eos=True)
               for i in range(12)]
     common = dict(devices="cpu", context_parallel_size=workers, dtype="float32", block_size=4,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, enable_chunked_prefill=False)   # chunk sizes follow timings
     with LLM(path, async_scheduling=False, **common) as llm:
         want = llm.generate(prompts, params)
     for i, (p, out) in enumerate(zip(params, want)):      # stops at one of its tokens for half of them

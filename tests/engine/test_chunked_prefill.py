@@ -76,9 +76,11 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
     short = [[random.randrange(vocab) for _ in range(n)] for n in (5, 20, 33)]
     long = [random.randrange(vocab) for _ in range(600)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32") as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32",
+             enable_chunked_prefill=False) as llm:
         solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
-    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=64) as llm:
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", max_num_batched_tokens=64,
+             itl_target_ms=None) as llm:                                   # chunks of 64 whatever the timings
         outs = llm.generate(short + [long], params)
         for prompt, out, want in zip(short + [long], outs, solo):      # or they part at an fp32 near-tie (seen once
             assert_same_greedy(model, prompt, out.outputs[0].token_ids, want, len(prompt))   # in a 2-token cycle)
@@ -105,10 +107,10 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, monkey
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     common = dict(devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
                   sp_strategy=strategy, extend_ring_min_tokens=ring_min)
-    with LLM(path, **common) as llm:
+    with LLM(path, **common, enable_chunked_prefill=False) as llm:
         solo = [o.outputs[0] for o in llm.generate(short + [long], params)]
     for mixed in (True, False):
-        with LLM(path, **common, max_num_batched_tokens=64, mixed_batch=mixed, max_num_seqs=8) as llm:
+        with LLM(path, **common, max_num_batched_tokens=64, itl_target_ms=None, mixed_batch=mixed, max_num_seqs=8) as llm:
             outs = llm.generate(short + [long], params)
         for o, ref in zip(outs, solo):
             assert o.outputs[0].token_ids == ref.token_ids

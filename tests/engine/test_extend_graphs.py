@@ -93,7 +93,7 @@ def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):
     long = [random.randrange(vocab) for _ in range(2400)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     common = dict(devices="cpu", enable_prefix_caching=False, dtype="float32", max_model_len=4096)
-    with LLM(path, **common) as llm:
+    with LLM(path, **common, enable_chunked_prefill=False) as llm:
         solo = [o.outputs[0].token_ids for o in llm.generate(short + [long], params)]
     for graphs in (True, False):
         if graphs:

@@ -5,6 +5,7 @@ Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset,
 call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
 import random
 
+from engine.calls import Adopt, Extend, Prefill, Reinstate, Truncate
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
@@ -16,7 +17,7 @@ GEN = 24
 def _serve(engine: EngineConfig, batches: list[list[tuple]]):
     """Runs worker 0's scheduler over one ModelRunner (tests/scheduler_harness.py); each batch of
     (request id, prompt[, max_tokens]) is submitted when the one before has finished (greedy, GEN tokens
-    unless given) -> (tokens by request id, the scheduler's calls as (name, args), the ids of the
+    unless given) -> (tokens by request id, the scheduler's calls (engine/calls.py), the ids of the
     sequences it preempted, the scheduler)."""
     preempted = []
 
@@ -50,9 +51,9 @@ def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
     got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=160, enable_prefix_caching=False), [batch])
     assert preempted and scheduler.recomputed_tokens > CHUNK, (preempted, scheduler.recomputed_tokens)
     assert got == want
-    sizes = [len(args[1]) for name, args in calls if name in ("prefill", "extend")]
+    sizes = [len(c.token_ids) for c in calls if isinstance(c, (Prefill, Extend))]
     assert max(sizes) <= CHUNK, sizes
-    resumed = {args[0] for name, args in calls if name == "extend"} & set(preempted)
+    resumed = {c.seq_id for c in calls if isinstance(c, Extend)} & set(preempted)
     assert resumed, "no preempted sequence was extended chunk by chunk"
 
 
@@ -68,8 +69,8 @@ def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
     got, calls, preempted, _ = _serve(_engine(kv_cache_tokens=256), batches)
     assert preempted, "the pool was large enough for every question at once"
     assert got == want
-    adopted = {args[1] for name, args in calls if name == "adopt" and args[2] >= len(doc)}
-    reinstated = {args[0][0] for name, args in calls if name == "reinstate"}
+    adopted = {c.seq_id for c in calls if isinstance(c, Adopt) and c.position >= len(doc)}
+    reinstated = {c.seq_ids[0] for c in calls if isinstance(c, Reinstate)}
     assert set(preempted) <= adopted | reinstated, (preempted, adopted, reinstated)
 
 
@@ -87,9 +88,8 @@ def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():
     assert got == want
     assert len(preempted) == 1, preempted
     victim = preempted[0]
-    names = [(name, args) for name, args in calls]
-    reinstated = names.index(("reinstate", ([victim],)))
-    assert any(name == "truncate" and args[0] == victim for name, args in names[:reinstated]), "its tail was not taken"
-    name, args = next((n, a) for n, a in names[reinstated:] if n in ("extend", "prefill") and a[0] == victim)
-    assert name == "extend" and args[2] >= 16, (name, args[2])        # from the tokens it kept
+    reinstated = calls.index(Reinstate([victim]))
+    assert any(isinstance(c, Truncate) and c.seq_id == victim for c in calls[:reinstated]), "its tail was not taken"
+    again = next(c for c in calls[reinstated:] if isinstance(c, (Extend, Prefill)) and c.seq_id == victim)
+    assert isinstance(again, Extend) and again.start >= 16, again      # from the tokens it kept
     assert 0 < scheduler.recomputed_tokens < 40, scheduler.recomputed_tokens   # only the lost tail

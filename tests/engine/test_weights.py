@@ -9,6 +9,7 @@ import torch
 
 from dist_harness import run_on_ranks
 from engine import LLM, EngineDeadError
+from engine.calls import Prefill
 from engine.config import EngineConfig, resolve_model
 from engine.model import hf_weight_shapes
 from engine.parallel import get_strategy
@@ -71,7 +72,7 @@ def _worker_weight_bytes(rank, world_size, path, strategy):
             samples.append((gather.bytes_in_flight(), _tensor_bytes(vars(weights).values())))
             return weights
         gather.layer = layer
-        runner.prefill(0, torch.randint(0, 300, (50,)))
+        runner.prefill(Prefill(0, torch.randint(0, 300, (50,))))
     return held, samples, len(gather._arriving) if gather else 0
 
 

@@ -1,0 +1,136 @@
+"""What worker 0 asks of every worker, one message type per call, and what each call returns.
+
+Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`), `call(message)` sends it over the
+control plane (engine/control.py) and runs it on worker 0's own ModelRunner; every other worker runs the
+same message in the same order (engine/worker.py `run_call`: one handler per type, `HANDLERS`). A handler
+returns its result type on worker 0; elsewhere the result is dropped, so what only worker 0 needs (the
+logits, the sampled tokens) is filled on worker 0 alone.
+"""
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+# ---------------------------------------------------------------- calls
+
+@dataclass
+class Prefill:
+    """A prompt's first prefill by the engine's strategy: its K/V into every worker's pages."""
+    seq_id: int
+    token_ids: torch.Tensor                    # [N] int64, CPU
+    prompt_logprobs: int | None = None         # top k of every prompt position, or None
+
+
+@dataclass
+class Extend:
+    """An incremental prefill: tokens start .. start+n-1 after the `start` already cached (a chunk of a
+    chunked prefill, or a prompt past its cached prefix)."""
+    seq_id: int
+    token_ids: torch.Tensor                    # [n] int64, CPU
+    start: int
+
+
+@dataclass
+class Decode:
+    """One new token for each sequence. With `fed_from` (asynchronous scheduling, engine/step_tokens.py)
+    row i's input token is row fed_from[i]'s sampled token of the step before, on the device (token_ids
+    then unused)."""
+    seq_ids: list[int]
+    token_ids: list[int]
+    positions: list[int]
+    sampling: "list | None" = None             # per row its RowSampling (engine/sampling.py); None: greedy
+    host_rows: list[int] = field(default_factory=list)   # rows sampled on the host (grammars): their logits back
+    fed_from: list[int] | None = None
+
+
+@dataclass
+class DecodeAhead(Decode):
+    """A decode step whose tokens stay on the device for the next step (asynchronous scheduling): worker 0
+    gets PendingTokens at once, read back later. No host rows."""
+
+
+@dataclass
+class ExtendAndDecode:
+    """A chunk (as Extend) and one decode step of other sequences (as Decode) in one forward pass."""
+    extend: Extend
+    decode: Decode
+
+
+@dataclass
+class Fork:
+    """seq_id's cache starts as a copy of source_id's prompt K/V."""
+    source_id: int
+    seq_id: int
+
+
+@dataclass
+class Adopt:
+    """seq_id's cache starts as a copy of source_id's tokens before `position` (a cached prefix)."""
+    source_id: int
+    seq_id: int
+    position: int
+
+
+@dataclass
+class Truncate:
+    """A prefix-cache entry keeps only its tokens before `position`."""
+    seq_id: int
+    position: int
+
+
+@dataclass
+class Retire:
+    """These sequences stop decoding and stay in the cache (prefix-cache entries)."""
+    seq_ids: list[int]
+
+
+@dataclass
+class Reinstate:
+    """Retired sequences decode again on the pages they kept."""
+    seq_ids: list[int]
+
+
+@dataclass
+class Free:
+    seq_ids: list[int]
+
+
+@dataclass
+class Shutdown:
+    """The workers leave their loop."""
+
+
+# ---------------------------------------------------------------- results (on worker 0)
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]                          # every row's token
+    host_logits: torch.Tensor                  # [len(host_rows), V] fp32, CPU
+    logprobs: list | None = None               # per row its logprobs entry where sampling asked, else None
+
+
+@dataclass
+class PrefillResult:
+    """What a Prefill or an Extend (or ExtendAndDecode's chunk) returns: its timings, and on worker 0 the
+    last token's logits. `stats()` is what a request's metrics report (prefill_stats)."""
+    prefill_seconds: float
+    strategy: str                              # the strategy's name; "extend" or "extend+decode" for a chunk
+    setup_seconds: float | None = None
+    wrapup_seconds: float | None = None
+    cached_tokens: int | None = None           # an extend: the tokens before its own
+    exposed_seconds: float | None = None       # the ring's exchanges: compute stalled waiting for them
+    exchange_overlapped_seconds: float | None = None
+    exchange_seconds: float | None = None      # all layers' exchanges alone (arithmetic)
+    hidden_fraction: float | None = None
+    peak_memory_bytes: int | None = None
+    extend_way: str | None = None              # an extend: "local", "whole" or "ring" (engine/extend_attention.py)
+    graphed: bool = False                      # an extend replayed as a CUDA graph
+    logits: torch.Tensor | None = None         # [V] fp32, CPU (worker 0)
+    prompt_logprobs: list | None = None        # (worker 0, when asked)
+    decode: DecodeResult | None = None         # ExtendAndDecode: the decode step's (worker 0)
+
+    def stats(self) -> dict:
+        """The timings and figures as a dict, without the fields that are not figures or were not set."""
+        skip = {"extend_way", "graphed", "logits", "prompt_logprobs", "decode"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in skip and getattr(self, f.name) is not None}

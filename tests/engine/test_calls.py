@@ -1,0 +1,54 @@
+"""engine/calls.py: one message type per call worker 0 makes, each run by one ModelRunner handler that
+takes exactly that type; results as their own types."""
+import dataclasses
+import inspect
+import random
+import typing
+
+import torch
+
+import engine.calls as calls
+from engine.model_runner import ModelRunner
+from engine.worker import HANDLERS, run_call
+
+RESULTS = {calls.PrefillResult, calls.DecodeResult}
+
+
+def _call_types() -> set[type]:
+    return {t for _, t in inspect.getmembers(calls, inspect.isclass)
+            if dataclasses.is_dataclass(t) and t.__module__ == calls.__name__ and t not in RESULTS}
+
+
+def test_every_call_has_one_handler_that_takes_that_type():
+    assert set(HANDLERS) == _call_types() - {calls.Shutdown}
+    for kind, handler in HANDLERS.items():
+        assert handler is getattr(ModelRunner, handler.__name__)
+        hints = typing.get_type_hints(handler, localns=vars(calls))
+        params = list(inspect.signature(handler).parameters)
+        assert params == ["self", "call"], (kind, params)
+        assert hints["call"] is kind, (kind, hints["call"])
+
+
+def test_a_call_reaches_the_handler_of_its_type_with_its_fields(monkeypatch):
+    """run_call dispatches by exact type (a DecodeAhead goes to decode_ahead, not to a Decode's handler), the
+    runner and the message passed whole."""
+    seen = []
+    for kind, handler in list(HANDLERS.items()):
+        monkeypatch.setitem(HANDLERS, kind, lambda runner, message, name=handler.__name__:
+                            seen.append((name, runner, message)) or name)
+    rng = random.Random()
+    ids = torch.randint(0, 100, (rng.randrange(1, 50),))
+    messages = [calls.Prefill(rng.randrange(9), ids), calls.Extend(1, ids, rng.randrange(100)),
+                calls.Decode([1, 2], [3, 4], [5, 6]), calls.DecodeAhead([1], [2], [3], fed_from=[0]),
+                calls.Free([rng.randrange(9)]), calls.Adopt(1, 2, rng.randrange(64))]
+    runner = object()
+    assert [run_call(runner, m) for m in messages] == ["prefill", "extend", "decode", "decode_ahead", "free", "adopt"]
+    assert all(r is runner and got is sent for (_, r, got), sent in zip(seen, messages))
+
+
+def test_a_prefill_result_reports_its_figures_only():
+    seconds = random.random()
+    result = calls.PrefillResult(seconds, "burst", setup_seconds=0.01, cached_tokens=0, extend_way="ring",
+                                 graphed=True, logits=torch.zeros(4), decode=calls.DecodeResult([1], torch.zeros(0, 4)))
+    assert result.stats() == {"prefill_seconds": seconds, "strategy": "burst", "setup_seconds": 0.01,
+                              "cached_tokens": 0}

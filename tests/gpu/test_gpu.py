@@ -570,7 +570,8 @@ def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_c
     runs = {}
     for graphs in (True, False):
         with LLM(path, devices="cuda:0", dtype="bfloat16", quantization="fp8", cuda_graphs=graphs,
-                 enable_prefix_caching=False) as llm:      # next_token_logits: a whole prefill, not a cache hit
+                 enable_prefix_caching=False,      # next_token_logits: a whole prefill, not a cache hit
+                 enable_chunked_prefill=False) as llm:   # chunk sizes follow timings: both runs prefill alike
             runs[graphs] = [o.outputs[0] for o in llm.generate(prompts, params)]
             if graphs:
                 engine_logits = [llm.next_token_logits(p) for p in prompts]

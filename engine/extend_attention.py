@@ -31,6 +31,7 @@ keys cut into runs (kernels.paged_attention.split_prefix_attention), in "local" 
 import torch
 import torch.distributed as dist
 
+from engine.cache.ledger import pages_for
 from engine.cache.page_pool import PagePool
 from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
@@ -57,7 +58,7 @@ class ExtendAttention:
         mine = new_shards[0 if way == "local" else rank].length
         self.keeps_new = way != "ring" and mine > 0           # its paged call covers the new keys, causally
         keys = cached_local + (mine if self.keeps_new else 0)
-        pages = pool.pages[seq_id][:-(-keys // pool.block_size)] if keys else []
+        pages = pool.pages[seq_id][:pages_for(keys, pool.block_size)] if keys else []
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]

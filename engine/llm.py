@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from engine.cache.ledger import pages_for
 from engine.cluster import ClusterConfig, Head
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, context_limit, resolve_model
 from engine.devices import resolve_devices
@@ -33,6 +34,7 @@ from kernels.fp8 import QUANTIZATIONS, quantization_refusal
 from engine.weights import weight_files
 from engine.control import close_parent_ends, make_pipes
 from engine.worker import worker_main
+from kernels.arith import ceil_div
 from kernels.attention import ATTENTION_BACKENDS, backend_refusal
 
 log = logging.getLogger(__name__)
@@ -205,7 +207,7 @@ class LLM:
         tokens go to the worker holding fewest) must fit in that worker's pages."""
         needed = min(prompt_tokens + max_tokens, self.max_model_len)
         info = self.worker_info[0]
-        if -(-self._worker_share(needed) // info["block_size"]) > info["kv_pages_per_worker"]:
+        if pages_for(self._worker_share(needed), info["block_size"]) > info["kv_pages_per_worker"]:
             raise InvalidRequestError(f"the request needs {needed} tokens of KV cache (a prompt of {prompt_tokens} "
                                       f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
                                       f"{self.kv_capacity_tokens} tokens", "max_tokens")
@@ -215,7 +217,7 @@ class LLM:
         even split (decoded tokens go to the worker holding fewest); under tp every worker holds all."""
         info = self.worker_info[0]
         workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]
-        return tokens if workers == 1 else -(-tokens // workers) + 1
+        return tokens if workers == 1 else ceil_div(tokens, workers) + 1
 
     def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
         """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked

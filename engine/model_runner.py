@@ -682,7 +682,7 @@ class ModelRunner:
         m, h, hkv, d = MIN_CHUNK, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim
         q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)
         k, v = (torch.randn(m, hkv, d, device=self.device, dtype=self.dtype) for _ in range(2))
-        pages = [0] * -(-2 * m // self.block_size)                      # the scratch page, 2 m keys' worth
+        pages = [0] * pages_for(2 * m, self.block_size)                      # the scratch page, 2 m keys' worth
         keys = len(pages) * self.block_size
         table = guarded_table(torch.tensor([pages], dtype=torch.int32, device=self.device))
         cu = torch.tensor([0, m], dtype=torch.int32, device=self.device)

@@ -21,6 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels.arith import ceil_div
 from kernels.merge import merge_into
 
 log = logging.getLogger(__name__)
@@ -385,7 +386,7 @@ def _silu_and_mul_triton(kernel, gate_up):
     s, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(s, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inter))
-    kernel[(s, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
+    kernel[(s, ceil_div(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
     return out
 
 

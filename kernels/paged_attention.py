@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.arith import ceil_div
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
                                select_backend)
 from kernels.merge import merge_stacked, merge_stacked_masked
@@ -271,7 +272,7 @@ def prefix_run_count(rows: int, q_per_kv: int, num_kv_heads: int, cached: int, n
 def attention_ctas(rows: int, q_per_kv: int, num_kv_heads: int) -> int:
     """CTAs of flash-attn-4's forward for `rows` queries of one sequence: one per 128 packed query rows
     (the q_per_kv query heads of a KV head packed) per KV head."""
-    return -(-rows * q_per_kv // 128) * num_kv_heads
+    return ceil_div(rows * q_per_kv, 128) * num_kv_heads
 
 
 def runs_filling_waves(ctas: int, num_sms: int, limit: int) -> int:
@@ -282,7 +283,7 @@ def runs_filling_waves(ctas: int, num_sms: int, limit: int) -> int:
     not just one, is what makes mid-sized chunks cheaper (docs/benchmarks.md, Kernels)."""
     def busy(r: int) -> float:
         grid = ctas * r
-        return grid / (-(-grid // num_sms) * num_sms)
+        return grid / (ceil_div(grid, num_sms) * num_sms)
     candidates = range(1, max(limit, 1) + 1)
     best = max(busy(r) for r in candidates)
     return next(r for r in candidates if busy(r) >= best - WAVE_SLACK)
@@ -291,9 +292,9 @@ def runs_filling_waves(ctas: int, num_sms: int, limit: int) -> int:
 def prefix_runs(pages: list[int], cached: int, block_size: int, rows: int, runs: int,
                 device: torch.device) -> PrefixRuns:
     """pages: the sequence's pages in token order (at least ceil(cached / block_size)); cached > 0."""
-    n_pages = -(-cached // block_size)
-    per = -(-n_pages // runs)                                   # pages per run
-    count = -(-n_pages // per)                                  # no empty run
+    n_pages = ceil_div(cached, block_size)
+    per = ceil_div(n_pages, runs)                                   # pages per run
+    count = ceil_div(n_pages, per)                                  # no empty run
     table = torch.zeros(count, per, dtype=torch.int32)
     for j in range(count):
         run = pages[j * per:min((j + 1) * per, n_pages)]
@@ -360,7 +361,7 @@ def _split_inputs(q, visible, table, c, bs):
         except Exception as e:  # compile or launch failure: torch from now on
             _triton_failed(e)
     r, max_blocks = table.shape
-    width = -(-max_blocks // c)                                                     # P
+    width = ceil_div(max_blocks, c)                                                     # P
     n = visible.long()[:, None]                                                     # [R, 1]
     per_chunk = (n + bs - 1).div(bs, rounding_mode="floor").add(c - 1).div(c, rounding_mode="floor")  # p_r [R, 1]
     j = _cached(q.device, ("chunk_index", c), lambda: torch.arange(c, device=q.device))             # [c]
@@ -522,7 +523,7 @@ def _next_pow2(n: int) -> int:
 def _split_inputs_triton(prep, q, visible, table, c, bs):
     r, h, d = q.shape
     max_blocks = table.shape[1]
-    width = -(-max_blocks // c)
+    width = ceil_div(max_blocks, c)
     visible = visible.contiguous()
     if table.stride(1) != 1:
         table = table.contiguous()

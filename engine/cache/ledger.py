@@ -6,6 +6,8 @@ asking them. A worker's tokens of one sequence fill `ceil(tokens / block_size)` 
 """
 from dataclasses import dataclass
 
+from kernels.arith import ceil_div
+
 
 Ranges = list[tuple[int, int]]    # [start, end) position ranges, increasing
 
@@ -36,7 +38,7 @@ def append_range(ranges: Ranges, start: int, end: int) -> None:
 
 
 def pages_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+    return ceil_div(tokens, block_size)
 
 
 class KVLedger:

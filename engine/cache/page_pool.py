@@ -13,6 +13,7 @@ never given out (all scratch: the padding rows of a CUDA graph's batch).
 import torch
 
 from engine.devices import host_to_device
+from engine.cache.ledger import pages_for
 from kernels.fused import store_kv
 
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
@@ -134,7 +135,7 @@ class PagePool:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """A retired sequence keeps its first num_tokens slots; the pages after them go back to the pool."""
         pages = self.pages[seq_id]
-        keep = -(-num_tokens // self.block_size)
+        keep = pages_for(num_tokens, self.block_size)
         self._free.extend(reversed(pages[keep:]))
         del pages[keep:]
         self.lengths[seq_id] = num_tokens
@@ -158,7 +159,7 @@ class PagePool:
 
     def _grow(self, seq_id: int, num_tokens: int) -> None:
         pages = self.pages[seq_id]
-        need = -(-num_tokens // self.block_size) - len(pages)
+        need = pages_for(num_tokens, self.block_size) - len(pages)
         if need > len(self._free):
             raise OutOfPagesError(f"sequence {seq_id} needs {need} more pages, {len(self._free)} are free")
         if len(pages) + need > self.max_pages_per_seq:

@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from engine.decode_attention import all_gather
+from kernels.arith import ceil_div
 
 
 class SequenceParallel:
     def __init__(self, num_tokens: int, rank: int, world_size: int, group=None):
         self.num_tokens, self.rank, self.world_size, self.group = num_tokens, rank, world_size, group
-        self.per_rank = -(-num_tokens // world_size)                # P
+        self.per_rank = ceil_div(num_tokens, world_size)                # P
         self.padded = self.per_rank * world_size                    # G P
 
     def local_ids(self, token_ids: torch.Tensor) -> torch.Tensor:

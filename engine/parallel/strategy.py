@@ -28,6 +28,7 @@ import torch
 from engine.config import ModelConfig
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import Shard, zigzag_shards
+from kernels.arith import ceil_div
 from kernels.attention import AttentionBackend
 
 Attention = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (q [n, H, D], kv [n, 2, Hkv, D]) -> [n, H, D]
@@ -73,7 +74,7 @@ class PrefillStrategy:
 
     def kv_share(self, max_model_len: int) -> int:
         """The most tokens of one sequence a worker holds (zigzag shards differ by at most one token a chunk)."""
-        return max_model_len if self.replicated_kv else -(-max_model_len // self.world_size) + 1
+        return max_model_len if self.replicated_kv else ceil_div(max_model_len, self.world_size) + 1
 
     def for_prompt(self, num_tokens: int, ctx: PrefillContext) -> "PrefillStrategy":
         """The strategy that prefills a prompt of num_tokens; it must keep self.shards' layout."""

@@ -33,6 +33,11 @@ OUTLIER = 2.5            # a call this many times slower than the fit predicts i
                          # sized from it)
 
 
+def min_chunk_tokens(device_type: str) -> int:
+    """The smallest chunk on this kind of device (MIN_CHUNK on GPUs, MIN_CHUNK_CPU on CPU)."""
+    return MIN_CHUNK if device_type == "cuda" else MIN_CHUNK_CPU
+
+
 def attention_flop_ratio(cfg: ModelConfig) -> float:
     """Attention FLOPs per query-key pair / GEMM FLOPs per token, over all layers: 4 H D per pair
     (QK^T and PV) against 2 per weight."""

@@ -31,7 +31,7 @@ from engine.outputs import Request, StepOutput
 from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, Prefill,
                           PrefillResult, Reinstate, Retire, Truncate)
 from engine.cache.prefix_cache import BLOCK, PrefixCache
-from engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU, ChunkSizer, attention_flop_ratio
+from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.sampling import RowSampling, row_sampling, rows_logprobs, sample_rows
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
@@ -125,8 +125,7 @@ class Scheduler:
         self.chunk_tokens = kv.engine.max_num_batched_tokens    # None: a prompt is prefilled in one call
         target = kv.engine.itl_target_ms
         self.sizer = ChunkSizer(self.chunk_tokens, target / 1e3 if target else None, attention_flop_ratio(kv.cfg),
-                                self.ledger.block_size, MIN_CHUNK if kv.device.type == "cuda" else MIN_CHUNK_CPU
-                                ) if self.chunk_tokens else None
+                                self.ledger.block_size, min_chunk_tokens(kv.device.type)) if self.chunk_tokens else None
         self.step_seconds = 0.0                                 # the last decode step, as this loop saw it
         self.short_went_first = False                           # the last turn went to a short prompt, not a chunk
         self.mixed_limit = mixed_batch_limit(kv)                # a chunk up to this (None: any) and the others'

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.ledger import KVLedger, pages_for
+from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu,
                                  prefill_rows_reserved)
@@ -27,7 +28,7 @@ from engine.model import LlamaModel, hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.exchange_time import ExchangeTime
 from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import balanced_shards, owner_of_position, whole_keeper, whole_shards
+from engine.parallel.sharding import owner_of_position
 from engine.parallel.vocab import VocabShards
 from engine.parallel.zero import LayerGather
 from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
@@ -108,6 +109,7 @@ class ModelRunner:
                              device, max_seqs=engine.max_num_seqs + 1,
                              max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)))
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
+        self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.decode_attend = (HelixDecodeAttention(self.decode_attention, cfg, rank, self.world_size, data_group)
                               if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
@@ -143,7 +145,7 @@ class ModelRunner:
         positions = shard.positions()                                   # [n]
         seq_parallel = chosen.sequence_parallel(token_ids.shape[0], self.rank, self.data_group)   # tp-v3
         local_ids = (seq_parallel.local_ids(token_ids) if seq_parallel else token_ids[positions]).to(self.device)
-        self.ledger.add(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, 0))
+        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
         self.pool.add(seq_id, shard.length)
         slots = self.pool.slots(seq_id, 0, shard.length)               # [n]
         n = shard.length
@@ -193,7 +195,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         shard = self.strategy.shard_of(shards, self.rank)
-        self.ledger.add(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, 0))
+        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
         self.pool.add(seq_id, shard.length)
         attend = SlicedPrefillAttention(self.pool, self.pool.slots(seq_id, 0, shard.length), shards, self.rank,
                                         self.cfg, self.backend, self.scale, self.data_group)
@@ -232,7 +234,7 @@ class ModelRunner:
     def extend(self, call: Extend) -> PrefillResult:
         """An incremental prefill: token_ids [n] int64 (CPU) are the sequence's tokens start .. start+n-1,
         after the `start` already in the cache (a chunked prefill's next chunk, or a prompt beyond its
-        cached prefix), in one of three ways (engine/extend_attention.py, chosen by _extend_way): "local"
+        cached prefix), in one of three ways (engine/extend_attention.py, chosen by engine/cache/page_planner.py): "local"
         (one worker, or replicated K/V), "whole" (every worker runs the n tokens, one keeps their K/V) or
         "ring" (sharded over the workers, the K/V ring among them, their queries passed to the cache).
         Returns timings, and on worker 0 the logits [V] of the last token (CPU fp32)."""
@@ -294,14 +296,14 @@ class ModelRunner:
 
     def _place_extend(self, seq_id: int, num_tokens: int, start: int, reserved: list[int] | None = None) -> "PlacedExtend":
         """Places num_tokens new tokens after the sequence's `start` cached ones (its way, the ledger, this
-        worker's pages). reserved: pages per worker a decode step in the same call takes (see _extend_way)."""
+        worker's pages). reserved: pages per worker a decode step in the same call takes (see PagePlanner.extend_way)."""
         held = self.ledger.seqs[seq_id].tokens
-        way = self._extend_way(num_tokens, held, reserved)
-        shards = self._extend_shards(held, num_tokens, way)
+        way = self.pages.extend_way(num_tokens, held, reserved)
+        shards = self.pages.extend_shards(held, num_tokens, way)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(num_tokens) if way == "whole" else shard.positions()   # [m], within the new tokens
         cached = self.ledger.tokens(seq_id, self.rank)
-        self.ledger.extend(seq_id, self.strategy.tokens_per_rank(shards), self._ranges(shards, start))
+        self.ledger.extend(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, start))
         host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
         return PlacedExtend(way, shards, positions, cached, host_slots, keeps=shard.length > 0)
 
@@ -359,70 +361,6 @@ class ModelRunner:
 
     def _global_rank(self, rank: int) -> int:
         return rank if self.data_group is None else dist.get_global_rank(self.data_group, rank)
-
-    def _extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> str:
-        """How an incremental prefill of num_tokens new tokens runs over workers holding `held` tokens of the
-        sequence (engine/extend_attention.py): "local" on one worker or under replicated K/V; "whole" below
-        --extend-ring-min-tokens when the keeper (the worker holding fewest) has the pages free (beyond
-        `reserved` pages per worker: a decode step's in the same call) and stays within the pages one
-        sequence may hold on a worker (sized for a level share), so a whole chunk never takes a worker
-        past its pages; else "ring" (level placement). Every worker decides alike: their ledgers are the same."""
-        if self.world_size == 1 or self.strategy.replicated_kv:
-            return "local"
-        if num_tokens >= self.engine.extend_ring_min_tokens:
-            return "ring"
-        keeper = whole_keeper(held)                                      # whole_shards places them there
-        after = pages_for(held[keeper] + num_tokens, self.block_size)
-        free = self.ledger.free_pages()[keeper] - (reserved[keeper] if reserved else 0)
-        fits = after - pages_for(held[keeper], self.block_size) <= free and after <= self.pool.max_pages_per_seq
-        return "whole" if fits else "ring"
-
-    def _extend_shards(self, held: list[int], num_tokens: int, way: str):
-        """Where an incremental prefill's new tokens go, over workers holding `held` tokens of the sequence,
-        for its way (_extend_way; page plans pass "ring"): "whole": all on the worker holding fewest;
-        "ring": in zigzag order, sized to level the workers' totals (the cached part is attended by passing
-        queries, in any layout); under replicated K/V, the strategy's one shard."""
-        if self.strategy.replicated_kv:
-            return self.strategy.shards(num_tokens)
-        return whole_shards(num_tokens, held) if way == "whole" else balanced_shards(num_tokens, held)
-
-    def chunk_pages(self, seq_id: int | None, num_tokens: int, reserved: list[int] | None = None) -> list[int]:
-        """Pages each worker takes for the next num_tokens of a prompt prefilled in chunks (seq_id None:
-        its first chunk, a prefill); reserved: pages per worker a decode step in the same call takes
-        (extend_and_decode places the chunk beside them)."""
-        if seq_id is None:
-            return self.prefill_pages(num_tokens)
-        held = self.ledger.seqs[seq_id].tokens
-        shards = self._extend_shards(held, num_tokens, self._extend_way(num_tokens, held, reserved))
-        return self.ledger.extend_new_pages(seq_id, self.strategy.tokens_per_rank(shards))
-
-    def plan_pages(self, held: list[int], num_tokens: int, chunk: int | None) -> list[int]:
-        """Pages each worker holds once a sequence holding `held` tokens by rank is extended by
-        num_tokens in chunks of `chunk` (None: one extend), chunk after chunk placed level, as the ring
-        places them (a chunk run whole goes only where its pages are free: see _extend_way)."""
-        held = list(held)
-        while num_tokens > 0:
-            n = min(chunk or num_tokens, num_tokens)
-            take = self.strategy.tokens_per_rank(self._extend_shards(held, n, "ring"))   # plans: level
-            held = [h + t for h, t in zip(held, take)]
-            num_tokens -= n
-        return [pages_for(h, self.block_size) for h in held]
-
-    def chunked_prefill_pages(self, num_tokens: int, chunk: int) -> list[int]:
-        """Pages each worker takes to prefill a prompt of num_tokens in chunks of `chunk` (the first a prefill)."""
-        first = min(chunk, num_tokens)
-        held = self.strategy.tokens_per_rank(self.strategy.shards(first))
-        return self.plan_pages(held, num_tokens - first, chunk)
-
-    def adopt_pages(self, source_id: int, position: int, num_tokens: int, chunk: int | None) -> list[int]:
-        """Pages each worker takes to adopt the source's tokens before `position` and then extend them by
-        num_tokens in chunks of `chunk` (the scheduler checks this before `adopt`)."""
-        source = self.ledger.seqs[source_id]
-        return self.plan_pages([source.held_before(r, position) for r in range(self.world_size)], num_tokens, chunk)
-
-    def fork_pages(self, source_id: int) -> list[int]:
-        """Pages each worker takes to fork the source's prompt (the scheduler checks this before `fork`)."""
-        return [pages_for(n, self.block_size) for n in self.ledger.prompt_tokens(source_id)]
 
     def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
         """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets
@@ -556,11 +494,6 @@ class ModelRunner:
             return 0.0
         return self.exchange_time.layer_seconds([s.length for s in shards]) * self.cfg.num_layers
 
-    def prefill_pages(self, num_tokens: int) -> list[int]:
-        """Pages each worker takes to prefill a prompt of num_tokens (for the scheduler's admission)."""
-        tokens = self.strategy.tokens_per_rank(self.strategy.shards(num_tokens))
-        return [pages_for(n, self.block_size) for n in tokens]
-
     @torch.inference_mode()
     def fork(self, call: Fork) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
@@ -576,15 +509,6 @@ class ModelRunner:
         cached prefix: on every worker, the source's first slots there, whole pages copied)."""
         counts = self.ledger.add_prefix_of(call.source_id, call.seq_id, call.position)
         self.pool.copy_prefix(call.source_id, call.seq_id, counts[self.rank])
-
-    def _ranges(self, shards, offset: int) -> list[list[tuple[int, int]]]:
-        """By rank, the positions (offset + shard ranges) each worker stores of a prefill or a chunk."""
-        if self.strategy.replicated_kv:
-            s = shards[0]
-            return [[(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
-                    for _ in range(self.world_size)]
-        return [[(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
-                for s in shards]
 
     def retire(self, call: Retire) -> None:
         """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""

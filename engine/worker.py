@@ -54,7 +54,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         outputs.put(("ready", rank, runner.info()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
-            scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, cfg.eos_token_ids, runner)
+            scheduler = Scheduler(call, requests, outputs, runner, max_model_len, cfg.eos_token_ids)
             profiled(scheduler.run, os.environ.get(PROFILE_ENV))
             call(Shutdown())
         else:

@@ -246,6 +246,34 @@ part_prefix() {   # prefix cache (shared), a long prompt into decoding streams (
   fi
 }
 
+# regress_benches SUFFIX: issue 34's no-regression set on the tree in the current folder, SUFFIX on names
+regress_benches() {
+  local s=$1 long=${LONG:-131072}
+  local off="--offline --model llama3-8b --devices cuda -cp 1" serve="--model llama3-8b --devices cuda -cp 1"
+  if has decode; then decode_sweep "$s"; fi
+  if has ttft; then
+    _rows=5 bench "ttft$s" 200 sweep $off --lengths 8192,32768,$long --repeats 2 --warmup 1 --label "ttft$s"
+  fi
+  if has shared; then
+    bench "shared-128K$s" 200 shared $off --doc-len "$long" --question-len 512 --questions 3 --repeats 1 --warmup 1
+  fi
+  if has interference; then
+    bench "interference-default$s" 330 interference --serve "$serve" --streams 8 --stream-len 1024 \
+        --long-len "$long" --short-len 1024 --short-delay 0.5 --warmup 1 --repeats "${REPEATS:-1}" \
+        --label "default flags$s"
+  fi
+}
+
+part_regress() {   # the same benchmarks on an older tree (.ab/base.tgz, carried) and on this one, one after the other
+  sel=${PARTS:-decode ttft shared interference}
+  local here=$PWD base=/tmp/ab-base
+  if [ -f .ab/base.tgz ]; then rm -rf "$base" && mkdir -p "$base" && tar xzf .ab/base.tgz -C "$base"; fi
+  [ -d "$base/engine" ] || { echo "$me regress: carry .ab/base.tgz (git archive REV | gzip > .ab/base.tgz)" >&2; return 2; }
+  cat .ab/REV "$base/.ab-rev" 2>/dev/null | head -1 | sed 's/^/base tree: /'
+  (cd "$base" && PYTHONPATH=${PYTHONPATH/%$here/$base} regress_benches "-base")
+  regress_benches "-this"
+}
+
 part_extend() {   # a late chunk's extend time by size (scripts/gpu_extend_sizes.py), then the interference run
   timeout 240 python3 scripts/gpu_extend_sizes.py "${CONTEXT:-122880}" 2>&1 | grep -v -i "warn\|exe_args" \
       | tee "$out/extend_sizes.txt"

@@ -18,21 +18,21 @@ from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.worker import run_call
 
 STEPS = 200
 
 
 def step_times(batch: int) -> tuple[list[float], list[float]]:
     """-> (each decode step's time in _decode_batch, each scheduler iteration's time), seconds."""
-    engine = EngineConfig(model="tiny", devices=["cpu"], dtype="float32", max_num_seqs=batch,
+    engine = EngineConfig(model="tiny", devices=["cpu"], dtype="float32", max_num_seqs=batch, async_scheduling=False,
                           kv_cache_tokens=batch * 600)
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
     logits = torch.randn(batch, cfg.vocab_size)
     runner.decode_forward = lambda step_inputs, num_pages=None: logits[:step_inputs.shape[1]]
     requests, outputs = queue.Queue(), queue.Queue()
-    scheduler = Scheduler(lambda name, *args: getattr(runner, name)(*args), requests, outputs, batch,
-                          max_model_len, [], runner)
+    scheduler = Scheduler(lambda message: run_call(runner, message), requests, outputs, runner, max_model_len, [])
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     for i in range(batch):
         prompt = [random.randrange(cfg.vocab_size) for _ in range(256)]

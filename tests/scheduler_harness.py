@@ -16,7 +16,7 @@ from engine.worker import run_call
 def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None):
     """Each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
     (outputs by request id: lists of StepOutput, the scheduler's calls (engine/calls.py messages), the scheduler).
-    prepare(scheduler): called before it runs (to wrap its methods)."""
+    prepare(scheduler, runner): called before it runs (to wrap its methods)."""
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
     calls = []
@@ -26,9 +26,9 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
         return run_call(runner, message)
 
     requests, outputs = queue.Queue(), queue.Queue()
-    scheduler = Scheduler(call, requests, outputs, engine.max_num_seqs, max_model_len, [], runner)
+    scheduler = Scheduler(call, requests, outputs, runner, max_model_len, [])
     if prepare is not None:
-        prepare(scheduler)
+        prepare(scheduler, runner)
     failure = []
 
     def run():

@@ -221,34 +221,30 @@ def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
 
 
 def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
-    """ModelRunner._extend_way over a ledger alone (no model): below extend_ring_min_tokens the chunk runs
+    """PagePlanner.extend_way over a ledger alone (no model): below extend_ring_min_tokens the chunk runs
     whole, kept by the worker holding fewest of the sequence, if that worker has the pages free; else it
     takes the ring and is placed level, which is also how every page plan places chunks."""
     from engine.cache.ledger import KVLedger
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.cache.page_planner import PagePlanner
     from engine.parallel import get_strategy
-    runner = object.__new__(ModelRunner)
-    runner.world_size, runner.block_size = 2, 4
-    runner.pool = type("Pool", (), {"max_pages_per_seq": 10})()
-    runner.engine = EngineConfig(model="tiny", devices=["cpu", "cpu"], extend_ring_min_tokens=64)
-    runner.strategy = get_strategy("burst", 2)
-    runner.ledger = KVLedger(2, 4, num_pages=10)
-    runner.ledger.add(1, [8, 4], [[(0, 8)], [(8, 12)]])         # 2 pages on worker 0, 1 on worker 1
-    held = runner.ledger.seqs[1].tokens
-    assert runner._extend_way(64, held) == "ring"
-    assert runner._extend_way(8, held) == "whole"
-    assert [s.length for s in runner._extend_shards(held, 8, "whole")] == [0, 8]    # kept by worker 1
-    assert [s.length for s in runner._extend_shards(held, 8, "ring")] == [2, 6]     # plans: level
-    runner.ledger.add(2, [0, 28], [[], [(0, 28)]])               # another sequence: 7 pages of worker 1
-    assert runner.ledger.free_pages() == [8, 2]
-    assert runner._extend_way(8, held) == "whole"                # 2 more pages: exactly what is free
-    assert runner._extend_way(9, held) == "ring"                 # 3: not free on worker 1, so level
-    assert [s.length for s in runner._extend_shards(held, 9, runner._extend_way(9, held))] == [2, 7]
-    assert runner._extend_way(8, held, reserved=[0, 1]) == "ring"   # a decode step in the same call takes 1
-    runner.ledger.remove(2)
-    runner.pool.max_pages_per_seq = 2                             # a sequence may hold 2 pages on a worker
-    assert runner._extend_way(4, held) == "whole" and runner._extend_way(5, held) == "ring"
+    ledger = KVLedger(2, 4, num_pages=10)
+    pages = PagePlanner(get_strategy("burst", 2), ledger, max_pages_per_seq=10, extend_ring_min_tokens=64)
+    ledger.add(1, [8, 4], [[(0, 8)], [(8, 12)]])                 # 2 pages on worker 0, 1 on worker 1
+    held = ledger.seqs[1].tokens
+    assert pages.extend_way(64, held) == "ring"
+    assert pages.extend_way(8, held) == "whole"
+    assert [s.length for s in pages.extend_shards(held, 8, "whole")] == [0, 8]    # kept by worker 1
+    assert [s.length for s in pages.extend_shards(held, 8, "ring")] == [2, 6]     # plans: level
+    ledger.add(2, [0, 28], [[], [(0, 28)]])                      # another sequence: 7 pages of worker 1
+    assert ledger.free_pages() == [8, 2]
+    assert pages.extend_way(8, held) == "whole"                  # 2 more pages: exactly what is free
+    assert pages.extend_way(9, held) == "ring"                   # 3: not free on worker 1, so level
+    assert [s.length for s in pages.extend_shards(held, 9, pages.extend_way(9, held))] == [2, 7]
+    assert pages.chunk_pages(1, 9) == [1, 2]                     # 8 + 2 = 10 tokens (3 pages), 4 + 7 = 11 (3)
+    assert pages.extend_way(8, held, reserved=[0, 1]) == "ring"  # a decode step in the same call takes 1
+    ledger.remove(2)
+    pages.max_pages_per_seq = 2                                  # a sequence may hold 2 pages on a worker
+    assert pages.extend_way(4, held) == "whole" and pages.extend_way(5, held) == "ring"
 
 
 def test_whole_chunks_stay_within_a_sequences_pages_on_a_worker(checkpoint):

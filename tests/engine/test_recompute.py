@@ -21,7 +21,7 @@ def _serve(engine: EngineConfig, batches: list[list[tuple]]):
     sequences it preempted, the scheduler)."""
     preempted = []
 
-    def spy(scheduler):
+    def spy(scheduler, runner):
         preempt = scheduler._preempt
         scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
 

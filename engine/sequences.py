@@ -1,0 +1,87 @@
+"""What worker 0's scheduler keeps about its requests: the sequences running, the prompt being prefilled
+in chunks, the decode step in flight, and the queues, as one SchedulerState that the policy reads
+(engine/step_plan.py) and only the scheduler changes (engine/scheduler.py)."""
+import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import Request
+from engine.sampling import RowSampling, row_sampling
+from engine.structured_output import SequenceGrammar
+
+
+def token_tensor(ids: list[int]) -> torch.Tensor:
+    """[n] int64 of a list of token ids, through an array (a third of torch.tensor's time on a long prompt)."""
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class RunningSequence:
+    request: Request
+    seq_id: int
+    generated: list[int] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
+    grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
+    preemptions: int = 0                         # times preempted (its cache now starts with prompt + generated)
+
+    def sampling(self) -> RowSampling:
+        """How its next token is sampled (seeded requests: the same noise for the same token index)."""
+        return row_sampling(self.request.params, len(self.generated))
+
+    def tokens_to_recompute(self) -> int:
+        """Its prompt and generated tokens: what a recompute after preemption prefills."""
+        return len(self.request.prompt_token_ids) + len(self.generated)
+
+
+@dataclass
+class ChunkedPrefill:
+    seq: RunningSequence
+    tokens: list[int]             # what it prefills: the prompt, or a preempted sequence's prompt + generated
+    done: int = 0                 # of those, already in the KV cache
+    cached: int = 0               # of those, taken from the prefix cache (the first chunk extends them)
+    chunks: int = 0
+    prefill_seconds: float = 0.0  # the workers' time over all chunks
+    call_seconds: float = 0.0
+    smallest: int = 0             # its smallest and largest chunk, in tokens
+    largest: int = 0
+    adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
+    queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
+    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
+    graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
+    mixed: int = 0                # of them, with the running sequences' decode step in the same call
+
+    @property
+    def resumed(self) -> bool:
+        """Recomputing a preempted sequence (its next token continues its output; no first-token stats)."""
+        return bool(self.seq.generated)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class StepInFlight:
+    """A decode step launched and not yet read back (asynchronous scheduling: see Scheduler._decode_ahead)."""
+    batch: list[RunningSequence]
+    pending: object               # worker 0's engine.step_tokens.PendingTokens
+    fed: bool                     # its input tokens were the step before it's, on the device
+    launched: float               # time.perf_counter() at its launch
+
+
+@dataclass
+class SchedulerState:
+    waiting: deque = field(default_factory=deque)      # Requests not yet admitted, first come first served
+    preempted: deque = field(default_factory=deque)    # RunningSequences to recompute, oldest first
+    running: list = field(default_factory=list)        # RunningSequences decoding
+    prefilling: ChunkedPrefill | None = None           # the prompt being prefilled chunk by chunk
+    inflight: StepInFlight | None = None                # a decode step launched, its tokens not yet read
+    aborted: set = field(default_factory=set)           # request ids to drop
+    decode_owed: bool = False                           # a prompt or chunk ran: the running sequences step next
+    short_went_first: bool = False                      # the last turn went to a short prompt, not a chunk
+    step_seconds: float = 0.0                           # the last decode step, as the scheduler saw it
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.preempted or self.prefilling or self.inflight)

@@ -1,0 +1,288 @@
+"""What the scheduler does next: one plan per turn, computed without changing anything.
+
+Policy.plan(state) reads the scheduler's state (engine/sequences.py) and the KV manager's queries
+(engine/cache/kv_manager.py) and answers with one of the plans below; Scheduler.carry_out does it. A
+plan that needs pages says which prefix-cache entries to evict for them.
+
+The rules, in order:
+1. A decode step in flight (asynchronous scheduling) is followed by the next decode step, launched before
+   it is read back, only when that is all that would run next; otherwise it is read back first.
+2. After a prompt or a chunk of one ran, the running sequences take a decode step.
+3. While a long prompt is prefilled in chunks, a short waiting request (one chunk's worth) that fits beside
+   the pages the long one still needs goes first, every other turn; otherwise the next chunk runs (with the
+   running sequences' decode step in the same call when that is one CUDA graph, or asked for).
+4. Otherwise, preempted sequences resume before any new request is admitted; requests are admitted first
+   come, first served (a batch slot and their pages, leaving a watermark free while others run).
+5. Otherwise the running sequences decode. A decode step whose new pages do not fit makes room: the prompt
+   being prefilled gives way first (back to the head of the queue), then the newest running sequence is
+   preempted.
+"""
+from dataclasses import dataclass, field
+
+from engine.cache.kv_manager import Eviction, KVManager
+from engine.chunk_sizer import ChunkSizer
+from engine.outputs import Request
+from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Prefill a waiting request (the head of the queue): whole, as a copy of a running twin's prompt, or
+    from a cached prefix and in chunks."""
+    request: Request
+    chunked: bool                 # its prefill is chunked (engine/step_plan.Policy.chunked)
+    evict: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A preempted sequence (the oldest) decodes again: on its kept pages, or after recomputing its cache."""
+    seq: RunningSequence
+    evict: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next `tokens` of the prompt being prefilled in chunks (with `decode`: and a decode step of those
+    sequences in the same call)."""
+    tokens: int
+    decode: list[RunningSequence] | None = None
+    evict: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step of the running sequences."""
+    batch: list[RunningSequence]
+    evict: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepAhead:
+    """Launch the next decode step of `batch` (rows: each one's row in the step in flight, whose token is
+    its input), then read back the step in flight; batch empty: only the read-back."""
+    batch: list[RunningSequence]
+    rows: list[int]
+    evict: list[Eviction] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReadBack:
+    """Wait for the step in flight's tokens (before anything but another decode step)."""
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """The newest running sequence leaves the batch: a decode step has no pages for it."""
+    seq: RunningSequence
+
+
+@dataclass(frozen=True)
+class GiveWay:
+    """The prompt being prefilled in chunks gives its pages back and waits again (the running sequences took
+    the pages its next chunk needs)."""
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """Nothing runs and the first waiting sequence does not fit in the empty cache (a bug: refused earlier)."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to do."""
+
+
+class Policy:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_model_len: int, chunk_tokens: int | None,
+                 sizer: ChunkSizer | None, mixed_limit: int | None, async_scheduling: bool):
+        """chunk_tokens: the longest chunk (None: no chunked prefill); mixed_limit: the largest chunk run with
+        a decode step in one call (None: any; 0: none)."""
+        self.kv, self.max_num_seqs, self.max_model_len = kv, max_num_seqs, max_model_len
+        self.chunk_tokens, self.sizer = chunk_tokens, sizer
+        self.mixed_limit, self.async_scheduling = mixed_limit, async_scheduling
+
+    def plan(self, s: SchedulerState):
+        """The next turn (one of this module's plans)."""
+        if s.inflight is not None:
+            return self._decode_ahead(s) if self._decodes_on(s) else ReadBack()
+        if s.decode_owed and s.running:
+            return self._decode(s)
+        if s.prefilling is not None:
+            short = None if s.short_went_first else self._short_beside(s)
+            return short or self.next_chunk(s)
+        if s.preempted:
+            resume = self._resume(s, s.preempted[0])
+            if resume is not None:
+                return resume
+        elif s.waiting:
+            admit = self._admit(s, s.waiting[0])
+            if admit is not None:
+                return admit
+        if s.running:
+            return self._decode(s)
+        return Stuck() if s.preempted or s.waiting else Idle()
+
+    # rule 1
+
+    def _decodes_on(self, s: SchedulerState) -> bool:
+        """Is the next thing to do another decode step of the sequences running, nothing else (no abort,
+        chunk, resume or admission)? Then the step in flight need not be read back first."""
+        return bool(s.running) and not s.aborted and s.prefilling is None and not s.preempted and not (
+            s.waiting and self._admit(s, s.waiting[0]) is not None)
+
+    def _decode_ahead(self, s: SchedulerState) -> StepAhead:
+        """The step in flight's rows that decode on: still running, and not ended for sure by the token in
+        flight (max_tokens, max_model_len). A row ended by its token in flight (a stop token) still runs: its
+        token is dropped, its K/V kept with its cache. Their pages must fit without preempting."""
+        prev = s.inflight
+        running = {x.seq_id for x in s.running}
+        batch = [x for x in prev.batch if x.seq_id in running and not self._last_token_in_flight(x)]
+        if batch and self.pipelines(batch):
+            evict = self._room(s, self.kv.step_pages([x.seq_id for x in batch]))
+            if evict is not None:
+                rows = {x.seq_id: i for i, x in enumerate(prev.batch)}
+                return StepAhead(batch, [rows[x.seq_id] for x in batch], evict)
+        return StepAhead([], [])
+
+    def pipelines(self, batch: list[RunningSequence]) -> bool:
+        """May this batch's step be launched before the host reads the step before it (asynchronous
+        scheduling)? Not with a grammar: the host masks its logits before its token is drawn."""
+        return self.async_scheduling and all(x.grammar is None for x in batch)
+
+    def _last_token_in_flight(self, seq: RunningSequence) -> bool:
+        """Does the token being computed for seq surely end it (its max_tokens, or max_model_len)?"""
+        n = len(seq.generated) + 1
+        return n >= seq.request.params.max_tokens or len(seq.request.prompt_token_ids) + n >= self.max_model_len
+
+    # rules 2 and 5
+
+    def _decode(self, s: SchedulerState):
+        """A step of every running sequence if its new pages fit; else the prompt in chunks gives way, else
+        the newest sequence is preempted."""
+        evict = self._room(s, self.kv.step_pages([x.seq_id for x in s.running]))
+        if evict is not None:
+            return DecodeStep(list(s.running), evict)
+        if s.prefilling is not None:
+            return GiveWay()
+        if len(s.running) == 1:   # alone and out of pages: larger than the cache, which check_fits refuses
+            raise RuntimeError(f"sequence {s.running[0].seq_id} cannot grow in an otherwise empty KV cache")
+        return Preempt(max(s.running, key=lambda x: (x.request.arrival_time, x.seq_id)))
+
+    # rule 3
+
+    def _short_beside(self, s: SchedulerState) -> Admit | None:
+        """The first waiting request, when it is one chunk's worth (not chunked itself) and fits beside the
+        pages the long prompt's remaining chunks will take: a short request is not stuck behind a long one."""
+        if s.preempted or not s.waiting or len(s.running) >= self.max_num_seqs:
+            return None
+        request = s.waiting[0]
+        if not self.short(request):
+            return None
+        ids = request.prompt_token_ids
+        need = self._plus(self.kv.pages.prefill_pages(len(ids)), self._keep(s), self._prefilling_reserve(s))
+        evict = self._room(s, need, prompt=ids)
+        return None if evict is None else Admit(request, self.chunked(s, request), evict)
+
+    def short(self, request: Request) -> bool:
+        """At most one chunk's worth of tokens (a prompt-logprobs request, never chunked, may be longer)."""
+        return self.chunk_tokens is not None and len(request.prompt_token_ids) <= self.chunk_tokens
+
+    def _prefilling_reserve(self, s: SchedulerState) -> list[int]:
+        """Pages per worker the prompt being prefilled in chunks still takes (zeros when none): what a request
+        admitted beside it must leave free. One page more than planned: its chunks' sizes adapt."""
+        job = s.prefilling
+        if job is None:
+            return [0] * self.kv.ledger.world_size
+        return [max(0, n + 1) for n in self.kv.pages.growth_pages(job.seq.seq_id, job.remaining, self.chunk_tokens)]
+
+    def next_chunk(self, s: SchedulerState, mixed: bool = True):
+        """The next chunk, with the running sequences' decode step when the chunk is small enough (and `mixed`);
+        GiveWay when its pages no longer fit beside the running sequences."""
+        job = s.prefilling
+        if mixed and self.mixed_limit != 0 and s.running and job.done > 0:
+            n = self._next_mixed_chunk(job)
+            if self.mixed_limit is None or n <= self.mixed_limit:
+                step = self.kv.step_pages([x.seq_id for x in s.running])
+                need = [c + d for c, d in zip(self.kv.pages.chunk_pages(job.seq.seq_id, n, step), step)]
+                evict = self._room(s, need)
+                return GiveWay() if evict is None else PrefillChunk(n, list(s.running), evict)
+        busy = bool(s.running) or bool(s.waiting and self.short(s.waiting[0]))   # someone to serve soon
+        n = self.sizer.size(job.done, job.remaining, busy, s.step_seconds) if self.sizer else job.remaining
+        evict = self._room(s, self.kv.pages.chunk_pages(job.seq.seq_id if job.done else None, n))
+        if evict is not None:
+            return PrefillChunk(n, None, evict)
+        if not s.running:       # admission planned every chunk's pages on an otherwise empty cache
+            raise RuntimeError(f"a prompt chunk of {n} tokens does not fit in an otherwise empty KV cache")
+        return GiveWay()
+
+    def _next_mixed_chunk(self, job: ChunkedPrefill) -> int:
+        """The size of the job's next chunk run with a decode step (the step is in the same call)."""
+        return self.sizer.size(job.done, job.remaining, True, 0.0) if self.sizer else job.remaining
+
+    # rule 4
+
+    def _resume(self, s: SchedulerState, seq: RunningSequence) -> Resume | None:
+        """Taking its entry back needs a batch slot, the watermark, and the pages its next step (all kept) or
+        its recomputed tail takes; a recompute, its pages as a prompt's (chunked when longer than a chunk)."""
+        kept = self.kv.kept(seq.seq_id)
+        n = seq.tokens_to_recompute()
+        if not kept:
+            evict = self._admission_room(s, n, self.chunk_long(n), seq.request.prompt_token_ids)
+        elif len(s.running) >= self.max_num_seqs:
+            return None
+        else:
+            need = (self.kv.step_pages([seq.seq_id]) if kept == n - 1   # whole: else its next step preempts it
+                    else self.kv.pages.growth_pages(seq.seq_id, n - kept, self.chunk_tokens))
+            evict = self._room(s, self._plus(need, self._keep(s)), keep_entry=seq.seq_id)
+        return None if evict is None else Resume(seq, evict)
+
+    def _admit(self, s: SchedulerState, request: Request) -> Admit | None:
+        ids = request.prompt_token_ids
+        chunked = self.chunked(s, request)
+        evict = self._admission_room(s, len(ids), chunked, ids)
+        return None if evict is None else Admit(request, chunked, evict)
+
+    def _admission_room(self, s: SchedulerState, n: int, chunked: bool, prompt: list[int]):
+        """A batch slot and the pages of n tokens prefilled in one call or in chunks (as its chunks place
+        them), with the watermark -> the evictions that make room, or None."""
+        if len(s.running) >= self.max_num_seqs:
+            return None
+        # planned with chunks of chunk_tokens; adapted sizes end as level (every worker within one token of
+        # N / workers), so on a cache with no running sequences the plan's largest share always fits
+        pages = (self.kv.pages.chunked_prefill_pages(n, self.chunk_tokens) if chunked
+                 else self.kv.pages.prefill_pages(n))
+        return self._room(s, self._plus(pages, self._keep(s)), prompt=prompt)
+
+    def chunked(self, s: SchedulerState, request: Request) -> bool:
+        """Is this prompt prefilled in chunks (chunked prefill on)? One longer than chunk_tokens
+        (--max-num-batched-tokens) always; a shorter one too while others decode, when in one call it would
+        hold their next token past the ITL target (the chunk sizer's first chunk is shorter than it). Not
+        one that wants prompt logprobs (they come out of one whole prefill)."""
+        if self.sizer is None or request.params.prompt_logprobs is not None:
+            return False
+        n = len(request.prompt_token_ids)
+        return n > self.chunk_tokens or bool(s.running) and self.sizer.size(0, n, True, s.step_seconds) < n
+
+    def chunk_long(self, num_tokens: int) -> bool:
+        """Is a prefill of num_tokens longer than one chunk (--max-num-batched-tokens)?"""
+        return self.chunk_tokens is not None and num_tokens > self.chunk_tokens
+
+    # pages
+
+    def _keep(self, s: SchedulerState) -> int:
+        """Pages a new sequence leaves free for the running ones to grow."""
+        return self.kv.watermark if s.running else 0
+
+    @staticmethod
+    def _plus(need: list[int], keep: int, reserve: list[int] | None = None) -> list[int]:
+        return [n + keep + (reserve[r] if reserve else 0) for r, n in enumerate(need)]
+
+    def _room(self, s: SchedulerState, need: list[int], keep_entry: int | None = None,
+              prompt: list[int] | None = None) -> "list[Eviction] | None":
+        """kv.room_for, preempted sequences' entries evicted last (the next to resume last of all)."""
+        return self.kv.room_for(need, keep_entry, prompt, last=[x.seq_id for x in reversed(s.preempted)])
+
+    def room_beside(self, s: SchedulerState, need: list[int], keep_entry: int | None = None):
+        """_room for a sequence admitted while a long prompt prefills: the pages it still needs stay free."""
+        return self._room(s, [n + r for n, r in zip(need, self._prefilling_reserve(s))], keep_entry)

@@ -1,0 +1,65 @@
+"""The KV manager's question `room_for` (engine/cache/kv_manager.py) against carrying its answer out: over
+random prefix-cache entries on two workers, the evictions it plans free exactly enough (the need fits
+after them, and not after all but the last), it answers None exactly when evicting every entry would not
+do, and asking changes nothing."""
+import copy
+import random
+
+from engine.cache.kv_manager import KVManager
+from engine.cache.ledger import KVLedger
+from engine.cache.page_planner import PagePlanner
+from engine.cache.prefix_cache import BLOCK
+from engine.calls import Free, Truncate
+from engine.parallel import get_strategy
+
+
+def _manager(rng: random.Random) -> KVManager:
+    ledger = KVLedger(2, 4, num_pages=64)
+    kv = KVManager(ledger, PagePlanner(get_strategy("burst", 2), ledger, 64, 1 << 30), None, prefix_caching=True)
+    for seq_id in range(rng.randrange(1, 6)):
+        n = rng.randrange(1, 6) * BLOCK + rng.randrange(BLOCK)
+        counts = [n // 2, n - n // 2]
+        ledger.add(seq_id, counts, [[(0, counts[0])], [(counts[0], n)]])
+        kv.prefix_cache.insert(seq_id, [rng.randrange(50) for _ in range(n)])
+    ledger.add(99, [rng.randrange(60), rng.randrange(60)], [[], []])   # a running sequence: never evicted
+    return kv
+
+
+def test_room_for_plans_exactly_the_evictions_that_make_room():
+    rng = random.Random()
+    for _ in range(200):
+        kv = _manager(rng)
+        need = [rng.randrange(0, 64), rng.randrange(0, 64)]
+        keep = rng.choice([None, *kv.prefix_cache.entries])
+        before = (copy.deepcopy(kv.ledger.seqs), list(kv.ledger.pages_used), list(kv.prefix_cache.entries))
+        evictions = kv.room_for(need, keep_entry=keep)
+        assert (copy.deepcopy(kv.ledger.seqs), list(kv.ledger.pages_used), list(kv.prefix_cache.entries)) == before
+        evictable = [sum(kv.ledger.pages_of(e, r) for e in kv.prefix_cache.entries if e != keep) for r in range(2)]
+        possible = all(n <= f + e for n, f, e in zip(need, kv.free_pages(), evictable))
+        assert (evictions is not None) == possible, (need, kv.free_pages(), evictable)
+        if evictions is None:
+            continue
+        assert all(e.seq_id != keep and e.keep % BLOCK == 0 for e in evictions)
+        if evictions:
+            kv_short = copy.deepcopy(kv)
+            _carry_out(kv_short, evictions[:-1])
+            assert not all(n <= f for n, f in zip(need, kv_short.free_pages())), "an eviction too many"
+        _carry_out(kv, evictions)
+        assert all(n <= f for n, f in zip(need, kv.free_pages())), (need, kv.free_pages(), evictions)
+        for e in evictions:
+            assert len(kv.prefix_cache.entries.get(e.seq_id, [])) == e.keep
+
+
+def _carry_out(kv: KVManager, evictions) -> None:
+    """kv.evict, its calls run on its ledger as every worker runs them on its own."""
+    ledger = kv.ledger
+
+    def worker(message):
+        if isinstance(message, Truncate):
+            ledger.truncate(message.seq_id, message.position)
+        elif isinstance(message, Free):
+            for s in message.seq_ids:
+                ledger.remove(s)
+
+    kv.call = worker
+    kv.evict(evictions)

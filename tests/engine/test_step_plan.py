@@ -1,0 +1,74 @@
+"""The scheduler's plan (engine/step_plan.py) is a question, not an action: every plan computed over a run
+that admits, chunks, preempts, resumes, evicts prefix-cache entries and decodes ahead leaves the KV
+manager, the worker's pages, the prefix cache and the scheduler's state exactly as they were, and calls no
+worker. The run's tokens are those of a pool large enough for every request (the plans carried out do what
+the scheduler did before plans existed: tests/engine/test_recompute.py and test_async_scheduling.py)."""
+import copy
+import random
+
+from engine import step_plan as plans
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from scheduler_harness import serve_in_process
+
+
+def _snapshot(scheduler, runner) -> tuple:
+    """Everything a plan could change: the ledger, the page pool's bookkeeping, the prefix cache, the queues."""
+    kv, s, pool = scheduler.kv, scheduler.state, runner.pool
+    cache = kv.prefix_cache
+    ledger = (copy.deepcopy(kv.ledger.seqs), list(kv.ledger.pages_used))
+    pages = (copy.deepcopy(pool.pages), dict(pool.lengths), dict(pool.rows), list(pool._free), list(pool._free_rows),
+             pool.table.clone().tolist())
+    prefix = (copy.deepcopy(cache.entries), list(cache.entries), copy.deepcopy(cache.index), dict(cache.used),
+              cache.tick, cache.queries, cache.hits)
+    queues = ([r.request_id for r in s.waiting], [x.seq_id for x in s.preempted], [x.seq_id for x in s.running],
+              None if s.prefilling is None else (s.prefilling.seq.seq_id, s.prefilling.done), s.inflight,
+              set(s.aborted), s.decode_owed, s.short_went_first, s.step_seconds,
+              [(x.seq_id, list(x.generated), x.preemptions) for x in [*s.running, *s.preempted]])
+    sizer = None if scheduler.sizer is None else list(scheduler.sizer.calls)
+    return ledger, pages, prefix, queues, sizer
+
+
+def test_every_plan_changes_nothing():
+    rng = random.Random()
+    vocab = 256
+    doc = [rng.randrange(vocab) for _ in range(48)]
+    prompts = {f"q{i}": doc + [rng.randrange(vocab) for _ in range(rng.randrange(4, 20))] for i in range(4)}
+    prompts.update({f"p{i}": [rng.randrange(vocab) for _ in range(rng.randrange(20, 60))] for i in range(4)})
+    params = {rid: SamplingParams(temperature=0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for rid in prompts}
+    batch = [(rid, prompt, params[rid]) for rid, prompt in prompts.items()]
+    seen, calls_during_plans = [], []
+
+    def check_plans(scheduler, runner):
+        plan, calls = scheduler.policy.plan, [0]
+
+        def counted(call):
+            def counting(message):
+                calls[0] += 1
+                return call(message)
+            return counting
+
+        scheduler.call, scheduler.kv.call = counted(scheduler.call), counted(scheduler.kv.call)
+
+        def checked(state):
+            before, calls_before = _snapshot(scheduler, runner), calls[0]
+            result = plan(state)
+            assert _snapshot(scheduler, runner) == before, type(result).__name__
+            calls_during_plans.append(calls[0] - calls_before)
+            seen.append(result)
+            return result
+
+        scheduler.policy.plan = checked
+
+    engine = dict(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8,
+                  max_num_batched_tokens=16, itl_target_ms=None, enable_prefix_caching=True)
+    want, _, _ = serve_in_process(EngineConfig(**engine, kv_cache_tokens=4096), [batch])
+    got, _, scheduler = serve_in_process(EngineConfig(**engine, kv_cache_tokens=160), [batch], check_plans)
+    assert {r: [o.token_id for o in outs] for r, outs in got.items()} == \
+        {r: [o.token_id for o in outs] for r, outs in want.items()}
+    assert not any(calls_during_plans)
+    kinds = {type(p) for p in seen}
+    assert {plans.Admit, plans.PrefillChunk, plans.DecodeStep, plans.StepAhead, plans.ReadBack, plans.Preempt,
+            plans.Resume} <= kinds, kinds
+    assert any(getattr(p, "evict", None) for p in seen), "no plan evicted a prefix-cache entry"
+    assert scheduler.num_preemptions > 0, "the pool was large enough for every request at once"

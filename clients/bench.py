@@ -291,9 +291,10 @@ def _check_offline_devices(args) -> None:
 
 def _check_quantization(args, devices: list[str]) -> None:
     """--quantization that cannot run on these devices: refused before any file is written."""
+    from engine.config import default_dtype
     from engine.errors import DeviceSpecError
     from kernels.fp8 import quantization_refusal
-    dtype = args.dtype or ("bfloat16" if devices[0].startswith("cuda") else "float32")
+    dtype = args.dtype or default_dtype(devices)
     refusal = quantization_refusal(getattr(args, "quantization", "none"), devices, dtype)
     if refusal:
         raise DeviceSpecError(refusal)

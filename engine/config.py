@@ -18,6 +18,11 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/rope.py; "dynami
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def default_dtype(devices: list[str]) -> str:
+    """The dtype when none is named: bfloat16 on GPUs, float32 on CPU."""
+    return "bfloat16" if devices[0].startswith("cuda") else "float32"
+
+
 @dataclass
 class ModelConfig:
     """The shapes of a LLaMA-family decoder, read from a transformers config.json or a preset."""
@@ -148,7 +153,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 65536
 
 @dataclass
 class EngineConfig:
-    """What the engine was asked to run; built once by `LLM` and sent to every worker."""
+    """What the engine was asked to run; built once by `LLM` (engine/options.py engine_config) and sent to
+    every worker. A field's default is also the default of the engine option of its name (OPTIONS), unless
+    the option names its own (dtype's: None, chosen by device)."""
     model: str                      # a preset name or a local directory
     devices: list[str]              # one torch device per worker, e.g. ["cuda:0", "cuda:1"]
     dtype: str = "bfloat16"

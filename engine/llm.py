@@ -19,23 +19,22 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.cache.ledger import pages_for
-from engine.cluster import ClusterConfig, Head
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, context_limit, resolve_model
+from engine.cluster import Head
+from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
-from engine.parallel import SP_STRATEGIES
-from engine.parallel.tensor_parallel import tp_check
-from engine.parallel.zero import zero_check
+from engine.options import check_options, cluster_config, engine_config, with_options
+from engine.parallel import STRATEGIES, get_strategy
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
 from engine.tokenizer import load_tokenizer
-from kernels.fp8 import QUANTIZATIONS, quantization_refusal
+from kernels.fp8 import quantization_refusal
 from engine.weights import weight_files
 from engine.control import close_parent_ends, make_pipes
 from engine.worker import worker_main
 from kernels.arith import ceil_div
-from kernels.attention import ATTENTION_BACKENDS, backend_refusal
+from kernels.attention import backend_refusal
 
 log = logging.getLogger(__name__)
 Prompt = str | list[int]
@@ -44,6 +43,9 @@ Prompt = str | list[int]
 class LLM:
     """A model served by `context_parallel_size` worker processes on the devices `devices` names.
 
+    Every keyword but `model` is an engine option: engine/options.py OPTIONS has each one's type, default,
+    help (the CLI's: `burstserve serve --help`) and check; a refused value raises InvalidRequestError
+    naming it. Among them:
     devices: as torch names them: "cpu" (or "cpu:0"), "cuda" (every visible GPU), "cuda:1" (GPU 1),
         "cuda:0,2" (GPUs 0 and 2); default: every visible GPU, else "cpu".
     context_parallel_size: how many workers split each prompt; default: every named GPU, or 1 on CPU.
@@ -61,78 +63,14 @@ class LLM:
     Raises DeviceSpecError (before any worker starts) when the machine cannot satisfy them.
     """
 
-    def __init__(self, model: str = "tiny", devices: str | None = None, context_parallel_size: int | None = None,
-                 dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 sp_strategy: str = "burst", overlap: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 block_size: int | None = None, cuda_graphs: bool = True, auto_ulysses_max_tokens: int = 16384,
-                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True,
-                 itl_target_ms: float | None = 50.0, quantization: str = "none", mixed_batch: bool | None = None,
-                 extend_ring_min_tokens: int = 4096, zero_sliced_max_tokens: int | None = None,
-                 async_scheduling: bool = True, nnodes: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int = 29500, join_timeout: float = 300.0):
-        self.cluster = ClusterConfig(nnodes, 0, master_addr, master_port, join_timeout)
-        problem = self.cluster.problem()
-        if problem:
-            raise InvalidRequestError(problem, "nnodes")
-        device_list = resolve_devices(devices, context_parallel_size)
-        refusal = backend_refusal(attention_backend, device_list)
+    @with_options
+    def __init__(self, model: str = "tiny", **options):
+        values = check_options(options)
+        self.cluster = cluster_config(values)
+        self.engine = engine_config(model, self._devices(values), values)
+        refusal = quantization_refusal(self.engine.quantization, self.engine.devices, self.engine.dtype)
         if refusal:
             raise DeviceSpecError(refusal)
-        if sp_strategy not in SP_STRATEGIES:
-            raise InvalidRequestError(f"sp_strategy {sp_strategy!r} is not one of {', '.join(SP_STRATEGIES)}",
-                                      "sp_strategy")
-        if auto_ulysses_max_tokens < 0:
-            raise InvalidRequestError(f"auto_ulysses_max_tokens must be >= 0, not {auto_ulysses_max_tokens}",
-                                      "auto_ulysses_max_tokens")
-        if zero_sliced_max_tokens is not None and zero_sliced_max_tokens < 0:
-            raise InvalidRequestError(f"zero_sliced_max_tokens must be >= 0, not {zero_sliced_max_tokens}",
-                                      "zero_sliced_max_tokens")
-        _check_kv_options(kv_cache_tokens, gpu_memory_utilization, block_size)
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise InvalidRequestError(f"max_num_batched_tokens must be at least 1, not {max_num_batched_tokens}",
-                                      "max_num_batched_tokens")
-        if not enable_chunked_prefill and max_num_batched_tokens is not None:
-            raise InvalidRequestError("max_num_batched_tokens sets the chunk of chunked prefill, which "
-                                      "enable_chunked_prefill=False turns off: give one or the other",
-                                      "max_num_batched_tokens")
-        chunk_tokens = (max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS) if enable_chunked_prefill else None
-        if extend_ring_min_tokens < 0:
-            raise InvalidRequestError(f"extend_ring_min_tokens must be >= 0, not {extend_ring_min_tokens}",
-                                      "extend_ring_min_tokens")
-        if itl_target_ms is not None and not itl_target_ms > 0:
-            raise InvalidRequestError(f"itl_target_ms must be positive (or None: no target), not {itl_target_ms}",
-                                      "itl_target_ms")
-        if sp_strategy == "burst-zero" and quantization != "none":
-            raise InvalidRequestError("burst-zero gathers bfloat16 weights; --quantization fp8 is not supported with "
-                                      "it", "quantization")
-        if sp_strategy == "burst-zero" and mixed_batch:                     # (None: auto, off for burst-zero)
-            raise InvalidRequestError("burst-zero runs a chunk on whole weights and decode on their slices, so a chunk "
-                                      "and a decode step cannot be one forward pass: leave --mixed-batch off",
-                                      "mixed_batch")
-        if sp_strategy == "single":
-            if nnodes > 1:
-                raise InvalidRequestError("--sp-strategy single runs on one device; it cannot span hosts "
-                                          f"(--nnodes {nnodes})", "sp_strategy")
-            device_list = device_list[:1]
-        dtype = dtype or ("bfloat16" if device_list[0].startswith("cuda") else "float32")
-        refusal = quantization_refusal(quantization, device_list, dtype)
-        if refusal:
-            raise DeviceSpecError(refusal) if quantization in QUANTIZATIONS else InvalidRequestError(refusal,
-                                                                                                     "quantization")
-        self.engine = EngineConfig(model=model, devices=device_list, dtype=dtype, max_model_len=max_model_len,
-                                   max_num_seqs=max_num_seqs, sp_strategy=sp_strategy, overlap=overlap,
-                                   seed=seed, kernel=ATTENTION_BACKENDS[attention_backend],
-                                   kv_cache_tokens=kv_cache_tokens,
-                                   gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                                   cuda_graphs=cuda_graphs, max_num_batched_tokens=chunk_tokens,
-                                   enable_prefix_caching=enable_prefix_caching, itl_target_ms=itl_target_ms,
-                                   quantization=quantization, mixed_batch=mixed_batch,
-                                   extend_ring_min_tokens=extend_ring_min_tokens,
-                                   auto_ulysses_max_tokens=auto_ulysses_max_tokens,
-                                   zero_sliced_max_tokens=zero_sliced_max_tokens,
-                                   async_scheduling=async_scheduling)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker
@@ -143,11 +81,11 @@ class LLM:
                             "past that are outside its training, and its outputs there may be wrong",
                             self.max_model_len, made_for, model)
         self.tokenizer = load_tokenizer(model, self.engine.is_preset)
-        self._local_workers = len(device_list)
-        self._head = Head(self.cluster) if nnodes > 1 else None
+        self._local_workers = self.engine.world_size
+        self._head = Head(self.cluster) if self.cluster.nnodes > 1 else None
         if self._head is not None:       # the other hosts' workers join the engine (engine/cluster.py)
             self.engine = self._head.gather(self.engine)
-        reason = self._strategy_refusal(sp_strategy)
+        reason = get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config)
         if self._head is not None and reason:
             self._head.abort(reason)
         elif self._head is not None:
@@ -338,16 +276,15 @@ class LLM:
         return self.worker_info[0]["kernel"] if self.worker_info else "?"
 
     # ---- internals --------------------------------------------------------------------------
-    def _strategy_refusal(self, sp_strategy: str) -> str | None:
-        """Why the strategy cannot split this model over the engine's workers (every host's), or None."""
-        workers = self.engine.world_size
-        check = {"tp": tp_check, "tp-v3": tp_check, "burst-zero": zero_check}.get(sp_strategy)
-        if check:
-            return check(self.model_config, workers)
-        if sp_strategy == "ulysses" and self.model_config.num_heads % workers:
-            return (f"ulysses splits the {self.model_config.num_heads} attention heads over the workers; "
-                    f"{workers} workers do not divide them")
-        return None
+    @staticmethod
+    def _devices(values: dict) -> list[str]:
+        """This host's worker devices from the checked options (DeviceSpecError: the machine cannot satisfy
+        them, or the attention backend cannot run on them); as many as the strategy runs on."""
+        devices = resolve_devices(values["devices"], values["context_parallel_size"])
+        refusal = backend_refusal(values["attention_backend"], devices)
+        if refusal:
+            raise DeviceSpecError(refusal)
+        return devices[:STRATEGIES[values["sp_strategy"]].max_workers]
 
     def _start_workers(self) -> None:
         """This host's workers: ranks 0 .. (the other hosts start theirs after the rendezvous)."""
@@ -492,12 +429,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def _check_kv_options(kv_cache_tokens: int | None, gpu_memory_utilization: float, block_size: int | None) -> None:
-    if kv_cache_tokens is not None and kv_cache_tokens < 1:
-        raise InvalidRequestError(f"kv_cache_tokens must be positive, not {kv_cache_tokens}", "kv_cache_tokens")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization}",
-                                  "gpu_memory_utilization")
-    if block_size is not None and block_size < 1:
-        raise InvalidRequestError(f"block_size must be positive, not {block_size}", "block_size")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, Prefill, Reinstate, Retire,
                           Shutdown, Truncate)
-from engine.config import EngineConfig, resolve_model
+from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if args.device == "cuda" else "cpu"
-    engine = EngineConfig(model=args.model, devices=[device] * world,
-                          dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    engine = EngineConfig(model=args.model, devices=[device] * world, dtype=args.dtype or default_dtype([device]))
     requests, outputs = queue.Queue(), queue.Queue()
     if rank != 0:
         worker_main(rank, engine, None, None, outputs)

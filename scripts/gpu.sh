@@ -21,7 +21,7 @@ KIND=${KIND:-cuda}
 site=/tmp/site
 out=${OUT:-/tmp/burstserve-gpu}
 # parts whose figures rest on flash-attn-4: they stop (exit 3) without it, the others fall back to cuDNN
-NEEDS_FA4="kernels decode prefix fp8 profile extend 8x"
+NEEDS_FA4="kernels decode prefix fp8 profile extend 8x regress"
 
 usage() {
   awk '/^## `scripts\/gpu.sh`/ {p = 1; print; next} p && /^## / {exit} p' scripts/README.md

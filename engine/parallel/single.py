@@ -8,3 +8,4 @@ from engine.parallel.burst_attention import BurstStrategy
 
 class SingleStrategy(BurstStrategy):
     name = "single"
+    max_workers = 1

@@ -16,12 +16,16 @@ answers:
                                         (engine/helix_decode.py);
   sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
                                         the parallel linears (engine/parallel/sequence_parallel.py);
-  for_prompt                            the strategy that prefills one prompt (itself; `auto` picks).
+  for_prompt                            the strategy that prefills one prompt (itself; `auto` picks);
+  max_workers                           single: 1 (LLM keeps the first named device);
+  option_refusal / model_refusal        why it cannot run with the engine's options, or split this model
+                                        over its workers: LLM asks before any worker starts, and never
+                                        compares the name.
 Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
 weight slices (engine/helix_decode.py).
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -51,6 +55,7 @@ class PrefillStrategy:
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
     times_exchanges = False    # its prefill runs the K/V ring, whose overlap is judged (engine/parallel/exchange_time.py)
     shards_weights = False     # burst-zero: layer weights in tp's slices, gathered whole for each prefill layer
+    max_workers: int | None = None   # the most workers it runs on (LLM keeps that many devices); None: any number
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -75,6 +80,19 @@ class PrefillStrategy:
     def kv_share(self, max_model_len: int) -> int:
         """The most tokens of one sequence a worker holds (zigzag shards differ by at most one token a chunk)."""
         return max_model_len if self.replicated_kv else ceil_div(max_model_len, self.world_size) + 1
+
+    @classmethod
+    def option_refusal(cls, options: Mapping[str, object]) -> tuple[str, str] | None:
+        """Why this strategy cannot run with these engine options (engine/options.py, by LLM keyword):
+        (the reason, the option to name), or None. A strategy of one worker cannot span hosts."""
+        if cls.max_workers == 1 and options["nnodes"] > 1:
+            return (f"--sp-strategy {cls.name} runs on one device; it cannot span hosts (--nnodes {options['nnodes']})",
+                    "sp_strategy")
+        return None
+
+    def model_refusal(self, cfg: ModelConfig) -> str | None:
+        """Why this strategy cannot split this model over its world_size workers (every host's), or None."""
+        return None
 
     def for_prompt(self, num_tokens: int, ctx: PrefillContext) -> "PrefillStrategy":
         """The strategy that prefills a prompt of num_tokens; it must keep self.shards' layout."""

@@ -67,6 +67,9 @@ class TensorParallelStrategy(PrefillStrategy):
         super().__init__(world_size)
         self.replicated_kv = world_size > 1
 
+    def model_refusal(self, cfg: ModelConfig) -> str | None:
+        return tp_check(cfg, self.world_size)
+
     def shards(self, num_tokens: int) -> list[Shard]:
         return zigzag_shards(num_tokens, 1)                     # the whole prompt, in position order
 

@@ -8,6 +8,7 @@ are repeated up to the query heads first. The KV cache keeps the shard's own K/V
 import torch
 import torch.distributed as dist
 
+from engine.config import ModelConfig
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend
@@ -67,6 +68,13 @@ class UlyssesAttention:
 class UlyssesStrategy(PrefillStrategy):
     """ulysses: UlyssesAttention over zigzag shards (two all-to-alls a layer, no ring)."""
     name = "ulysses"
+
+    def model_refusal(self, cfg: ModelConfig) -> str | None:
+        """Each worker attends over H/W whole heads: the workers must divide the query heads."""
+        if cfg.num_heads % self.world_size:
+            return (f"ulysses splits the {cfg.num_heads} attention heads over the workers; {self.world_size} workers "
+                    "do not divide them")
+        return None
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         return UlyssesAttention(ctx.backend, shards, rank, ctx.scale, ctx.data_group)

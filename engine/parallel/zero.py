@@ -19,6 +19,7 @@ the weights so that their gathers never queue behind the ring's exchanges): FSDP
 all-gather wraps nn.Modules, and the model here is plain tensors and functions.
 """
 import os
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,21 @@ from engine.parallel.tensor_parallel import local_kv_heads, tp_check, tp_local_c
 class BurstZeroStrategy(BurstStrategy):
     """burst-zero: burst's prefill and K/V layout over weights sharded as tp shards them."""
     name = "burst-zero"
+
+    @classmethod
+    def option_refusal(cls, options: Mapping[str, object]) -> tuple[str, str] | None:
+        """Its prefill gathers bfloat16 weights (no fp8), and runs on whole weights where decode runs on the
+        slices (no chunk and decode step in one pass; mixed_batch None: auto, off here)."""
+        if options["quantization"] != "none":
+            return (f"burst-zero gathers bfloat16 weights; --quantization {options['quantization']} is not supported "
+                    "with it", "quantization")
+        if options["mixed_batch"]:
+            return ("burst-zero runs a chunk on whole weights and decode on their slices, so a chunk and a decode "
+                    "step cannot be one forward pass: leave --mixed-batch off", "mixed_batch")
+        return super().option_refusal(options)
+
+    def model_refusal(self, cfg: ModelConfig) -> str | None:
+        return zero_check(cfg, self.world_size)
 
     @property
     def shards_weights(self) -> bool:

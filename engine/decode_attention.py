@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.page_pool import PagePool
-from kernels.paged_attention import merge_partials, paged_attention
+from kernels.merge import merge_partials
+from kernels.paged_attention import paged_attention
 
 
 @dataclass

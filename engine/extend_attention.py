@@ -37,8 +37,9 @@ from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
-from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, merge_partials, num_sms,
-                                     paged_attention, prefix_run_count, prefix_runs, split_prefix_attention)
+from kernels.merge import merge_partials
+from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, num_sms, paged_attention,
+                                     prefix_run_count, prefix_runs, split_prefix_attention)
 
 WAYS = ("local", "whole", "ring")
 

@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from engine.decode_attention import all_gather
-from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available, merge_partials,
-                                     num_sms, paged_attention, runs_filling_waves)
+from kernels.merge import merge_partials
+from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available, num_sms,
+                                     paged_attention, runs_filling_waves)
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +218,14 @@ class ExtendGraphs:
         ids, positions, slots = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:base]   # slots [w m]
         meta = self.inputs[base:base + META]
         chunk = (ShardedChunkAttention if w > 1 else GraphedChunkAttention)(runner, slots, meta, self.runs[m])
-        attend = chunk
+        def mixed(layer, q, k, v):                          # rows: m of the chunk, then b decode
+            return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), runner.decode_attention(layer, q[m:], k[m:], v[m:])])
+
         if b:
             step = self.step_inputs[:, :b]
             runner._begin_decode_step(step, None)
             ids, positions = torch.cat([ids, step[0]]), torch.cat([positions, step[1]])
-
-            def attend(layer, q, k, v):                     # rows: m of the chunk, then b decode
-                return torch.cat([chunk(layer, q[:m], k[:m], v[:m]),
-                                  runner.decode_attention(layer, q[m:], k[m:], v[m:])])
-
-        hidden = runner.model.forward(ids, positions, attend)                          # [m + b, hidden]
+        hidden = runner.model.forward(ids, positions, mixed if b else chunk)                          # [m + b, hidden]
         last = hidden.index_select(0, meta[4:5])                                        # [1, hidden]
         if w > 1:                                                    # the owner's row, on every worker
             last = all_gather(last, w, runner.data_group).view(w, -1).index_select(0, meta[3:4])

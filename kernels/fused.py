@@ -6,26 +6,22 @@
     store_kv(k_cache, v_cache, slots, k, v)                          k, v rows into a paged layer cache
     silu_and_mul(gate_up) -> silu(gate) * up
     quantize_fp8_rows(x) -> (x_fp8, scales) or None                 kernels/fp8.py's per-token quantization
-    merge_(out, lse, block_out, block_lse)                           a partial attention result absorbed
-                                                                     in place (kernels/merge.py's merge_into)
+
+(The attention merge's kernels are in kernels/merge.py.)
 
 A decode step of an 8B model spends a large share of its GPU time on these when each is a chain of
 torch ops (41 kernels a layer at llama3-8b's shapes, against 13-15 fused).
 The Triton kernels round where the torch ops round (bf16 after each product and sum, as transformers'
 LLaMA does), so they agree with the torch path to fp32 summation order. The torch ops are the path off
-CUDA; on CUDA a kernel that fails to build or launch logs once and the torch ops serve from then on.
+CUDA; on CUDA a kernel that fails to build or launch logs once and the torch ops serve from then on
+(kernels/triton_setup.py; the GPU tests clear `_triton.enabled` to run the torch ops).
 """
-import functools
-import logging
-
 import torch
 import torch.nn.functional as F
 
-from kernels.arith import ceil_div
-from kernels.merge import merge_into
+from kernels.arith import ceil_div, next_pow2
+from kernels.triton_setup import LazyTriton
 
-log = logging.getLogger(__name__)
-_TRITON = True   # cleared by _failed (the torch ops for good); the GPU tests clear it to run the torch ops
 tl = None   # triton.language, bound by _build (the kernels resolve it as a global)
 
 
@@ -34,12 +30,12 @@ tl = None   # triton.language, bound by _build (the kernels resolve it as a glob
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [S, hidden] -> weight * normalize(x) (fp32 statistics, bf16 product, as transformers). With
     residual [S, hidden]: x + residual is normalized, and (normed, x + residual) returned."""
-    kern = _kernels(x.device)
+    kern = _triton.kernels(x.device)
     if kern is not None and x.shape[0] > 0:
         try:
             return _rms_norm_triton(kern["rms_norm"], x, weight, eps, residual)
         except Exception as e:
-            _failed(e)
+            _triton.failed(e)
     if residual is not None:
         x = x + residual
         return _rms_norm_torch(x, weight, eps), x
@@ -49,12 +45,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
     """qkv [S, (H + 2 Hkv) D] (rows contiguous): q's H heads and k's Hkv heads rotated in place
     (rotate-half, as transformers' LLaMA); cos, sin [S, D] in qkv's dtype."""
-    kern = _kernels(qkv.device)
+    kern = _triton.kernels(qkv.device)
     if kern is not None and qkv.shape[0] > 0:
         try:
             return _rope_triton(kern["rope"], qkv, cos, sin, num_heads + num_kv_heads)
         except Exception as e:
-            _failed(e)
+            _triton.failed(e)
     d = cos.shape[-1]
     rot = qkv[:, :(num_heads + num_kv_heads) * d].view(qkv.shape[0], num_heads + num_kv_heads, d)   # [S, H + Hkv, D]
     rot.copy_(_rope_torch(rot, cos[:, None], sin[:, None]))
@@ -63,44 +59,26 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: in
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """k, v [n, Hkv, D] (any row stride) into slots [n] int64 of k_cache, v_cache [pages, block, Hkv, D]."""
-    kern = _kernels(k.device)
+    kern = _triton.kernels(k.device)
     if kern is not None and k.shape[0] > 0:
         try:
             return _store_kv_triton(kern["store_kv"], k_cache, v_cache, slots, k, v)
         except Exception as e:
-            _failed(e)
+            _triton.failed(e)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [S, 2 I] -> silu(gate) * up [S, I] (each rounded to the input dtype, as torch)."""
-    kern = _kernels(gate_up.device)
+    kern = _triton.kernels(gate_up.device)
     if kern is not None and gate_up.shape[0] > 0:
         try:
             return _silu_and_mul_triton(kern["silu_and_mul"], gate_up)
         except Exception as e:
-            _failed(e)
+            _triton.failed(e)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """out [R, H, D] (any float dtype, rows may be a slice), lse [R, H] fp32 absorb a partial result
-    over other keys, block_out [R, H, D], block_lse [R, H], in place (any strides): fp32 math, out
-    rounded once. The ring's merge: one read of each and one write, where the torch ops
-    (kernels/merge.py merge_into) take ~10 kernels and an fp32 copy of out. Layouts the kernel does
-    not take (D not contiguous or not a power of 2) go through the torch ops."""
-    kern = _kernels(out.device)
-    d = out.shape[-1]
-    fits = (out.stride(2) == 1 and block_out.stride(2) == 1 and d == _pow2(d) and lse.dtype == torch.float32
-            and block_lse.dtype == torch.float32)
-    if kern is not None and out.shape[0] > 0 and fits:
-        try:
-            return _merge_triton(kern["merge"], out, lse, block_out, block_lse)
-        except Exception as e:
-            _failed(e)
-    merge_into(out, lse, block_out, block_lse)
 
 
 # ---------------------------------------------------------------- torch (CPU, and the reference)
@@ -122,7 +100,7 @@ def quantize_fp8_rows(x: torch.Tensor):
     """x [M, K] -> (x / s as float8_e4m3fn [M, K], s [M, 1] fp32), s = max |x[m]| / 448, in one kernel
     (one read of x, one write: the torch ops read it three times and write two temporaries); None where
     there is no Triton kernel (the caller uses its torch ops)."""
-    kern = _kernels(x.device)
+    kern = _triton.kernels(x.device)
     if kern is None or x.shape[0] == 0:
         return None
     try:
@@ -130,11 +108,11 @@ def quantize_fp8_rows(x: torch.Tensor):
         m, k = x.shape
         q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-        block = _pow2(k)
+        block = next_pow2(k)
         kern["quantize_fp8"][(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
         return q, scale
     except Exception as e:
-        _failed(e)
+        _triton.failed(e)
         return None
 
 
@@ -142,58 +120,36 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     """rms_norm's output quantized per row to float8_e4m3fn in the same kernel -> (q [S, n], scales [S, 1]
     fp32), or with a residual (q, scales, x + residual); the same bits as rms_norm then quantize_fp8_rows.
     None where there is no Triton kernel (the caller runs the two steps)."""
-    kern = _kernels(x.device)
+    kern = _triton.kernels(x.device)
     if kern is None or x.shape[0] == 0:
         return None
     try:
         return _rms_norm_fp8_triton(kern["rms_norm_fp8"], x, weight, eps, residual)
     except Exception as e:
-        _failed(e)
+        _triton.failed(e)
         return None
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor):
     """silu_and_mul's output quantized per row to float8_e4m3fn in the same kernel -> (q [S, I], scales
     [S, 1] fp32); the same bits as the two steps. None where there is no Triton kernel."""
-    kern = _kernels(gate_up.device)
+    kern = _triton.kernels(gate_up.device)
     if kern is None or gate_up.shape[0] == 0:
         return None
     try:
         return _silu_and_mul_fp8_triton(kern["silu_and_mul_fp8"], gate_up)
     except Exception as e:
-        _failed(e)
+        _triton.failed(e)
         return None
 
 
 # ---------------------------------------------------------------- Triton
 
-def _failed(e: Exception) -> None:
-    global _TRITON
-    _TRITON = False
-    log.warning("fused Triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
-
-
-def _kernels(device: torch.device):
-    if device.type != "cuda" or not _TRITON:
-        return None
-    return _built()
-
-
-@functools.lru_cache(maxsize=1)
-def _built():
-    try:
-        return _build()
-    except Exception as e:   # no Triton
-        _failed(e)
-        return None
-
-
 def _build() -> dict:
     """jit the kernels (a fresh set each call: the CPU tests build interpreted ones)."""
     global tl
     import triton
-    import triton.language
-    tl = triton.language
+    import triton.language as tl
 
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, x_stride, res_stride, eps,
                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -304,29 +260,6 @@ def _build() -> dict:
         tl.store(q_ptr + s * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + s, amax / 448.0)
 
-    def merge_kernel(o_ptr, l_ptr, bo_ptr, bl_ptr, H, s_or, s_oh, s_lr, s_lh, s_bor, s_boh, s_blr, s_blh,
-                     D: tl.constexpr, H_PAD: tl.constexpr):
-        """Program = one row, all its heads: (o, l) absorbs (bo, bl) by LSE in fp32; a partial with
-        lse -inf weighs 0, two give o = 0, l = -inf."""
-        r = tl.program_id(0).to(tl.int64)
-        hs = tl.arange(0, H_PAD)
-        hm = hs < H
-        la = tl.load(l_ptr + r * s_lr + hs * s_lh, mask=hm, other=float("-inf")).to(tl.float32)
-        lb = tl.load(bl_ptr + r * s_blr + hs * s_blh, mask=hm, other=float("-inf")).to(tl.float32)
-        m = tl.maximum(la, lb)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        wa = tl.exp(la - m_safe)
-        wb = tl.exp(lb - m_safe)
-        s = wa + wb                                   # 0 (neither has keys) or >= 1
-        s1 = tl.where(s > 0, s, 1.0)
-        ds = tl.arange(0, D)[None, :]
-        mask = hm[:, None]
-        oa = tl.load(o_ptr + r * s_or + hs[:, None] * s_oh + ds, mask=mask, other=0.0).to(tl.float32)
-        ob = tl.load(bo_ptr + r * s_bor + hs[:, None] * s_boh + ds, mask=mask, other=0.0).to(tl.float32)
-        o = oa * (wa / s1)[:, None] + ob * (wb / s1)[:, None]
-        tl.store(o_ptr + r * s_or + hs[:, None] * s_oh + ds, o.to(o_ptr.dtype.element_ty), mask=mask)
-        tl.store(l_ptr + r * s_lr + hs * s_lh, tl.where(s > 0, tl.log(s1) + m_safe, float("-inf")), mask=hm)
-
     # sizes and strides unspecialized: one compile per dtype and constexpr combination
     return {
         "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
@@ -336,13 +269,10 @@ def _build() -> dict:
         "quantize_fp8": triton.jit(quantize_fp8_kernel, do_not_specialize=["k", "x_stride"]),
         "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
         "silu_and_mul_fp8": triton.jit(silu_and_mul_fp8_kernel, do_not_specialize=["inter", "x_stride"]),
-        "merge": triton.jit(merge_kernel, do_not_specialize=["H", "s_or", "s_oh", "s_lr", "s_lh", "s_bor", "s_boh",
-                                                             "s_blr", "s_blh"]),
     }
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_triton = LazyTriton(_build, "fused")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -355,12 +285,12 @@ def _rms_norm_triton(kernel, x, weight, eps, residual):
     s, n = x.shape
     out = torch.empty(s, n, dtype=x.dtype, device=x.device)
     if residual is None:
-        kernel[(s,)](x, x, weight, out, out, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=_pow2(n))
+        kernel[(s,)](x, x, weight, out, out, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=next_pow2(n))
         return out
     residual = _rows(residual)
     res_out = torch.empty_like(out)
     kernel[(s,)](x, residual, weight, out, res_out, n, x.stride(0), residual.stride(0), eps,
-                 HAS_RES=True, BLOCK=_pow2(n))
+                 HAS_RES=True, BLOCK=next_pow2(n))
     return out, res_out
 
 
@@ -369,7 +299,7 @@ def _rope_triton(kernel, qkv, cos, sin, num_rot):
     if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         raise ValueError("rope_: rows must be contiguous and cos, sin alike")
     kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), num_rot, D=d, HALF=d // 2,
-                            HEADS_PAD=_pow2(num_rot))
+                            HEADS_PAD=next_pow2(num_rot))
 
 
 def _store_kv_triton(kernel, k_cache, v_cache, slots, k, v):
@@ -378,14 +308,14 @@ def _store_kv_triton(kernel, k_cache, v_cache, slots, k, v):
         k, v = k.contiguous(), v.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("store_kv: the caches must be contiguous")
-    kernel[(k.shape[0],)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), n, BLOCK=_pow2(n))
+    kernel[(k.shape[0],)](k, v, slots, k_cache, v_cache, k.stride(0), v.stride(0), n, BLOCK=next_pow2(n))
 
 
 def _silu_and_mul_triton(kernel, gate_up):
     gate_up = _rows(gate_up)
     s, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(s, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(inter))
+    block = min(1024, next_pow2(inter))
     kernel[(s, ceil_div(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
     return out
 
@@ -395,7 +325,7 @@ def _rms_norm_fp8_triton(kernel, x, weight, eps, residual):
     s, n = x.shape
     q = torch.empty(s, n, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(s, 1, dtype=torch.float32, device=x.device)
-    block = _pow2(n)
+    block = next_pow2(n)
     warps = min(16, max(4, block // 1024))
     if residual is None:
         kernel[(s,)](x, x, weight, q, scale, x, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
@@ -412,13 +342,6 @@ def _silu_and_mul_fp8_triton(kernel, gate_up):
     s, inter = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(s, 1, dtype=torch.float32, device=gate_up.device)
-    block = _pow2(inter)
+    block = next_pow2(inter)
     kernel[(s,)](gate_up, q, scale, inter, gate_up.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
     return q, scale
-
-
-def _merge_triton(kernel, out, lse, block_out, block_lse):
-    r, h, d = out.shape
-    kernel[(r,)](out, lse, block_out, block_lse, h, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                 block_out.stride(0), block_out.stride(1), block_lse.stride(0), block_lse.stride(1),
-                 D=d, H_PAD=_pow2(h))

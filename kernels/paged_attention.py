@@ -43,12 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.arith import ceil_div
+from kernels.arith import ceil_div, next_pow2
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
                                select_backend)
-from kernels.merge import merge_stacked, merge_stacked_masked
+from kernels.merge import merge_partials
+from kernels.triton_setup import LazyTriton
 
 log = logging.getLogger(__name__)
+tl = None   # triton.language, bound by _build (the prep kernel resolves it as a global)
 
 MIN_CHUNK_KEYS = 512      # a split chunk covers at least this many keys (fewer: launch-bound)
 MAX_CHUNKS = 64
@@ -113,8 +115,7 @@ def _end_aligned(q, k, v, causal, scale, attn):
     if off == 0:
         return diag
     prefix = attn(q, k[:off], v[:off], False, scale)                   # [m, off]: no mask
-    o, l = merge_stacked(torch.stack([prefix[0], diag[0]]), torch.stack([prefix[1], diag[1]]))
-    return o.to(q.dtype), l
+    return merge_partials(torch.stack([prefix[0], diag[0]]), torch.stack([prefix[1], diag[1]]), q.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,12 +355,12 @@ def _split_inputs(q, visible, table, c, bs):
     q_rep [R*c, H, D] (row r*c+j = q[r]), used [R*c] int32 (chunk j of row r: its keys, see
     _fa4_split), chunk_table [R*c, P] int32 with P = ceil(max_blocks / c) (row r*c+j: pages
     j*p_r .. of row r, 0 past the table's end) in a guarded_table layout."""
-    kern = _triton_kernels(q.device)
+    kern = _triton.kernels(q.device)
     if kern is not None:
         try:
-            return _split_inputs_triton(kern[0], q, visible, table, c, bs)
+            return _split_inputs_triton(kern["prep"], q, visible, table, c, bs)
         except Exception as e:  # compile or launch failure: torch from now on
-            _triton_failed(e)
+            _triton.failed(e)
     r, max_blocks = table.shape
     width = ceil_div(max_blocks, c)                                                     # P
     n = visible.long()[:, None]                                                     # [R, 1]
@@ -384,75 +385,20 @@ def _repeat_rows(q, c):
 
 def _split_merge(out, lse, used, r, c, dtype):
     """The kernel's per-chunk out [R*c, H, D], lse [R*c, H] (any strides) -> out [R, H, D] in dtype,
-    lse [R, H] fp32, chunks with used == 0 weighing 0 whatever out/lse hold there."""
-    kern = _triton_kernels(out.device)
-    if kern is not None:
-        try:
-            return _split_merge_triton(kern[1], out, lse, used, r, c, dtype)
-        except Exception as e:
-            _triton_failed(e)
+    lse [R, H] fp32, chunks with used [R*c] == 0 weighing 0 whatever out/lse hold there: merge_partials
+    over [c, R, ...] views (no copy)."""
     h, d = out.shape[1], out.shape[2]
-    o, l = merge_stacked_masked(out.view(r, c, h, d), lse.view(r, c, h), (used > 0).view(r, c, 1), dim=1)
-    return o.to(dtype), l
+    return merge_partials(out.view(r, c, h, d).transpose(0, 1), lse.view(r, c, h).transpose(0, 1), dtype,
+                          used.view(r, c).t())
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype,
-                   used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """P partials of the same rows, outs [P, R, H, D] and lses [P, R, H] (any strides, e.g. views into
-    one gathered buffer) -> (out [R, H, D] in dtype, lse [R, H] fp32), merged by LSE in fp32; a partial
-    with lse -inf weighs 0. used [P] int32 (optional, on the device): partial p weighs 0 where used[p] == 0,
-    whatever it holds (a kernel's output for a run without keys is never read). One Triton kernel on
-    CUDA (the split path's merge), else kernels.merge.merge_stacked (15 small kernels, several times the
-    host time of the one kernel: docs/benchmarks.md, Kernels)."""
-    kern = _triton_kernels(outs.device)
-    if kern is not None:
-        try:
-            return _merge_partials_triton(kern[1], outs, lses, dtype, used)
-        except Exception as e:
-            _triton_failed(e)
-    if used is not None:
-        o, l = merge_stacked_masked(outs, lses, (used > 0).view(-1, *([1] * (lses.ndim - 1))), dim=0)
-    else:
-        o, l = merge_stacked(outs, lses)
-    return o.to(dtype), l
-
-
-# Triton on CUDA: two small kernels replacing ~16 torch ops on the split path (docs/benchmarks.md, Kernels).
-# Any failure to build, compile or launch logs once and clears this flag: the torch ops serve for good (they
-# are the CPU's path too; the GPU tests clear it to check them).
-_SPLIT_TRITON = True
-tl = None   # triton.language, bound by _build_triton_kernels (its kernels resolve it as a global)
-
-
-def _triton_failed(e: Exception) -> None:
-    global _SPLIT_TRITON
-    _SPLIT_TRITON = False
-    log.warning("Triton split-attention kernels failed (%s: %s); using torch ops", type(e).__name__, e)
-
-
-def _triton_kernels(device):
-    """(prep, merge) jitted kernels for CUDA devices while enabled, else None."""
-    if device.type != "cuda" or not _SPLIT_TRITON:
-        return None
-    return _triton_kernels_built()
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_kernels_built():
-    try:
-        return _build_triton_kernels()
-    except Exception as e:   # ImportError: no Triton
-        _triton_failed(e)
-        return None
-
-
-def _build_triton_kernels():
-    """jit the kernels (a fresh pair each call: tests build interpreter ones with TRITON_INTERPRET=1).
-    Defined here so that Triton is imported only when used; `tl` is this module's global."""
+def _build() -> dict:
+    """jit the split's prep kernel: chunk lengths, chunk tables and q repeated in one kernel, where the torch
+    ops take ~22 (docs/benchmarks.md, Kernels); the split's merge is kernels/merge.py's. A fresh one each
+    call: tests build an interpreted one with TRITON_INTERPRET=1."""
     global tl
     import triton
-    import triton.language
-    tl = triton.language
+    import triton.language as tl
 
     def _prep_kernel(q_ptr, visible_ptr, table_ptr, table_stride, max_blocks, q_rep_ptr, used_ptr, chunk_table_ptr,
                      c, bs, width, HD: tl.constexpr, HD_PAD: tl.constexpr, W_PAD: tl.constexpr, COPY_Q: tl.constexpr):
@@ -478,46 +424,12 @@ def _build_triton_kernels():
             x = tl.load(q_ptr + row.to(tl.int64) * HD + offs, mask=mask)
             tl.store(q_rep_ptr + i.to(tl.int64) * HD + offs, x, mask=mask)
 
-    def _merge_kernel(o_ptr, lse_ptr, used_ptr, out_ptr, lse_out_ptr, c, H,
-                      s_or, s_oc, s_oh, s_lr, s_lc, s_lh, s_ur, s_uc,
-                      D: tl.constexpr, C_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_USED: tl.constexpr):
-        """Program (r, h): merge the c partials of row r, head h by LSE (partial j of row r at
-        r*s_or + j*s_oc + h*s_oh in o, likewise in lse); with HAS_USED, partials with
-        used[r*s_ur + j*s_uc] == 0 are never read (they weigh 0)."""
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        cs = tl.arange(0, C_PAD)
-        if HAS_USED:
-            valid = tl.load(used_ptr + r * s_ur + cs * s_uc, mask=cs < c, other=0) > 0
-        else:
-            valid = cs < c
-        row = r.to(tl.int64)
-        part = cs.to(tl.int64)
-        lse = tl.load(lse_ptr + row * s_lr + part * s_lc + h * s_lh, mask=valid, other=float("-inf")).to(tl.float32)
-        m = tl.max(lse, axis=0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.where(valid, tl.exp(lse - m_safe), 0.0)
-        s = tl.sum(w, axis=0)                   # 0 (no partial with keys) or >= 1 (the largest gives exp(0))
-        s1 = tl.maximum(s, 1.0)
-        lse_out = tl.where(s > 0, tl.log(s1) + m_safe, float("-inf"))
-        ds = tl.arange(0, D_PAD)
-        dm = ds < D
-        o = tl.load(o_ptr + row * s_or + part[:, None] * s_oc + h * s_oh + ds[None, :],
-                    mask=valid[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        acc = tl.sum(o * w[:, None], axis=0) / s1
-        base = (r * H + h).to(tl.int64)
-        tl.store(out_ptr + base * D + ds, acc.to(out_ptr.dtype.element_ty), mask=dm)
-        tl.store(lse_out_ptr + base, lse_out)
-
     # integer arguments unspecialized (no recompile per value of c, strides, ...): one compile per
     # constexpr combination and pointer alignment
-    return (triton.jit(_prep_kernel, do_not_specialize=["table_stride", "max_blocks", "c", "bs", "width"]),
-            triton.jit(_merge_kernel, do_not_specialize=["c", "H", "s_or", "s_oc", "s_oh", "s_lr", "s_lc", "s_lh",
-                                                         "s_ur", "s_uc"]))
+    return {"prep": triton.jit(_prep_kernel, do_not_specialize=["table_stride", "max_blocks", "c", "bs", "width"])}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_triton = LazyTriton(_build, "split-attention")
 
 
 def _split_inputs_triton(prep, q, visible, table, c, bs):
@@ -532,34 +444,10 @@ def _split_inputs_triton(prep, q, visible, table, c, bs):
     chunk_table = buf[1:].view(r * c, width)
     if r == 1:                                   # the stride-0 view (see _repeat_rows): no copy of q
         prep[(c,)](q, visible, table, table.stride(0), max_blocks, q, used, buf, c, bs, width,
-                   HD=1, HD_PAD=1, W_PAD=_next_pow2(width), COPY_Q=False)
+                   HD=1, HD_PAD=1, W_PAD=next_pow2(width), COPY_Q=False)
         return _repeat_rows(q, c), used, chunk_table
     q = q.contiguous()
     q_rep = torch.empty(r * c, h, d, dtype=q.dtype, device=q.device)
     prep[(r * c,)](q, visible, table, table.stride(0), max_blocks, q_rep, used, buf, c, bs, width,
-                   HD=h * d, HD_PAD=_next_pow2(h * d), W_PAD=_next_pow2(width), COPY_Q=True)
+                   HD=h * d, HD_PAD=next_pow2(h * d), W_PAD=next_pow2(width), COPY_Q=True)
     return q_rep, used, chunk_table
-
-
-def _split_merge_triton(merge, out, lse, used, r, c, dtype):
-    h, d = out.shape[1], out.shape[2]
-    if out.stride(2) != 1:
-        out = out.contiguous()
-    o = torch.empty(r, h, d, dtype=dtype, device=out.device)
-    l = torch.empty(r, h, dtype=torch.float32, device=out.device)
-    merge[(r, h)](out, lse, used, o, l, c, h, c * out.stride(0), out.stride(0), out.stride(1),
-                  c * lse.stride(0), lse.stride(0), lse.stride(1), c, 1,
-                  D=d, C_PAD=_next_pow2(c), D_PAD=_next_pow2(d), HAS_USED=True)
-    return o, l
-
-
-def _merge_partials_triton(merge, outs, lses, dtype, used=None):
-    p, r, h, d = outs.shape
-    if outs.stride(3) != 1:
-        outs = outs.contiguous()
-    o = torch.empty(r, h, d, dtype=dtype, device=outs.device)
-    l = torch.empty(r, h, dtype=torch.float32, device=outs.device)
-    merge[(r, h)](outs, lses, l if used is None else used.contiguous(), o, l, p, h, outs.stride(1), outs.stride(0),
-                  outs.stride(2), lses.stride(1), lses.stride(0), lses.stride(2), 0, 1,
-                  D=d, C_PAD=_next_pow2(p), D_PAD=_next_pow2(d), HAS_USED=used is not None)
-    return o, l

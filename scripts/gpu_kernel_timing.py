@@ -12,6 +12,7 @@ import sys
 import torch
 
 import kernels.paged_attention as pa
+from kernels import merge
 from kernels.attention import AttentionBackend, _GPU_BACKENDS
 from kernels.paged_attention import choose_num_chunks, paged_attention
 
@@ -109,8 +110,8 @@ def paged_decode():
         print(f"| {b} x {ctx // 1024}K (auto {choose_num_chunks(b, HKV, ctx, sms)}) | "
               + " | ".join(f"{us:.0f}" for us in row) + " |", flush=True)
         del case
-    if hasattr(pa, "_SPLIT_TRITON"):             # False: a Triton kernel failed (logged) and torch ran instead
-        print("Triton split kernels on at the end:", pa._SPLIT_TRITON)
+    # False: a Triton kernel failed (logged) and torch ran instead
+    print("Triton split kernels on at the end:", pa._triton.enabled and merge._triton.enabled)
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ def kind_of(name: str) -> str:
         return "copy"
     if "gemm" in low or "nvjet" in low or "xmma" in low or "cutlass" in low or "matmul" in low:
         return "gemm"
-    if low.startswith(("rms_norm_kernel", "rope_kernel", "silu_and_mul_kernel", "store_kv_kernel",
-                       "quantize_fp8_kernel", "merge_kernel", "_prep_kernel", "_merge_kernel")):   # kernels/ Triton
+    if low.startswith(("rms_norm_kernel", "rope_kernel", "silu_and_mul_kernel", "store_kv_kernel",   # kernels/ Triton
+                       "quantize_fp8_kernel", "merge_into_kernel", "merge_partials_kernel", "_prep_kernel")):
         return "triton"
     return "elementwise"
 

@@ -20,7 +20,7 @@ from engine.parallel.ring import RingCommunicator, RingPass
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend, reference_attention
-from kernels.fused import merge_
+from kernels.merge import merge_into
 
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
@@ -53,7 +53,7 @@ class BurstAttention:
                 return
             if merges_left > 1 and acc["out"].dtype != torch.float32:
                 acc["out"] = acc["out"].float()
-            merge_(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
+            merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
             merges_left -= 1
 
         self.ring_pass.run(kv, attend)

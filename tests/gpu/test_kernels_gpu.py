@@ -12,6 +12,7 @@ import torch
 
 from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
 import kernels.paged_attention as pa
+from kernels import merge
 from kernels.paged_attention import fa4_available, paged_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
@@ -132,11 +133,19 @@ DECODE_CASES = {   # name: k_lens, one new token each; 0: a padding slot of a CU
 
 
 def _split_impl(monkeypatch, impl):
-    """impl "triton": the split's Triton kernels (and check they stayed on); "torch": the fallback."""
+    """impl "triton": the split's Triton kernels, its prep and kernels/merge.py's merge (and check they
+    stayed on: _split_triton_on); "torch": the fallback."""
     if impl == "torch":
-        monkeypatch.setattr(pa, "_SPLIT_TRITON", False)
+        monkeypatch.setattr(pa._triton, "enabled", False)
+        monkeypatch.setattr(merge._triton, "enabled", False)
     else:
-        assert pa._SPLIT_TRITON and pa._triton_kernels(DEV) is not None, "Triton split kernels unavailable"
+        assert pa._triton.kernels(DEV) is not None and merge._triton.kernels(DEV) is not None, \
+            "Triton split kernels unavailable"
+
+
+def _split_triton_on() -> bool:
+    """False once a split kernel failed (logged) and the torch ops took over."""
+    return pa._triton.enabled and merge._triton.enabled
 
 
 DECODE_PARAMS = ([("triton", bs, case, n) for bs in (16, 128) for case in DECODE_CASES for n in (None, 1, 5)]
@@ -150,7 +159,7 @@ def test_paged_fa4_decode_keyword_matches_cpu_reference(monkeypatch, impl, bs, c
     k_lens = DECODE_CASES[case]
     for causal in (True, False):
         _check(_gpu_case([1] * len(k_lens), k_lens, bs), causal, backend="fa4", num_chunks=num_chunks, max_seqlen_q=1)
-    assert impl == "torch" or pa._SPLIT_TRITON, "a Triton kernel failed and fell back to torch (see the log)"
+    assert impl == "torch" or _split_triton_on(), "a Triton kernel failed and fell back to torch (see the log)"
 
 
 def test_paged_dense_fallback_takes_max_seqlen_q():
@@ -196,7 +205,7 @@ def test_paged_fa4_decode_in_cuda_graph(monkeypatch, impl, k_lens, num_chunks):
         fin = torch.isfinite(ref_lse)
         assert (out.float().cpu() - ref_out).abs().max() < 2e-2, step
         assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 2e-3, step
-    assert impl == "torch" or pa._SPLIT_TRITON, "a Triton kernel failed and fell back to torch (see the log)"
+    assert impl == "torch" or _split_triton_on(), "a Triton kernel failed and fell back to torch (see the log)"
 
 
 @needs_fa4
@@ -247,7 +256,7 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
     def ulps(a, b, n):   # |a - b| <= n bf16 roundings of b
         return ((a.float() - b.float()).abs() <= b.float().abs() * n * 2 ** -8 + 1e-6).all()
     from kernels import fused
-    kern = fused._built()
+    kern = fused._triton.kernels(DEV)
     assert kern is not None, "Triton kernels did not build"
     bf = torch.bfloat16
     h, hkv, d, hid, inter = 32, 8, 128, 4096, 14336
@@ -282,12 +291,10 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
 
 @pytest.mark.parametrize("acc_dtype", [torch.bfloat16, torch.float32])
 def test_ring_merge_on_cuda_matches_the_torch_merge(acc_dtype):
-    """kernels.fused.merge_ (BurstAttention's merge of a block into its accumulator, in place): rows
-    m: of an accumulator, flash-attn-4's transposed LSE views, rows with no keys on one side or both,
-    against kernels.merge.merge_into (the same fp32 arithmetic, one rounding into a bf16 out)."""
-    from kernels import fused
-    from kernels.merge import merge_into
-    kern = fused._built()
+    """kernels.merge.merge_into's kernel (BurstAttention's merge of a block into its accumulator, in place):
+    rows m: of an accumulator, flash-attn-4's transposed LSE views, rows with no keys on one side or both,
+    against its torch ops (the same fp32 arithmetic, one rounding into a bf16 out)."""
+    kern = merge._triton.kernels(DEV)
     assert kern is not None, "Triton kernels did not build"
     n, m, h, d = 4096, 1500, 32, 128
     acc = (torch.randn(n, h, d, device=DEV) * 2).to(acc_dtype)
@@ -297,8 +304,8 @@ def test_ring_merge_on_cuda_matches_the_torch_merge(acc_dtype):
     acc_lse[m:m + 9, 3] = float("-inf")
     blk_lse[:9, 3:5] = float("-inf")
     want, want_lse = acc.clone(), acc_lse.clone()
-    merge_into(want[m:], want_lse[m:], blk, blk_lse)
-    fused._merge_triton(kern["merge"], acc[m:], acc_lse[m:], blk, blk_lse)
+    merge._merge_into_torch(want[m:], want_lse[m:], blk, blk_lse)
+    merge._merge_into_triton(kern["merge_into"], acc[m:], acc_lse[m:], blk, blk_lse)
     tol = dict(atol=1e-5, rtol=1e-5) if acc_dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(acc, want, **tol)
     torch.testing.assert_close(acc_lse, want_lse, atol=1e-5, rtol=1e-6)
@@ -312,17 +319,19 @@ def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
     Triton merge kernel: partials as views into one gathered [G, R, H, D + 1] fp32 buffer (a keyless
     worker's partial: 0, -inf), bf16 out, against kernels.merge.merge_stacked; and inside a CUDA graph."""
     from kernels.merge import merge_stacked
+    kern = merge._triton.kernels(DEV)
+    assert kern is not None, "Triton kernels did not build"
     gathered = torch.randn(workers, rows, 32, 129, device=DEV)
     gathered[1, :rows // 2, :, :128], gathered[1, :rows // 2, :, 128] = 0.0, float("-inf")
     outs, lses = gathered[..., :128], gathered[..., 128]
-    o, l = pa._merge_partials_triton(pa._triton_kernels(DEV)[1], outs, lses, torch.bfloat16)   # the kernel itself
+    o, l = merge._merge_partials_triton(kern["merge_partials"], outs, lses, torch.bfloat16)   # the kernel itself
     t_o, t_l = merge_stacked(outs, lses)
     torch.testing.assert_close(o, t_o.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_o, g_l = pa.merge_partials(outs, lses, torch.bfloat16)
-    assert pa._SPLIT_TRITON, "the Triton merge failed and fell back to torch ops"
+        g_o, g_l = merge.merge_partials(outs, lses, torch.bfloat16)
+    assert merge._triton.enabled, "the Triton merge failed and fell back to torch ops"
     gathered.copy_(torch.randn_like(gathered))
     graph.replay()
     t_o, t_l = merge_stacked(outs, lses)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels.paged_attention as pa
+from kernels import merge
 from kernels.merge import merge_stacked
 from kernels.paged_attention import choose_num_chunks, paged_attention
 from triton_interpreter import run_interpreted
@@ -330,12 +331,13 @@ def test_decode_split_kernel_count(monkeypatch):
 # ---------------------------------------------------------------- the Triton split kernels, interpreted on CPU
 
 def _triton_interpreted_checks():
-    """The Triton kernels against the torch path, on CPU through Triton's interpreter. Needs
-    TRITON_INTERPRET=1 from before triton's first import (its own jit'd functions, tl.max & co,
-    are decided then): test_triton_split_kernels_interpreted runs this in a fresh process."""
+    """The split path's Triton kernels (the prep here, the merge kernels/merge.py's) against the torch path,
+    on CPU through Triton's interpreter. Needs TRITON_INTERPRET=1 from before triton's first import (its
+    own jit'd functions, tl.max & co, are decided then): test_triton_split_kernels_interpreted runs this
+    in a fresh process. The merge kernels' own checks: tests/kernels/test_merge.py."""
     import warnings
     warnings.simplefilter("ignore", RuntimeWarning)          # numpy: exp/log of -inf in masked lanes
-    prep, merge = pa._build_triton_kernels()
+    prep, merges = pa._build()["prep"], merge._build()
     assert type(prep).__name__ == "InterpretedFunction", type(prep)
     q = torch.randn(3, 4, 16)
     visible = torch.tensor([0, 300, 1000], dtype=torch.int32)
@@ -353,35 +355,15 @@ def _triton_interpreted_checks():
         lse = torch.randn(4, 15).t()                         # flash-attn-4's [H, total_q], transposed
         out[used == 0] = float("nan")                        # garbage in the empty chunks
         lse[used == 0] = float("inf")
-        o, l = pa._split_merge_triton(merge, out, lse, used, 3, 5, dtype)
-        t_o, t_l = pa._split_merge(out, lse, used, 3, 5, dtype)
+        t_o, t_l = pa._split_merge(out, lse, used, 3, 5, dtype)          # the torch ops (CPU)
+        merge._triton.kernels = lambda device: merges
+        o, l = pa._split_merge(out, lse, used, 3, 5, dtype)              # the merge kernel
+        del merge._triton.kernels
         assert o.dtype == dtype and l.dtype == torch.float32
         rtol = 1e-5 if dtype == torch.float32 else 1e-2      # bf16: fp32 results one rounding apart
         torch.testing.assert_close(o.float(), t_o.float(), atol=1e-5, rtol=rtol)
         torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
         assert (o[0] == 0).all() and torch.isneginf(l[0]).all()
-    # merge_partials (the cross-worker merge): 3 workers' partials as views into one gathered buffer,
-    # the lse in its last column; a worker without keys (0, -inf), a row that no worker has keys for
-    gathered = torch.randn(3, 5, 4, 17)
-    gathered[1, 2, :, :16], gathered[1, 2, :, 16] = 0.0, float("-inf")
-    gathered[:, 4, :, :16], gathered[:, 4, :, 16] = 0.0, float("-inf")
-    for dtype in (torch.float32, torch.bfloat16):
-        o, l = pa._merge_partials_triton(merge, gathered[..., :16], gathered[..., 16], dtype)
-        t_o, t_l = merge_stacked(gathered[..., :16], gathered[..., 16])
-        assert o.dtype == dtype and l.dtype == torch.float32
-        torch.testing.assert_close(o.float(), t_o.to(dtype).float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
-        torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
-        assert (o[4] == 0).all() and torch.isneginf(l[4]).all()
-    # merge_partials with `used` (engine/extend_graphs.py): partials whose used entry is 0 hold garbage and
-    # are never read; the same as the torch merge of the others
-    used3 = torch.tensor([2, 0, 7], dtype=torch.int32)
-    garbage = gathered.clone()
-    garbage[1] = float("nan")
-    for dtype in (torch.float32, torch.bfloat16):
-        o, l = pa._merge_partials_triton(merge, garbage[..., :16], garbage[..., 16], dtype, used3)
-        t_o, t_l = merge_stacked(gathered[[0, 2], ..., :16], gathered[[0, 2], ..., 16])
-        torch.testing.assert_close(o.float(), t_o.to(dtype).float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
-        torch.testing.assert_close(l, t_l, atol=1e-5, rtol=1e-5)
     # device_prefix_runs through the prep kernel: prefix_runs' tables and counts, empty runs after them
     row = torch.randint(1, 100, (1, 70), dtype=torch.int32)
     for cached in (1, 300, 1000):
@@ -392,13 +374,15 @@ def _triton_interpreted_checks():
         assert torch.equal(used4[:ref.used.shape[0]], ref.used) and (used4[ref.used.shape[0]:] == 0).all()
     # the whole fa4 path through the kernels (flash-attn-4 itself replaced by the reference)
     pa._fa4_call = _fake_fa4_call
-    pa._triton_kernels = lambda device: (prep, merge)
+    pa._triton.kernels = lambda device: {"prep": prep}
+    merge._triton.kernels = lambda device: merges
     for max_seqlen_q in (None, 1):
         check(make_case([1] * len(DECODE_K_LENS), DECODE_K_LENS, 8, 2, 16, 16), 0.25, True, backend="fa4",
               num_chunks=3, max_seqlen_q=max_seqlen_q)
         check(make_case([1], [1000], 8, 2, 16, 16), 0.25, True, backend="fa4", num_chunks=4,
               max_seqlen_q=max_seqlen_q)
     check(make_case([1, 4, 0, 1, 2], [700, 30, 5, 0, 1], 8, 2, 16, 16), 0.25, True, backend="fa4", num_chunks=3)
+    assert pa._triton.enabled and merge._triton.enabled, "a kernel failed and the torch ops served"
 
 
 def test_triton_split_kernels_interpreted():

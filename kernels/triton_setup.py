@@ -1,0 +1,57 @@
+"""Triton kernels built on first use, with the torch ops as the path wherever they are not there.
+
+Each module with Triton kernels holds one LazyTriton over its build function:
+
+    _triton = LazyTriton(_build, "fused")
+    kern = _triton.kernels(x.device)       # the built kernels, or None: not CUDA, no Triton, or failed
+    if kern is not None:
+        try:
+            return _op_triton(kern["op"], ...)
+        except Exception as e:             # compile or launch failure
+            _triton.failed(e)              # logged once; the torch ops from now on
+    return _op_torch(...)
+
+The build function imports Triton (only when a kernel is first wanted: the CPU never imports it) and
+defines its kernels inside itself, after binding its module's global `tl` (`global tl; import
+triton.language as tl`): a Triton kernel resolves `tl` as a global of the module it is defined in.
+It returns a fresh set each call, so tests can build interpreted kernels (TRITON_INTERPRET=1) and
+run them on the CPU.
+"""
+import logging
+from typing import Callable, Generic, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+K = TypeVar("K")
+
+
+class LazyTriton(Generic[K]):
+    """One module's Triton kernels: built once, on the first CUDA call, and given up for good (the torch
+    ops serve) after any failure to build, compile or launch. `enabled` is the switch: failed() clears it,
+    and tests clear it (monkeypatch) to run the torch ops on CUDA."""
+
+    def __init__(self, build: Callable[[], K], name: str):
+        self.build = build            # -> a fresh set of jitted kernels
+        self.name = name              # for the log line
+        self.enabled = True
+        self._built: K | None = None
+        self._tried = False
+
+    def kernels(self, device: torch.device) -> K | None:
+        """The built kernels for a CUDA device while enabled, else None (the caller runs its torch ops)."""
+        if device.type != "cuda" or not self.enabled:
+            return None
+        if not self._tried:
+            self._tried = True
+            try:
+                self._built = self.build()
+            except Exception as e:   # ImportError: no Triton
+                self.failed(e)
+        return self._built if self.enabled else None
+
+    def failed(self, e: Exception) -> None:
+        """A kernel failed to build, compile or launch: log it (once) and use the torch ops from now on."""
+        if self.enabled:
+            log.warning("%s Triton kernels failed (%s: %s); using torch ops", self.name, type(e).__name__, e)
+        self.enabled = False

@@ -14,7 +14,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.decode_attention import DecodeAttention, all_gather
-from engine.parallel.zero import qkv_row_index
+from engine.parallel.tensor_parallel import qkv_row_index
 
 
 class HelixDecodeAttention:

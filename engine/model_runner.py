@@ -17,23 +17,20 @@ from engine.cache.page_pool import PagePool
 from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu,
                                  prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_attention import DecodeAttention, DecodeStep, all_gather, all_gather_rows
+from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
 from engine.chunk_sizer import MIN_CHUNK
 from engine.extend_attention import ExtendAttention
 from engine.extend_graphs import MAX_TOKENS as EXTEND_GRAPH_MAX_TOKENS, ExtendGraphs
 from engine.devices import host_to_device, synchronize
 from engine.errors import ModelLoadError
-from engine.model import LlamaModel, hf_weight_shapes
+from engine.model import hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.exchange_time import ExchangeTime
 from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import owner_of_position
-from engine.parallel.vocab import VocabShards
-from engine.parallel.zero import LayerGather
-from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
-from engine.helix_decode import HelixDecodeAttention
-from engine.prompt_logprobs import CHUNK_ROWS, as_entries, gather_scores, score_rows
+from engine.parallel.sharding import Shard, owner_of_position
+from engine.parallel.weight_layout import global_rank
+from engine.prompt_logprobs import as_entries
 from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
 from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, Prefill,
                           PrefillResult, Reinstate, Retire, Truncate)
@@ -86,14 +83,10 @@ class ModelRunner:
             weights = random_weights(shapes, device, dtype, engine.seed, slices)
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype, slices)
-        local, partial_sums = self.strategy.local_config(cfg, rank)
-        vocab = VocabShards(cfg.vocab_size, rank, self.world_size, data_group) if self.strategy.shards_weights else None
-        self.model = LlamaModel(local, weights, device, reduce=self._all_reduce if partial_sums else None,
-                                quantization=engine.quantization, vocab=vocab)
-        # burst-zero: prefills run each layer with its whole weights, gathered from the workers' tp slices
-        self.whole_layers = (LayerGather(cfg, self.model.layers, self.world_size, device, data_group)
-                             if self.strategy.shards_weights else None)
-        attn = cfg if self.whole_layers else local           # the heads a prefill attends with and the K/V cache holds
+        self.layout = self.strategy.weight_layout(cfg, rank, device, data_group)   # what follows from the weights
+        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization)
+        self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
+        attn = self.layout.attn_cfg                    # the heads a prefill attends with and the K/V cache holds
         self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
@@ -111,9 +104,9 @@ class ModelRunner:
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
-        self.decode_attend = (HelixDecodeAttention(self.decode_attention, cfg, rank, self.world_size, data_group)
-                              if self.whole_layers else self.decode_attention)   # burst-zero: on the weight slices
-        self.sliced_max_tokens = self._sliced_max_tokens()   # burst-zero: prompts this short run on the slices
+        self.decode_attend = self.layout.decode_attention(self.decode_attention)   # (burst-zero: Helix's)
+        # prompts this short run on the weight slices (burst-zero; else 0)
+        self.sliced_max_tokens = self.layout.sliced_limit(engine.zero_sliced_max_tokens, share, self.prefill_context)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
         # engine/step_tokens.py; a batch holds up to max_num_seqs + 1 (a short prompt beside one prefilled in chunks)
         self.fed_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=device)
@@ -131,24 +124,19 @@ class ModelRunner:
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
         seq_id, token_ids, prompt_logprobs = call.seq_id, call.token_ids, call.prompt_logprobs
-        if prompt_logprobs is None and token_ids.shape[0] <= self.sliced_max_tokens:
-            return self._prefill_on_slices(seq_id, token_ids, entered)
-        shards = self.strategy.shards(token_ids.shape[0])
-        chosen = self.strategy.for_prompt(token_ids.shape[0], self.prefill_context)   # auto: ulysses or burst
+        num_tokens = token_ids.shape[0]
+        shards = self.strategy.shards(num_tokens)
+        if prompt_logprobs is None and num_tokens <= self.sliced_max_tokens:   # on the weight slices (burst-zero)
+            start, _, slots = self._begin_prefill(seq_id, shards)
+            logits = self.layout.prefill_on_slices(self.prefill_context, self.pool, slots, shards, token_ids)   # [V]
+            return self._prefill_result(self.layout.sliced_name, logits, start, entered)
+        chosen = self.strategy.for_prompt(num_tokens, self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q [n, H, D], kv) -> [n, H, D]
         exchange_alone = self._exchange_seconds_alone(chosen, shards)      # arithmetic (ExchangeTime)
-        self._sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
-        start = time.perf_counter()
-        shard = self.strategy.shard_of(shards, self.rank)
-        positions = shard.positions()                                   # [n]
-        seq_parallel = chosen.sequence_parallel(token_ids.shape[0], self.rank, self.data_group)   # tp-v3
+        start, shard, slots = self._begin_prefill(seq_id, shards)           # slots [n]
+        n, positions = shard.length, shard.positions()                      # [n]
+        seq_parallel = chosen.sequence_parallel(num_tokens, self.rank, self.data_group)   # tp-v3
         local_ids = (seq_parallel.local_ids(token_ids) if seq_parallel else token_ids[positions]).to(self.device)
-        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
-        self.pool.add(seq_id, shard.length)
-        slots = self.pool.slots(seq_id, 0, shard.length)               # [n]
-        n = shard.length
         if seq_parallel:                                                # every row, the padding's positions too
             positions = torch.arange(seq_parallel.padded)
 
@@ -159,14 +147,39 @@ class ModelRunner:
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel,
                                     self.whole_layers)                                       # [n, hidden]
-        if seq_parallel:
-            logits = self._logits_of_row(hidden, *seq_parallel.last_row())
-        else:
-            logits = self._last_logits(hidden, shards, token_ids.shape[0])  # [V], on every worker
+        last = seq_parallel.last_row() if seq_parallel else owner_of_position(shards, num_tokens - 1)
+        logits = self.layout.logits_of_row(hidden, *last)                  # [V], on every worker
         stats = self.ring.collect_stats() if self.ring else None
+        result = self._prefill_result(chosen.name, logits, start, entered, stats, exchange_alone)
+        if prompt_logprobs is not None:                                 # its time counts in wrapup_seconds
+            wrapup = time.perf_counter()
+            if seq_parallel:                                            # every row on every worker, as tp
+                hidden, positions = seq_parallel.gather(hidden)[:n], positions[:n]
+            parts = self.layout.prompt_scores(hidden, positions, token_ids, prompt_logprobs, self.strategy.replicated_kv)
+            if self.rank == 0:
+                result.prompt_logprobs = as_entries(parts, token_ids)
+            result.wrapup_seconds += time.perf_counter() - wrapup
+        return result
+
+    def _begin_prefill(self, seq_id: int, shards: list[Shard]) -> tuple[float, Shard, torch.Tensor]:
+        """A prefill's start (every worker's queue drained, the peak memory counted from here) and its prompt
+        placed (the ledger, this worker's pages) -> (start time, this worker's Shard, its slots [n])."""
+        self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
+        start = time.perf_counter()
+        shard = self.strategy.shard_of(shards, self.rank)
+        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
+        self.pool.add(seq_id, shard.length)
+        return start, shard, self.pool.slots(seq_id, 0, shard.length)
+
+    def _prefill_result(self, strategy: str, logits: torch.Tensor, start: float, entered: float, stats=None,
+                        exchange_alone: float = 0.0) -> PrefillResult:
+        """After a prefill's forward: its timings (stats: the K/V ring's, against its exchanges' time alone), the
+        workers' peak memory, and on worker 0 the logits [V] (CPU)."""
         self._sync()
         end = time.perf_counter()
-        result = PrefillResult(end - start, chosen.name, setup_seconds=start - entered)
+        result = PrefillResult(end - start, strategy, setup_seconds=start - entered)
         if stats is not None:
             result.exposed_seconds, result.exchange_overlapped_seconds = stats.exposed_seconds, stats.exchange_seconds
         if stats is not None and exchange_alone > 0:   # hidden: share of the exchanges' time alone that compute covered
@@ -176,59 +189,8 @@ class ModelRunner:
             result.peak_memory_bytes = self._peak_memory_all_workers()
         if self.rank == 0:
             result.logits = logits.cpu()
-        if prompt_logprobs is not None:
-            if seq_parallel:                                            # every row on every worker, as tp
-                hidden, positions = seq_parallel.gather(hidden)[:n], positions[:n]
-            entries = self._prompt_logprobs(hidden, positions, token_ids, prompt_logprobs)
-            if self.rank == 0:
-                result.prompt_logprobs = entries
-        result.wrapup_seconds = time.perf_counter() - end   # stats, logits (and prompt logprobs) after the prefill
+        result.wrapup_seconds = time.perf_counter() - end   # stats and logits after the prefill
         return result
-
-    def _prefill_on_slices(self, seq_id: int, token_ids: torch.Tensor, entered: float) -> PrefillResult:
-        """burst-zero, a short prompt: every worker runs all of it through its weight slices (tensor parallel),
-        the K/V left in burst's layout (engine/parallel/zero_sliced.py). Returns as prefill does."""
-        n = token_ids.shape[0]
-        shards = self.strategy.shards(n)
-        self._sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        shard = self.strategy.shard_of(shards, self.rank)
-        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
-        self.pool.add(seq_id, shard.length)
-        attend = SlicedPrefillAttention(self.pool, self.pool.slots(seq_id, 0, shard.length), shards, self.rank,
-                                        self.cfg, self.backend, self.scale, self.data_group)
-        hidden = self.model.forward(token_ids.to(self.device), torch.arange(n, device=self.device), attend)   # [N, hidden]
-        logits = self.model.logits(hidden[-1:])[0]                               # [V], on every worker
-        self._sync()
-        end = time.perf_counter()
-        result = PrefillResult(end - start, SLICED, setup_seconds=start - entered)
-        if self.device.type == "cuda":
-            result.peak_memory_bytes = self._peak_memory_all_workers()
-        if self.rank == 0:
-            result.logits = logits.cpu()
-        result.wrapup_seconds = time.perf_counter() - end
-        return result
-
-    def _sliced_max_tokens(self) -> int:
-        """burst-zero: the longest prompt run on the weight slices (--zero-sliced-max-tokens; unset: measured
-        on GPUs, none on CPU; at most a worker's share of max_model_len, the rows whose activations the KV
-        pool's sizing leaves room for); 0 for every other strategy. The attention kernel is warmed up for
-        the slices' heads (a request must not pay for its compilation)."""
-        if self.whole_layers is None:
-            return 0
-        limit = self.engine.zero_sliced_max_tokens
-        if limit is None:
-            limit = (measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.dtype,
-                                               self.data_group) if self.device.type == "cuda" else 0)
-        limit = min(limit, self.strategy.kv_share(self.max_model_len))
-        if limit and self.device.type == "cuda":
-            local = self.model.cfg
-            q = torch.randn(256, local.num_heads, local.head_dim, device=self.device, dtype=self.dtype)
-            kv = torch.randn(256, local.num_kv_heads, local.head_dim, device=self.device, dtype=self.dtype)
-            self.backend(q, kv, kv, True, self.scale)
-        return limit
 
     @torch.inference_mode()
     def extend(self, call: Extend) -> PrefillResult:
@@ -247,12 +209,9 @@ class ModelRunner:
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
             return self._extend_result(logits, start, start_time, "extend", placed.way, graphed=True)
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed)
-        if self.whole_layers is not None and attend.way == "whole":    # burst-zero: the same rows everywhere, so
-            wrapped = HelixDecodeAttention(attend, self.cfg, self.rank, self.world_size, self.data_group)
-            hidden = self.model.forward(ids, positions, wrapped)        # the tp slices, as decode: no weight moves
-        else:
-            hidden = self.model.forward(ids, positions, attend, whole_layers=self.whole_layers)   # [m, hidden]
-        logits = self._logits_of_row(hidden, *last)                                # [V], on every worker
+        attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
+        hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
+        logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
         return self._extend_result(logits, start, start_time, "extend", attend.way)
 
     @torch.inference_mode()
@@ -287,7 +246,7 @@ class ModelRunner:
             return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
 
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
-        logits = self._logits_of_row(hidden[:m], *last)                            # [V], on every worker
+        logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
         result = self._extend_result(logits, start, start_time, "extend+decode", chunk.way)
         if self.rank == 0:
@@ -339,56 +298,6 @@ class ModelRunner:
             result.logits = logits.cpu()
         return result
 
-    def _last_logits(self, hidden: torch.Tensor, shards, num_tokens: int) -> torch.Tensor:
-        """The logits [V] of the last of num_tokens sharded so (hidden [n_w, hidden]: this worker's rows),
-        computed by the worker holding it (tp: worker 0, all hold every row) and broadcast from there."""
-        return self._logits_of_row(hidden, *owner_of_position(shards, num_tokens - 1))
-
-    def _logits_of_row(self, hidden: torch.Tensor, owner: int, row: int) -> torch.Tensor:
-        """The logits [V] of row `row` of worker `owner`'s hidden states, on every worker."""
-        if self.model.vocab is not None:           # the LM head cut by vocabulary: the row goes to every worker
-            one = (hidden[row:row + 1] if self.rank == owner else
-                   torch.empty(1, self.cfg.hidden_size, dtype=self.dtype, device=self.device))
-            dist.broadcast(one, src=self._global_rank(owner), group=self.data_group)
-            return self.model.logits(one)[0]
-        if self.rank == owner:
-            logits = self.model.logits(hidden[row:row + 1])[0]
-        else:
-            logits = torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        if owner != 0:
-            dist.broadcast(logits, src=self._global_rank(owner), group=self.data_group)
-        return logits
-
-    def _global_rank(self, rank: int) -> int:
-        return rank if self.data_group is None else dist.get_global_rank(self.data_group, rank)
-
-    def _prompt_logprobs(self, hidden, positions, token_ids, top: int) -> list | None:
-        """Each worker scores the rows it holds (replicated K/V, tp: worker 0 holds them all); worker 0 gets
-        the entries."""
-        if self.model.vocab is not None:          # the LM head cut by vocabulary: every worker scores every row
-            parts = self._score_rows_of_everyone(hidden, positions.to(self.device), token_ids, top)
-        elif self.strategy.replicated_kv:
-            parts = [score_rows(self.model, hidden, positions, token_ids, top)] if self.rank == 0 else []
-        else:
-            parts = gather_scores(score_rows(self.model, hidden, positions, token_ids, top), self.world_size,
-                                  self.data_group)
-        return as_entries(parts, token_ids) if self.rank == 0 else None
-
-    def _score_rows_of_everyone(self, hidden, positions, token_ids, top: int) -> list[dict]:
-        """Every worker's rows scored on every worker (the LM head is a collective call), gathered a
-        window at a time: at most CHUNK_ROWS rows [.., hidden] in flight, not the whole prompt's
-        (8 GB a worker at 1M tokens of an 8B model)."""
-        counts = all_gather(torch.tensor([hidden.shape[0]], device=self.device), self.world_size, self.data_group)
-        lengths = counts.flatten().tolist()
-        width = max(1, CHUNK_ROWS // self.world_size)                    # rows a worker adds to one window
-        parts = []
-        for start in range(0, max(lengths), width):                      # the same windows on every worker
-            window = [min(max(n - start, 0), width) for n in lengths]
-            rows = slice(start, start + width)
-            parts.append(score_rows(self.model, all_gather_rows(hidden[rows], window, self.data_group),
-                                    all_gather_rows(positions[rows], window, self.data_group), token_ids, top))
-        return parts
-
     @torch.inference_mode()
     def decode(self, call: Decode) -> DecodeResult | None:
         """One new token per sequence. On worker 0: every row's token (the argmax, or drawn on the device
@@ -429,7 +338,7 @@ class ModelRunner:
                 logprobs = (rows, tops, *top_logprobs(logits.index_select(0, index), tokens.index_select(0, index),
                                                        max(tops)))
         if self.world_size > 1:
-            dist.broadcast(kept, src=self._global_rank(0), group=self.data_group)
+            dist.broadcast(kept, src=global_rank(0, self.data_group), group=self.data_group)
         return PendingTokens(kept, logprobs) if self.rank == 0 else None
 
     def _sampled(self, logits: torch.Tensor, call: Decode) -> DecodeResult:
@@ -568,9 +477,8 @@ class ModelRunner:
             tokens = pool_tokens_on_cpu(kv_per_token)
         else:
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(self.engine.gpu_memory_utilization * total) - (total - free)
-            if self.whole_layers is not None:                 # burst-zero: the layers and the embedding gathered whole
-                budget -= self.whole_layers.reserve_bytes() + self.model.vocab.bytes_of_whole_table(self.model.embed)
+            # less what the layout leaves free (burst-zero: the layers and the embedding gathered whole)
+            budget = int(self.engine.gpu_memory_utilization * total) - (total - free) - self.layout.reserve_bytes()
             share = self.strategy.kv_share(self.max_model_len)
             self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
                                                           self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,

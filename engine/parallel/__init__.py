@@ -1,8 +1,8 @@
 """How a prefill spans the workers: one strategy per `--sp-strategy` name.
 
 Every strategy answers the small interface in strategy.py (sharding, the attention callable, where
-the K/V lives, the weights hook); ModelRunner asks it and never the name. The ring, the shardings
-and each strategy's attention live beside it, one file each.
+the K/V lives, the weights and their layout: weight_layout.py); ModelRunner asks it and never the
+name. The ring, the shardings and each strategy's attention live beside it, one file each.
 """
 from engine.parallel.auto import AutoStrategy
 from engine.parallel.burst_attention import BurstNoLaoStrategy, BurstStrategy

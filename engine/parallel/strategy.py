@@ -11,9 +11,15 @@ answers:
                                         width, the capacity totals and a worker's share of a sequence;
   weight_slices / local_config          the weights: tp reads only its slice of each (and needs an
                                         all-reduce), every other strategy keeps them whole;
-  shards_weights                        burst-zero: tp's slices, each layer gathered whole for a prefill
-                                        (engine/parallel/zero.py) and decode on the slices
-                                        (engine/helix_decode.py);
+  weight_layout(cfg, rank, device)      a WeightLayout (engine/parallel/weight_layout.py): what the runner
+                                        asks because of how a worker's weights lie: the model built on
+                                        them, the vocabulary split and whole-layer gatherer (or None), the
+                                        heads the K/V cache holds, the bytes to leave free, the decode and
+                                        eager extend attention, the longest prompt run on the slices and
+                                        its prefill, a row's logits, prompt logprobs' scoring. All but
+                                        burst-zero run the weights as they lie; burst-zero's ZeroLayout
+                                        (engine/parallel/zero.py) gathers each layer whole for a prefill
+                                        and decodes on the slices (engine/helix_decode.py);
   sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
                                         the parallel linears (engine/parallel/sequence_parallel.py);
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks);
@@ -22,7 +28,7 @@ answers:
                                         over its workers: LLM asks before any worker starts, and never
                                         compares the name.
 Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
-weight slices (engine/helix_decode.py).
+weight slices (its layout's decode_attention: engine/helix_decode.py).
 """
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -32,6 +38,7 @@ import torch
 from engine.config import ModelConfig
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import Shard, zigzag_shards
+from engine.parallel.weight_layout import WeightLayout
 from kernels.arith import ceil_div
 from kernels.attention import AttentionBackend
 
@@ -54,7 +61,6 @@ class PrefillStrategy:
     name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
     times_exchanges = False    # its prefill runs the K/V ring, whose overlap is judged (engine/parallel/exchange_time.py)
-    shards_weights = False     # burst-zero: layer weights in tp's slices, gathered whole for each prefill layer
     max_workers: int | None = None   # the most workers it runs on (LLM keeps that many devices); None: any number
 
     def __init__(self, world_size: int):
@@ -111,6 +117,11 @@ class PrefillStrategy:
         """This worker's model config (its heads and MLP width) and whether the model all-reduces the
         partial sums after o_proj and down_proj."""
         return cfg, False
+
+    def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
+        """What the runner asks of this worker's weights (engine/parallel/weight_layout.py): all but
+        burst-zero run the weights local_config describes as they lie."""
+        return WeightLayout(cfg, *self.local_config(cfg, rank), rank, self.world_size, device, group)
 
     def sequence_parallel(self, num_tokens: int, rank: int, group=None):
         """A prefill's activations cut by sequence between tp's linears (tp-v3: a SequenceParallel), or

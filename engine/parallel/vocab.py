@@ -7,14 +7,17 @@ worker holds more than its share of any weight: worker r holds rows r V/W .. (r 
 - Embedding of a prefill's own rows (different on every worker): the table is all-gathered whole for
   that forward pass and dropped after it, as burst-zero gathers a layer (engine/parallel/zero.py).
 - Logits of rows that every worker holds alike: each worker multiplies by its rows of the LM head, one
-  all-gather puts the vocabulary back in order ([B, V] fp32 on every worker).
+  all-gather puts the vocabulary back in order ([B, V] fp32 on every worker); so a prefill's last row goes
+  to every worker first (ZeroLayout.logits_of_row), and its prompt logprobs score every worker's rows on
+  every worker, a window of rows at a time (score_every_row).
 Every call is collective: every worker makes it with the same shapes. Capturable in CUDA graphs.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.decode_attention import all_gather
+from engine.decode_attention import all_gather, all_gather_rows
+from engine.prompt_logprobs import CHUNK_ROWS, score_rows
 
 
 class VocabShards:
@@ -41,3 +44,20 @@ class VocabShards:
 
     def bytes_of_whole_table(self, table: torch.Tensor) -> int:
         return table.numel() * table.element_size() * self.world_size
+
+
+def score_every_row(model, hidden: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, top: int,
+                    world_size: int, group=None) -> list[dict]:
+    """engine/prompt_logprobs.py's scores of every worker's rows (hidden [n_w, hidden] at positions [n_w] on
+    the device), on every worker (the LM head is a collective call), gathered a window at a time: at most
+    CHUNK_ROWS rows [.., hidden] in flight, not the whole prompt's (8 GB a worker at 1M tokens of an 8B model)."""
+    counts = all_gather(torch.tensor([hidden.shape[0]], device=hidden.device), world_size, group)
+    lengths = counts.flatten().tolist()
+    width = max(1, CHUNK_ROWS // world_size)                         # rows a worker adds to one window
+    parts = []
+    for start in range(0, max(lengths), width):                      # the same windows on every worker
+        window = [min(max(n - start, 0), width) for n in lengths]
+        rows = slice(start, start + width)
+        parts.append(score_rows(model, all_gather_rows(hidden[rows], window, group),
+                                all_gather_rows(positions[rows], window, group), token_ids, top))
+    return parts

@@ -12,7 +12,10 @@ than tp.
 - Decode: tensor-parallel on the shards as they lie (no weight moves: NVIDIA's "Helix" shape,
   engine/helix_decode.py): projections and MLP on the worker's heads and MLP slice with tp's
   all-reduces; attention over the sequence-sharded KV cache, every head on every worker.
-The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head.
+The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head. ZeroLayout (at the end) is
+what ModelRunner asks of these weights (engine/parallel/weight_layout.py): the vocabulary split, the layer
+gatherer, the heads the K/V cache holds, the bytes to leave free, the decode and extend attention, the
+short prompts run on the slices (engine/parallel/zero_sliced.py), a row's logits, prompt logprobs' scoring.
 
 Written on torch.distributed's collectives (all_gather_into_tensor with async_op, one process group for
 the weights so that their gathers never queue behind the ring's exchanges): FSDP2's prefetching
@@ -26,9 +29,15 @@ import torch.distributed as dist
 
 from engine.config import ModelConfig
 from engine.decode_attention import stacked, start_all_gather
-from engine.model import LayerWeights
+from engine.helix_decode import HelixDecodeAttention
+from engine.model import AttendFn, LayerWeights, LlamaModel
 from engine.parallel.burst_attention import BurstStrategy
-from engine.parallel.tensor_parallel import local_kv_heads, tp_check, tp_local_config, tp_slices
+from engine.parallel.sharding import Shard
+from engine.parallel.tensor_parallel import (gate_up_row_index, local_kv_heads, qkv_row_index, tp_check, tp_local_config,
+                                             tp_slices)
+from engine.parallel.vocab import VocabShards, score_every_row
+from engine.parallel.weight_layout import WeightLayout, global_rank
+from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
 
 
 class BurstZeroStrategy(BurstStrategy):
@@ -69,6 +78,12 @@ class BurstZeroStrategy(BurstStrategy):
             return cfg, False
         return tp_local_config(cfg, rank, self.world_size), True   # decode: all-reduce after o and down
 
+    def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
+        """Over several workers, ZeroLayout: tp's slices, each prefill layer gathered whole."""
+        if not self.shards_weights:
+            return super().weight_layout(cfg, rank, device, group)
+        return ZeroLayout(cfg, *self.local_config(cfg, rank), rank, self.world_size, device, group)
+
 
 def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
     """Why burst-zero cannot slice this model over world_size workers, or None: tp's conditions, and every
@@ -81,31 +96,6 @@ def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
         reason = (f"burst-zero slices the weights as tp does, and {world_size} workers' query heads would read "
                   f"unequal numbers of the {cfg.num_kv_heads} K/V heads ({cfg.num_heads} query heads)")
     return reason and reason.replace("tp splits", "burst-zero (as tp) splits", 1)
-
-
-def qkv_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
-    """Rows of the workers' stacked q/k/v slices ([W x rows_r], rank r's rows: its q heads, then k and v
-    of the K/V heads they read) that make the whole q, k, v in order: every q head from its worker,
-    every K/V head from the first worker holding it (several may, under GQA with fewer K/V heads than
-    workers). The same index picks a whole [q, k, v] from the workers' stacked projection outputs."""
-    d, per_q = cfg.head_dim, cfg.num_heads // world_size
-    heads = [local_kv_heads(cfg, r, world_size) for r in range(world_size)]
-    rows_r = (per_q + 2 * len(heads[0])) * d
-    q = [r * rows_r + i for r in range(world_size) for i in range(per_q * d)]
-    k, v = [], []
-    for h in range(cfg.num_kv_heads):
-        r = next(r for r in range(world_size) if h in heads[r])
-        at = r * rows_r + per_q * d + heads[r].index(h) * d
-        k += range(at, at + d)
-        v += range(at + len(heads[r]) * d, at + len(heads[r]) * d + d)
-    return torch.tensor(q + k + v, dtype=torch.int64)
-
-
-def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
-    """Rows of the workers' stacked [gate_r; up_r] slices that make the whole [gate; up]."""
-    per = cfg.intermediate_size // world_size
-    gate = [r * 2 * per + i for r in range(world_size) for i in range(per)]
-    return torch.tensor(gate + [g + per for g in gate], dtype=torch.int64)
 
 
 # Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no
@@ -181,3 +171,83 @@ class LayerGather:
             gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
             down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
             input_norm=local.input_norm, post_norm=local.post_norm)
+
+
+class ZeroLayout(WeightLayout):
+    """burst-zero's weights on W > 1 workers (the module docstring): tp's slices of every layer, the
+    vocabulary rows of the embedding and LM head. A prefill's own rows run on each layer's whole weights
+    (LayerGather) with every head, so the K/V cache holds every head; rows alike on every worker (decode,
+    a "whole" extend) run on the slices as they lie (HelixDecodeAttention); and so do short prompts
+    (engine/parallel/zero_sliced.py). Logits and the embedding are collective calls (VocabShards)."""
+    sliced_name = SLICED
+
+    def __init__(self, cfg: ModelConfig, local: ModelConfig, partial_sums: bool, rank: int, world_size: int,
+                 device: torch.device, group=None):
+        super().__init__(cfg, local, partial_sums, rank, world_size, device, group)
+        self.vocab = VocabShards(cfg.vocab_size, rank, world_size, group)
+        self.attn_cfg = cfg                  # a prefill's layers are whole: every head
+
+    def build_model(self, weights: dict[str, torch.Tensor], reduce, quantization: str) -> LlamaModel:
+        """The model on the slices, and its layers' gatherer (collective: it makes a process group)."""
+        model = super().build_model(weights, reduce, quantization)
+        self.whole_layers = LayerGather(self.cfg, model.layers, self.world_size, self.device, self.group)
+        return model
+
+    def reserve_bytes(self) -> int:
+        """The layers gathered whole (LayerGather.reserve_bytes) and the embedding table gathered whole."""
+        return self.whole_layers.reserve_bytes() + self.vocab.bytes_of_whole_table(self.model.embed)
+
+    def decode_attention(self, base: AttendFn) -> AttendFn:
+        """On the slices: every head's q, k, v gathered for base's attention, this worker's heads kept."""
+        return HelixDecodeAttention(base, self.cfg, self.rank, self.world_size, self.group)
+
+    def extend_attention(self, attend) -> tuple[AttendFn, "LayerGather | None"]:
+        """A "whole" extend (the same rows on every worker) runs on the slices as decode does, no weight
+        moved; a "ring" one on whole layers, as a prefill."""
+        if attend.way == "whole":
+            return self.decode_attention(attend), None
+        return attend, self.whole_layers
+
+    def sliced_limit(self, limit: int | None, share: int, ctx) -> int:
+        """--zero-sliced-max-tokens `limit`; unset: measured on GPUs (collective, zero_sliced.py), none on CPU;
+        at most `share`, a worker's share of max_model_len (the rows whose activations the KV pool's sizing
+        leaves room for). The attention kernel is warmed up for the slices' heads (a request must not pay
+        for its compilation)."""
+        cuda = self.device.type == "cuda"
+        if limit is None:
+            limit = (measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.model.dtype,
+                                               self.group) if cuda else 0)
+        limit = min(limit, share)
+        if limit and cuda:
+            self._warm_sliced_kernel(ctx)
+        return limit
+
+    def _warm_sliced_kernel(self, ctx) -> None:
+        """One causal call of ctx.backend for the slices' heads (q [256, H_r, D], k = v [256, Hkv_r, D])."""
+        h, hkv, d, dtype = self.local.num_heads, self.local.num_kv_heads, self.local.head_dim, self.model.dtype
+        q = torch.randn(256, h, d, device=self.device, dtype=dtype)
+        kv = torch.randn(256, hkv, d, device=self.device, dtype=dtype)
+        ctx.backend(q, kv, kv, True, ctx.scale)
+
+    def prefill_on_slices(self, ctx, pool, slots: torch.Tensor, shards: list[Shard],
+                          token_ids: torch.Tensor) -> torch.Tensor:
+        """Every worker runs all N tokens through its slices (tensor parallel), and keeps its shard's K/V,
+        every head, at slots [n] (SlicedPrefillAttention) -> the last token's logits [V], on every worker."""
+        n = token_ids.shape[0]
+        attend = SlicedPrefillAttention(pool, slots, shards, self.rank, self.cfg, ctx.backend, ctx.scale, self.group)
+        hidden = self.model.forward(token_ids.to(self.device), torch.arange(n, device=self.device), attend)   # [N, hidden]
+        return self.model.logits(hidden[-1:])[0]
+
+    def logits_of_row(self, hidden: torch.Tensor, owner: int, row: int) -> torch.Tensor:
+        """The LM head is cut by vocabulary: the row [1, hidden] is broadcast from its owner, then every
+        worker's slice of the logits is gathered, on every worker."""
+        one = (hidden[row:row + 1] if self.rank == owner else
+               torch.empty(1, self.cfg.hidden_size, dtype=self.model.dtype, device=self.device))
+        dist.broadcast(one, src=global_rank(owner, self.group), group=self.group)
+        return self.model.logits(one)[0]
+
+    def prompt_scores(self, hidden: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, top: int,
+                      replicated_kv: bool) -> list[dict]:
+        """The LM head is cut by vocabulary: every worker scores every worker's rows (engine/parallel/vocab.py)."""
+        return score_every_row(self.model, hidden, positions.to(self.device), token_ids, top, self.world_size,
+                               self.group)

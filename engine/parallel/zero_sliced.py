@@ -10,14 +10,15 @@ down), attention causal over all N tokens for its own heads, no weight moved. Th
 layer one all-to-all sends each worker the rows of its shard for the K/V heads computed here, and each K/V
 head is taken from the first worker that computes it (several may under GQA).
 
-Which prompts (ModelRunner.sliced_max_tokens): those of at most --zero-sliced-max-tokens tokens; unset, on
-GPUs, measured at start (`measure_sliced_max_tokens`): a layer's gather takes G seconds, a row of the
-prompt R seconds through a whole layer's GEMMs and A seconds in an all-reduce of hidden states. A
-gathered layer of N tokens takes about max(G, N R / W) (its gather behind the layer before), a sliced one
-N R / W + 2 N A (two all-reduces): sliced is faster while N < G / (R / W + 2 A). The K/V all-to-all
-(smaller than the all-reduces under GQA) is left out. On CPU, unset: none (the tests set it). Either way
-at most a worker's share of --max-model-len: the activation memory the KV pool's sizing leaves is for that
-many rows (engine/cache/sizing.py), and a sliced row takes less than a whole one.
+Which prompts (ZeroLayout.sliced_limit, engine/parallel/zero.py; ModelRunner.sliced_max_tokens): those of
+at most --zero-sliced-max-tokens tokens; unset, on GPUs, measured at start (`measure_sliced_max_tokens`):
+a layer's gather takes G seconds, a row of the prompt R seconds through a whole layer's GEMMs and A
+seconds in an all-reduce of hidden states. A gathered layer of N tokens takes about max(G, N R / W) (its
+gather behind the layer before), a sliced one N R / W + 2 N A (two all-reduces): sliced is faster
+while N < G / (R / W + 2 A). The K/V all-to-all (smaller than the all-reduces under GQA) is left out. On CPU,
+unset: none (the tests set it). Either way at most a worker's share of --max-model-len: the activation
+memory the KV pool's sizing leaves is for that many rows (engine/cache/sizing.py), and a sliced row takes
+less than a whole one.
 """
 import logging
 import time

@@ -2,8 +2,12 @@
 import random
 
 import pytest
+import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams
+from engine.config import EngineConfig, resolve_model
+from engine.parallel import SP_STRATEGIES, get_strategy
+from engine.parallel.zero import ZeroLayout
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint
 
 
@@ -90,6 +94,31 @@ def test_tp_slices_qkv_biases(tmp_path):
         assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("name", SP_STRATEGIES)
+def test_each_strategy_answers_its_weight_layout(name):
+    """What ModelRunner asks of a worker's weights (engine/parallel/weight_layout.py), before any model is
+    built: burst-zero over several workers cuts the vocabulary, keeps every head in the K/V cache and runs
+    prompts on the slices up to the limit; every other strategy, and burst-zero on one worker, runs the
+    weights local_config describes as they lie (its heads, no vocabulary split, nothing reserved or sliced)."""
+    cfg, _ = resolve_model(EngineConfig(model="tiny", devices=["cpu"]))
+    for world_size in (1, 2):
+        strategy = get_strategy(name, world_size)
+        rank = world_size - 1
+        local, partial_sums = strategy.local_config(cfg, rank)
+        layout = strategy.weight_layout(cfg, rank, torch.device("cpu"))
+        sliced = isinstance(layout, ZeroLayout)
+        assert sliced == (strategy.weight_slices(cfg, rank) != {} and not strategy.replicated_kv)
+        assert (layout.local, layout.partial_sums) == (local, partial_sums)
+        assert layout.whole_layers is None                   # the gatherer comes with the model (build_model)
+        assert (layout.vocab is not None) == sliced
+        assert layout.attn_cfg == (cfg if sliced else local)
+        assert layout.sliced_limit(None, 100, None) == 0     # unset on CPU: no prompt on the slices
+        assert layout.sliced_limit(500, 100, None) == (100 if sliced else 0)   # at most a worker's share
+        if not sliced:
+            assert layout.reserve_bytes() == 0 and layout.decode_attention(print) is print
+            assert layout.extend_attention(print) == (print, None)
 
 
 @pytest.mark.parametrize("workers", [3, 4, 5, 7, 8, 13])

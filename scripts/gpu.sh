@@ -172,7 +172,7 @@ decode_bench() {
 # decode_sweep SUFFIX ARGS...: the engine's four decode configurations, ARGS added, SUFFIX on names and labels
 decode_sweep() {
   local s=$1; shift
-  decode_bench "engine-1x8K$s" 50 --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
+  decode_bench "engine-1x8K$s" "${FIRST_LIMIT:-50}" --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
   decode_bench "engine-1x128K$s" 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
   decode_bench "engine-16x8K$s" 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams$s" "$@"
   decode_bench "engine-64x2K$s" 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams$s" "$@"
@@ -250,12 +250,13 @@ part_prefix() {   # prefix cache (shared), a long prompt into decoding streams (
 regress_benches() {
   local s=$1 long=${LONG:-131072}
   local off="--offline --model llama3-8b --devices cuda -cp 1" serve="--model llama3-8b --devices cuda -cp 1"
-  if has decode; then decode_sweep "$s"; fi
+  if has decode; then FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep "$s"; fi   # the first run on a machine builds kernels
   if has ttft; then
     _rows=5 bench "ttft$s" 200 sweep $off --lengths 8192,32768,$long --repeats 2 --warmup 1 --label "ttft$s"
   fi
   if has shared; then
-    bench "shared-128K$s" 200 shared $off --doc-len "$long" --question-len 512 --questions 3 --repeats 1 --warmup 1
+    bench "shared-128K$s" 300 shared $off --doc-len "$long" --question-len 512 --questions "${QUESTIONS:-3}" \
+        --repeats 1 --warmup 1
   fi
   if has interference; then
     bench "interference-default$s" 330 interference --serve "$serve" --streams 8 --stream-len 1024 \

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from engine.parallel.sharding import Shard, chunk_bounds
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend
-from kernels.merge import merge_stacked
+from kernels.merge import merge_partials
 
 log = logging.getLogger(__name__)
 MAX_SEARCH_WORKERS = 64
@@ -105,8 +105,7 @@ class CQSAttention:
             out, lse = self.backend(gq, gkv[:, 0], gkv[:, 1], qg == kg, self.scale)
             partials.setdefault(qg, []).append(torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1))
         mine = self._send_partials(partials, n, h, d)                                     # [P, n, H, D + 1]
-        out, _ = merge_stacked(mine[..., :-1], mine[..., -1])
-        return out.to(q.dtype)
+        return merge_partials(mine[..., :-1], mine[..., -1], q.dtype)[0]                 # [n, H, D]
 
     def _gather_groups(self, packed: torch.Tensor) -> dict[int, torch.Tensor]:
         """All-to-all: my group goes to every worker that needs it; I get the groups I need."""

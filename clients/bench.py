@@ -25,9 +25,24 @@ import contextlib
 import datetime
 import shlex
 import sys
+from dataclasses import replace
 
 from clients import report
-from kernels.attention import ATTENTION_BACKENDS
+from engine.options import BY_NAME, Option, add_arguments, from_args
+
+# The engine options an offline run gives LLM, each a row of engine/options.py's table: the flags, values and
+# defaults of `burstserve serve`, so that one configuration's flags work in both (over HTTP --serve's arguments
+# carry them; --devices and -cp are added to those). The other LLM arguments are the bench's own: --model,
+# max_model_len (the longest request) and max_num_seqs (from --batch).
+OFFLINE_OPTIONS = ("devices", "context_parallel_size", "dtype", "quantization", "sp_strategy", "attention_backend",
+                   "overlap", "async_scheduling", "enable_chunked_prefill", "max_num_batched_tokens",
+                   "zero_sliced_max_tokens")
+ADDED_TO_SERVE = ("devices", "context_parallel_size")     # _device_args
+# `bench sweep --sp-strategy` takes these too, beside the engine's strategies: transformers' model run as a
+# user would, the engine not started (clients/hf_baseline.py, clients/torch_cp.py)
+BASELINES = ("transformers", "torch-cp")
+BASELINES_HELP = ("; or a baseline, not the engine: `transformers` (LlamaForCausalLM on one device) or `torch-cp` "
+                  "(LlamaForCausalLM under PyTorch's context_parallel on the GPUs named)")
 
 
 def add_parser(sub) -> None:
@@ -60,8 +75,7 @@ def add_parser(sub) -> None:
     sweep.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                        help="prompts of the same length sent together: offline one generate call with B prompts, "
                             "over HTTP B concurrent streams (default 1). Every request's TTFT and TPOT is a sample")
-    _add_offline_args(sweep, "offline: prefill strategy, or `transformers` (LlamaForCausalLM on one device), or "
-                             "`torch-cp` (LlamaForCausalLM under PyTorch's context_parallel on the GPUs named)")
+    _add_offline_args(sweep, baselines=True)
     shared.add_argument("--doc-len", type=_positive_int, default=32768, metavar="L",
                         help="tokens of the document (random ids, fresh each repeat); multi-turn: of the first turn's "
                              "context")
@@ -81,7 +95,7 @@ def add_parser(sub) -> None:
                         help="unmeasured documents (conversations) first: the first prefill of a length and the first "
                              "cached prefill build kernel plans; recorded apart")
     shared.add_argument("--seed", type=int, default=0, help="of the random token ids")
-    _add_offline_args(shared, "offline: prefill strategy")
+    _add_offline_args(shared)
     _add_interference_args(interference)
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--input-len", type=int, default=1024)
@@ -120,33 +134,32 @@ def _add_interference_args(m) -> None:
     m.add_argument("--seed", type=int, default=0, help="of the random token ids")
 
 
-def _add_offline_args(m, strategy_help: str) -> None:
-    """A mode's flags of an offline run (the LLM in this process) and of the devices --serve is given."""
+def _add_offline_args(m, baselines: bool = False) -> None:
+    """A mode's flags of an offline run (the LLM in this process) and of the devices --serve is given: the
+    engine's from its option table (OFFLINE_OPTIONS), --sp-strategy with the BASELINES if `baselines`."""
     m.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
-    m.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                   help="offline: the local attention kernel (the rows record the one chosen)")
     m.add_argument("--model", default="tiny", help="offline: model directory or preset")
-    m.add_argument("--devices", default=None,
-                   help="offline, or added to --serve's arguments: devices as torch names them: cpu, cuda, "
-                        "cuda:1, cuda:0,2 (default: every visible GPU, else cpu)")
-    m.add_argument("-cp", "--context-parallel-size", type=int, default=None, metavar="N",
-                   help="offline, or added to --serve's arguments: worker processes (default: every named GPU; "
-                        "on CPU, 1)")
-    m.add_argument("--dtype", default=None, help="offline: dtype")
-    m.add_argument("--sp-strategy", default="burst", help=strategy_help)
-    m.add_argument("--no-overlap", action="store_true", help="offline: no double buffering")
-    m.add_argument("--no-async-scheduling", action="store_true",
-                   help="offline: every decode step read back before the next is launched (serve's flag)")
-    m.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                   help="offline: fp8 linears (serve's --quantization; over HTTP give it in --serve's arguments)")
-    m.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
-                   help="offline: the largest chunk of chunked prefill (serve's flag; over HTTP give it in --serve's "
-                        "arguments)")
-    m.add_argument("--no-enable-chunked-prefill", action="store_true",
-                   help="offline: every prompt prefilled in one call (serve's flag)")
-    m.add_argument("--zero-sliced-max-tokens", type=int, default=None, metavar="N",
-                   help="offline, --sp-strategy burst-zero: prompts of at most N tokens on the weight slices "
-                        "(serve's flag; default: measured at start on GPUs)")
+    add_arguments(m, offline_option_rows(baselines), checked=True)
+
+
+def offline_option_rows(baselines: bool = False) -> list[Option]:
+    """OFFLINE_OPTIONS as the bench takes them: the table's rows, their help saying where they apply (and,
+    with `baselines`, --sp-strategy's choices and help with BASELINES added)."""
+    rows = []
+    for name in OFFLINE_OPTIONS:
+        o = BY_NAME[name]
+        where = "offline, or added to --serve's arguments" if name in ADDED_TO_SERVE else \
+            "offline (over HTTP: in --serve's arguments)"
+        if name == "sp_strategy" and baselines:
+            o = replace(o, choices=o.choices + BASELINES, help=o.help + BASELINES_HELP)
+        rows.append(replace(o, help=f"{where}: {o.help}"))
+    return rows
+
+
+def offline_options(args) -> dict:
+    """The engine options of an offline run, by LLM keyword, as its command line gave them (from_args of
+    OFFLINE_OPTIONS alone: shared's --seed, of the random prompts, is no engine seed)."""
+    return from_args(args, [BY_NAME[name] for name in OFFLINE_OPTIONS])
 
 
 def _at_least(low: int):
@@ -272,7 +285,7 @@ def _check_offline_devices(args) -> None:
     """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
     from engine.devices import resolve_devices
     from engine.errors import InvalidRequestError
-    if args.sp_strategy in ("transformers", "torch-cp"):
+    if args.sp_strategy in BASELINES:
         if getattr(args, "quantization", "none") != "none":
             raise InvalidRequestError(f"--quantization is the engine's: --sp-strategy {args.sp_strategy} runs "
                                       "transformers' model as a user would, in --dtype", "quantization")

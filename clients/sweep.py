@@ -134,20 +134,15 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
 
 
 def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) -> dict:
-    """The LLM arguments of an offline run from its command line (--model, --devices, -cp, --dtype,
-    --sp-strategy, --attention-backend, --no-overlap, --quantization, --zero-sliced-max-tokens,
-    --no-async-scheduling, --max-num-batched-tokens, --no-enable-chunked-prefill), with `extra` ones added."""
+    """The LLM arguments of an offline run from its command line: --model, the engine options the bench takes
+    from engine/options.py's table (clients/bench.py OFFLINE_OPTIONS, by keyword as parsed), with `extra`
+    ones added."""
+    from clients.bench import offline_options
     # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
     # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
     # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would
-    return dict(model=args.model, devices=args.devices, context_parallel_size=args.context_parallel_size,
-                dtype=args.dtype, sp_strategy=args.sp_strategy, attention_backend=args.attention_backend,
-                overlap=not args.no_overlap, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                quantization=getattr(args, "quantization", "none"),
-                zero_sliced_max_tokens=getattr(args, "zero_sliced_max_tokens", None),
-                async_scheduling=not getattr(args, "no_async_scheduling", False),
-                max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
-                enable_chunked_prefill=not getattr(args, "no_enable_chunked_prefill", False), **extra)
+    return dict(model=args.model, **offline_options(args), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                **extra)
 
 
 @contextlib.contextmanager

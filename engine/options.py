@@ -98,22 +98,31 @@ class Option:
             return f"<= {self.at_most}"
         return f">= {self.at_least}" if self.at_least is not None else f"> {self.above}"
 
-    def argparse_kwargs(self) -> dict:
-        """add_argument's keywords for this option's flag(s): the parsed value lands in args.<name>."""
+    def argparse_kwargs(self, checked: bool = False) -> dict:
+        """add_argument's keywords for this option's flag(s): the parsed value lands in args.<name>.
+        checked: a value its bounds or check refuse is refused by the parser (argparse's error, exit 2)
+        rather than later by check_options; its choices are argparse's either way."""
         kwargs = dict(dest=self.name, default=self.default, help=self.help)
         if self.type is bool:
             return kwargs | dict(action="store_false" if self.off_flag else argparse.BooleanOptionalAction)
-        kwargs |= dict(type=self._cli_type(), metavar=self.metavar)
+        kwargs |= dict(type=self._cli_type(checked), metavar=self.metavar)
         return kwargs | (dict(choices=list(self.choices)) if self.choices else {})
 
-    def _cli_type(self) -> Callable[[str], object]:
-        """The command line's parser of a value: `type`, with `cli_none` read as None."""
-        if self.cli_none is None:
+    def _cli_type(self, checked: bool = False) -> Callable[[str], object]:
+        """The command line's parser of a value: `type`, with `cli_none` read as None (and, checked, the
+        value's refusal an argparse error)."""
+        if self.cli_none is None and not checked:
             return self.type
 
         def parse(text: str):
             value = self.type(text)
-            return None if value == self.cli_none else value
+            if self.cli_none is not None and value == self.cli_none:
+                value = None
+            if checked and not (self.choices and value not in self.choices):   # a choice: argparse's message
+                why = self.refusal(value)
+                if why:
+                    raise argparse.ArgumentTypeError(why)
+            return value
         parse.__name__ = self.type.__name__      # argparse names it in "invalid float value"
         return parse
 
@@ -238,15 +247,17 @@ def check_options(given: Mapping[str, object]) -> dict:
     return values
 
 
-def add_arguments(parser, options: Iterable[Option]) -> None:
-    """The options' flags on an argparse parser; each value lands in args.<the option's name>."""
+def add_arguments(parser, options: Iterable[Option], checked: bool = False) -> None:
+    """The options' flags on an argparse parser; each value lands in args.<the option's name>. checked:
+    values their bounds or checks refuse are refused at parse (Option.argparse_kwargs)."""
     for o in options:
-        parser.add_argument(*o.cli_flags, **o.argparse_kwargs())
+        parser.add_argument(*o.cli_flags, **o.argparse_kwargs(checked))
 
 
-def from_args(args: argparse.Namespace) -> dict:
-    """The option values a parsed command line holds (those its parser took), by LLM keyword."""
-    return {o.name: getattr(args, o.name) for o in OPTIONS if hasattr(args, o.name)}
+def from_args(args: argparse.Namespace, options: Iterable[Option] = OPTIONS) -> dict:
+    """The option values a parsed command line holds (those its parser took), by LLM keyword; `options`:
+    only these (a command whose own flags share an option's name, as bench's --seed, names the ones it took)."""
+    return {o.name: getattr(args, o.name) for o in options if hasattr(args, o.name)}
 
 
 def chunk_tokens(values: Mapping) -> int | None:

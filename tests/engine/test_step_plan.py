@@ -32,10 +32,13 @@ def _snapshot(scheduler, runner) -> tuple:
 def test_every_plan_changes_nothing():
     rng = random.Random()
     vocab = 256
+    # lengths fixed, tokens drawn: in a pool of 40 pages of 4 tokens, two 56-60-token prompts growing by 30
+    # tokens each cannot both run (preemption), and the questions' cached document is evicted from its tail
     doc = [rng.randrange(vocab) for _ in range(48)]
     prompts = {f"q{i}": doc + [rng.randrange(vocab) for _ in range(rng.randrange(4, 20))] for i in range(4)}
-    prompts.update({f"p{i}": [rng.randrange(vocab) for _ in range(rng.randrange(20, 60))] for i in range(4)})
-    params = {rid: SamplingParams(temperature=0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for rid in prompts}
+    prompts.update({f"p{i}": [rng.randrange(vocab) for _ in range(rng.randrange(56, 61))] for i in range(4)})
+    params = {rid: SamplingParams(temperature=0, max_tokens=rng.randrange(28, 31) if rid[0] == "p" else
+                                  rng.randrange(8, 13), ignore_eos=True) for rid in prompts}
     batch = [(rid, prompt, params[rid]) for rid, prompt in prompts.items()]
     seen, calls_during_plans = [], []
 

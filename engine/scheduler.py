@@ -415,7 +415,7 @@ class Scheduler:
     def _publish_stats(self) -> None:
         """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""
         cache, s = self.kv.prefix_cache, self.state
-        kv, cached = self.kv.tokens_per_worker()                 # in use; prefix-cache entries count as free (vLLM)
+        kv = self.kv.tokens_per_worker()                         # in use; prefix-cache entries count as free (vLLM)
         waiting = len(s.waiting) + len(s.preempted) + (s.prefilling is not None)
         state = (len(s.running), waiting, tuple(kv), self.num_preemptions,
                  cache.queries if cache else 0, cache.hits if cache else 0, self.recomputed_tokens)
@@ -428,7 +428,8 @@ class Scheduler:
                                     "kv_capacity_per_worker": self.kv.capacity_per_worker,
                                     "kv_pages_free": self.kv.free_pages(), "num_preemptions": state[3],
                                     "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
-                                    "num_recomputed_tokens": state[6], "kv_tokens_cached_per_worker": cached}))
+                                    "num_recomputed_tokens": state[6],
+                                    "kv_tokens_cached_per_worker": self.kv.tokens_per_worker(cached=True)}))
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""

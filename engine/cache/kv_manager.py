@@ -103,10 +103,11 @@ class KVManager:
         """Pages per worker a decode step of these sequences takes."""
         return self.ledger.step_new_pages(seq_ids)
 
-    def tokens_per_worker(self) -> tuple[list[int], list[int]]:
-        """(tokens in use, tokens held by prefix-cache entries) per worker; entries count as free (vLLM)."""
+    def tokens_per_worker(self, cached: bool = False) -> list[int]:
+        """Tokens per worker in use (prefix-cache entries count as free, as vLLM counts them), or with
+        `cached` those the entries hold."""
         entries = set(self.prefix_cache.entries) if self.prefix_cache else set()
-        return self.ledger.tokens_per_worker(skip=entries), self.ledger.tokens_per_worker(only=entries)
+        return self.ledger.tokens_per_worker(only=entries) if cached else self.ledger.tokens_per_worker(skip=entries)
 
     # actions
 

@@ -251,6 +251,9 @@ regress_benches() {
   local s=$1 long=${LONG:-131072}
   local off="--offline --model llama3-8b --devices cuda -cp 1" serve="--model llama3-8b --devices cuda -cp 1"
   if has decode; then FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep "$s"; fi   # the first run on a machine builds kernels
+  if has decode8k; then
+    decode_bench "engine-1x8K$s" "${FIRST_LIMIT:-150}" --lengths 8192 --label "engine, 1 GPU, 1 stream$s"
+  fi
   if has ttft; then
     _rows=5 bench "ttft$s" 200 sweep $off --lengths 8192,32768,$long --repeats 2 --warmup 1 --label "ttft$s"
   fi

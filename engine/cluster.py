@@ -3,9 +3,9 @@ server, the scheduler and its own workers; every other host (`burstserve worker 
 ...`) joins with its workers. Each host names its own devices and worker count (`--devices`, `-cp`).
 
 The rendezvous is torch.distributed's TCPStore, kept by the head at --master-addr:--master-port:
-- a joining host offers its settings (model, dtype, strategy, quantization, seed: `JOIN_FIELDS`, which
-  must be the head's) and its devices; the head refuses an offer that differs, naming the field, and
-  waits on (until --join-timeout) for a host that matches;
+- a joining host offers its settings (model, dtype, strategy, quantization, KV cache dtype, seed:
+  `JOIN_FIELDS`, which must be the head's) and its devices; the head refuses an offer that differs,
+  naming the field, and waits on (until --join-timeout) for a host that matches;
 - once every node rank has joined, the head publishes the plan: the engine over every host's workers,
   ranks host-major (the head's workers first, then node rank 1's, ...), so each host's workers are
   adjacent and the ring (rank r sends to r + 1) crosses hosts only at their boundaries, N crossings a
@@ -34,7 +34,7 @@ from engine.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
-JOIN_FIELDS = ("model", "dtype", "sp_strategy", "quantization", "seed")
+JOIN_FIELDS = ("model", "dtype", "sp_strategy", "quantization", "kv_cache_dtype", "seed")
 HEARTBEAT_SECONDS = 0.5
 DEAD_AFTER_SECONDS = 5.0
 
@@ -153,7 +153,7 @@ def _mismatch(want: dict, offered: dict) -> str | None:
     for field in JOIN_FIELDS:
         if offered.get(field) != want[field]:
             return (f"its {field} is {offered.get(field)!r}, the head's is {want[field]!r} (every host takes the "
-                    f"same --model, --dtype, --sp-strategy, --quantization and --seed)")
+                    f"same --model, --dtype, --sp-strategy, --quantization, --kv-cache-dtype and --seed)")
     return None
 
 

@@ -38,7 +38,7 @@ class DecodeAttention:
         """q [B, H, D], k and v [B, Hkv, D] (one new token per sequence) -> out [B, H, D]."""
         step = self.step
         self.pool.write(layer, step.slots, k, v)
-        out, lse = paged_attention(q, self.pool.k[layer], self.pool.v[layer], step.block_table, step.cu_seqlens_q,
+        out, lse = paged_attention(q, *self.pool.layer(layer), step.block_table, step.cu_seqlens_q,
                                    step.seq_lens, self.scale, causal=False, backend=self.backend,   # one query: sees every key
                                    max_seqlen_q=1)
         if self.world_size == 1:

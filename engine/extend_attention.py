@@ -88,11 +88,11 @@ class ExtendAttention:
         runs = self._prefix_runs(layer, q)
         if runs is not None:                                                                 # the cache in runs
             new_k, new_v = (k, v) if self.keeps_new else (None, None)
-            return split_prefix_attention(q, new_k, new_v, self.pool.k[layer], self.pool.v[layer], runs, self.scale,
+            return split_prefix_attention(q, new_k, new_v, *self.pool.layer(layer), runs, self.scale,
                                           self.backend)
         if not self.has_keys:                                                               # none of its keys here
             return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
-        return paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.table, self.cu[q.shape[0]], self.keys,
+        return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
                                self.scale, causal=self.keeps_new, rows_see_keys=True)
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ class ExtendAttention:
         """pass-Q: every worker's queries against this worker's cache, and back -> one partial per worker."""
         lengths = [s.length for s in self.shards]
         everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
-        out, lse = paged_attention(everyone, self.pool.k[layer], self.pool.v[layer], self.table,
+        out, lse = paged_attention(everyone, *self.pool.layer(layer), self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
                                    rows_see_keys=self.has_keys)                               # my cached K/V
         out = out.float()

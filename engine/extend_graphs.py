@@ -102,7 +102,7 @@ class GraphedChunkAttention:
         m, h, _ = q.shape
         self.pool.write(layer, self.slots, k, v)
         q_runs = q.repeat(self.runs, 1, 1) if self.runs > 1 else q                     # [runs * m, H, D]
-        out, lse = paged_attention(q_runs, self.pool.k[layer], self.pool.v[layer], self.table, self.cu, self.used[:-1],
+        out, lse = paged_attention(q_runs, *self.pool.layer(layer), self.table, self.cu, self.used[:-1],
                                    self.scale, causal=False, num_chunks=1, max_seqlen_q=m, rows_see_keys=True)
         new_out, new_lse = self.backend(q, k, v, True, self.scale)                      # the chunk's own keys
         outs = torch.cat([out.view(self.runs, m, h, -1), new_out[None]])               # [runs + 1, m, H, D]

@@ -30,6 +30,7 @@ from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
 from engine.tokenizer import load_tokenizer
 from kernels.fp8 import quantization_refusal
+from kernels.kv_quant import kv_cache_refusal
 from engine.weights import weight_files
 from engine.control import close_parent_ends, make_pipes
 from engine.worker import worker_main
@@ -68,7 +69,8 @@ class LLM:
         values = check_options(options)
         self.cluster = cluster_config(values)
         self.engine = engine_config(model, self._devices(values), values)
-        refusal = quantization_refusal(self.engine.quantization, self.engine.devices, self.engine.dtype)
+        refusal = (quantization_refusal(self.engine.quantization, self.engine.devices, self.engine.dtype)
+                   or kv_cache_refusal(self.engine.kv_cache_dtype, self.engine.devices))
         if refusal:
             raise DeviceSpecError(refusal)
         self.model_config, self.max_model_len = resolve_model(self.engine)

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.rope import attention_scaling, inverse_frequencies, rope_cos_sin
 from kernels import fp8, fused
 from kernels.fp8 import Fp8Weight
+from kernels.kv_quant import is_fp8, round_kv
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,8 +58,9 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none",
-                 vocab=None):
-        """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py). vocab
+                 vocab=None, kv_cache_dtype: str = "auto"):
+        """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py). kv_cache_dtype
+        "fp8": K and V rounded as the FP8 cache keeps them (kernels/kv_quant.py) before any attention. vocab
         (engine.parallel.vocab.VocabShards, burst-zero): the embedding and LM head hold this worker's
         vocabulary rows only; embedding and logits are then collective calls."""
         self.cfg = cfg
@@ -74,6 +76,7 @@ class LlamaModel:
         # quantized (kernels/fp8.py: one kernel each on GPUs, the same bits as quantizing the bf16 rows
         # apart, and a quantization kernel fewer each: docs/benchmarks.md, FP8 linears)
         self.fp8_rows = quantization == "fp8"
+        self.kv_fp8 = is_fp8(kv_cache_dtype)
         self.inv_freq = inverse_frequencies(cfg).to(device)
         self.rope_scaling = attention_scaling(cfg)                     # YaRN's factor on cos/sin, else 1
 
@@ -121,7 +124,10 @@ class LlamaModel:
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]
-            attn = attend(i, q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d))     # [S, H, D]
+            k, v = k.view(n, hkv, d), v.view(n, hkv, d)
+            if self.kv_fp8:          # every attention, this call's and the pages', sees the cache's values
+                k, v = round_kv(k), round_kv(v)
+            attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
             delta = reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             x, residual = norm(delta, layer.post_norm, eps, residual)
             delta = reduce(self.mlp(gather(x), layer, rows))

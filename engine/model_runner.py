@@ -84,7 +84,7 @@ class ModelRunner:
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype, slices)
         self.layout = self.strategy.weight_layout(cfg, rank, device, data_group)   # what follows from the weights
-        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization)
+        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype)
         self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
         attn = self.layout.attn_cfg                    # the heads a prefill attends with and the K/V cache holds
         self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
@@ -100,7 +100,8 @@ class ModelRunner:
         share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
         self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, attn.num_kv_heads, cfg.head_dim, dtype,
                              device, max_seqs=engine.max_num_seqs + 1,
-                             max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)))
+                             max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)),
+                             kv_cache_dtype=engine.kv_cache_dtype)
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
@@ -115,8 +116,10 @@ class ModelRunner:
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, (2, attn.num_kv_heads, cfg.head_dim),
                                                    dtype, device) if self.ring is not None else None)
-        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB), decode %s", rank, num_pages,
-                 self.block_size, self.pool.bytes() / 2**30, "in CUDA graphs" if self.graphs else "eager")
+        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, num_pages,
+                 self.block_size, self.pool.bytes() / 2**30,
+                 "FP8 with a scale per token and head" if self.pool.fp8 else str(dtype).removeprefix("torch."),
+                 "in CUDA graphs" if self.graphs else "eager")
 
     @torch.inference_mode()
     def prefill(self, call: Prefill) -> PrefillResult:
@@ -468,7 +471,8 @@ class ModelRunner:
     def _num_pages(self) -> int:
         """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
         smallest over the workers, so that every worker's pool is the same size."""
-        kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize)
+        kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize,
+                                          self.engine.kv_cache_dtype)
         has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
         self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
         if self.engine.kv_cache_tokens:
@@ -520,10 +524,10 @@ class ModelRunner:
         cu = torch.tensor([0, m], dtype=torch.int32, device=self.device)
         lens = torch.tensor([keys], dtype=torch.int32, device=self.device)
         for causal in (True, False):
-            paged_attention(q, self.pool.k[0], self.pool.v[0], table, cu, lens, self.scale, causal=causal,
+            paged_attention(q, *self.pool.layer(0), table, cu, lens, self.scale, causal=causal,
                             rows_see_keys=True)
         runs = prefix_runs(pages, keys, self.block_size, m, 2, self.device)
-        split_prefix_attention(q, k, v, self.pool.k[0], self.pool.v[0], runs, self.scale, self.backend)
+        split_prefix_attention(q, k, v, *self.pool.layer(0), runs, self.scale, self.backend)
         self._sync()
 
     def _check_weights_fit(self, nbytes: int, device: torch.device) -> None:

@@ -25,6 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.parallel import SP_STRATEGIES, STRATEGIES
 from kernels.attention import ATTENTION_BACKENDS
 from kernels.fp8 import QUANTIZATIONS
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 FROM_CONFIG = object()   # the default of the EngineConfig or ClusterConfig field of the option's name
 _CONFIG_DEFAULTS = {f.name: f.default for cls in (ClusterConfig, EngineConfig) for f in dataclasses.fields(cls)
@@ -155,6 +156,9 @@ OPTIONS: tuple[Option, ...] = (
            "their inputs per token, GEMMs on FP8 tensor cores (compute capability 8.9+); attention, norms, "
            "embeddings and the LM head stay bfloat16", flags=("--quantization", "-q"), choices=QUANTIZATIONS,
            on_worker=True),
+    Option("kv_cache_dtype", str, "the paged KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: K and V in "
+           "float8_e4m3fn with a power-of-two scale per token and KV head, about half the bytes, so about twice the "
+           "tokens; attention sees K/V rounded so, in every call)", choices=KV_CACHE_DTYPES, on_worker=True),
     Option("sp_strategy", str, "how prefill attention spans the workers (decoding is the same for all); auto: "
            "ulysses for short prompts, burst for long ones", choices=SP_STRATEGIES, on_worker=True),
     Option("seed", int, "seed of the preset's random weights", on_worker=True),

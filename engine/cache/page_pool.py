@@ -1,7 +1,10 @@
 """One worker's KV cache: a pool of pages allocated once at start, and each sequence's page list.
 
-    k, v [num_layers, num_pages + 1, block_size, Hkv, D]; a layer's k[layer] is the paged cache that
-    kernels.paged_attention reads ([num_blocks, block_size, Hkv, D], contiguous).
+    k, v [num_layers, num_pages + 1, block_size, Hkv, D]; `layer(i)` gives layer i's caches as
+    kernels.paged_attention reads them ([num_blocks, block_size, Hkv, D], contiguous).
+    With kv_cache_dtype fp8 (kernels/kv_quant.py) k and v hold float8_e4m3fn bits (uint8) and
+    k_exp, v_exp [num_layers, num_pages + 1, block_size, Hkv] uint8 their per-(token, head) exponents:
+    `layer(i)` then gives two kv_quant.Fp8Pages, and `write` quantizes what it stores.
 
 Page 0 is scratch: it is never given to a sequence, and a decode step writes there the new K/V of
 sequences whose token another worker stores (so every step writes B rows, with fixed shapes for
@@ -15,6 +18,7 @@ import torch
 from engine.devices import host_to_device
 from engine.cache.ledger import pages_for
 from kernels.fused import store_kv
+from kernels.kv_quant import Fp8Pages, is_fp8, quantize_kv
 
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
@@ -38,13 +42,18 @@ class OutOfPagesError(RuntimeError):
 
 class PagePool:
     def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_seqs: int, max_pages_per_seq: int):
+                 dtype: torch.dtype, device: torch.device, max_seqs: int, max_pages_per_seq: int,
+                 kv_cache_dtype: str = "auto"):
         shape = (num_layers, num_pages + 1, block_size, num_kv_heads, head_dim)
         # zeros on GPUs: flash-attn-4 reads whole pages, so the slots past a sequence's end must be finite;
         # empty on CPU: the reference reads only the slots in use, and untouched memory costs nothing
         alloc = torch.zeros if device.type == "cuda" else torch.empty
-        self.k = alloc(shape, dtype=dtype, device=device)
-        self.v = alloc(shape, dtype=dtype, device=device)
+        self.fp8 = is_fp8(kv_cache_dtype)
+        stored = torch.uint8 if self.fp8 else dtype
+        self.k = alloc(shape, dtype=stored, device=device)
+        self.v = alloc(shape, dtype=stored, device=device)
+        self.k_exp = alloc(shape[:-1], dtype=torch.uint8, device=device) if self.fp8 else None
+        self.v_exp = alloc(shape[:-1], dtype=torch.uint8, device=device) if self.fp8 else None
         self.block_size, self.num_pages, self.device = block_size, num_pages, device
         self.max_pages_per_seq = max_pages_per_seq
         self.table = torch.zeros(max_seqs + 1, max_pages_per_seq, dtype=torch.int32, device=device)
@@ -60,7 +69,18 @@ class PagePool:
         return len(self._free)
 
     def bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed [layer, page, ...]: what a page copy copies."""
+        return [self.k, self.v] + ([self.k_exp, self.v_exp] if self.fp8 else [])
+
+    def layer(self, i: int):
+        """Layer i's (k_cache, v_cache) for kernels.paged_attention: [num_blocks, block_size, Hkv, D] tensors,
+        or two Fp8Pages."""
+        if self.fp8:
+            return Fp8Pages(self.k[i], self.k_exp[i]), Fp8Pages(self.v[i], self.v_exp[i])
+        return self.k[i], self.v[i]
 
     def add(self, seq_id: int, num_tokens: int) -> None:
         """A new sequence with room for num_tokens (its pages taken now; the slots are written later)."""
@@ -101,7 +121,13 @@ class PagePool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [n, Hkv, D] into slots [n] of one layer (one kernel on GPUs)."""
-        store_kv(self.k[layer], self.v[layer], slots, k, v)
+        if not self.fp8:
+            store_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
+        for cache, exps, x in ((self.k, self.k_exp, k), (self.v, self.v_exp, v)):
+            data, exp = quantize_kv(x)                                     # [n, Hkv, D], [n, Hkv] uint8
+            cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, data)
+            exps[layer].view(-1, exps.shape[-1]).index_copy_(0, slots, exp)
 
     def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
         """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""
@@ -113,14 +139,14 @@ class PagePool:
         runs = page_runs(src, dst)
         if len(runs) <= MAX_RUN_COPIES:        # a slice copy per run, every layer at once: one read, one write
             for s, d, length in runs:
-                self.k[:, d:d + length] = self.k[:, s:s + length]
-                self.v[:, d:d + length] = self.v[:, s:s + length]
+                for cache in self._tensors():
+                    cache[:, d:d + length] = cache[:, s:s + length]
             return
         src = torch.tensor(src, dtype=torch.long, device=self.device)
         dst = torch.tensor(dst, dtype=torch.long, device=self.device)
         page_bytes = self.k[0, 0].numel() * self.k.element_size()
         step = max(1, COPY_BYTES // page_bytes)    # a layer's pages at a time, a bounded batch of them: a 1M-token
-        for cache in (self.k, self.v):             # prefix would otherwise gather 64 GB at once
+        for cache in self._tensors():              # prefix would otherwise gather 64 GB at once
             for layer in cache:
                 for i in range(0, n, step):
                     layer[dst[i:i + step]] = layer[src[i:i + step]]

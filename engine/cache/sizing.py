@@ -16,12 +16,17 @@ and a prompt several times longer fits (tests/engine/test_sizing.py's arithmetic
 Capacity: the longest prompt on one GPU).
 """
 from engine.config import ModelConfig
+from kernels.kv_quant import SCALE_BYTES, is_fp8
 
 CPU_KV_TOKENS = 1 << 20       # a CPU worker's default (memory is touched only as pages are used)
 CPU_KV_BYTES = 4 << 30        # ... at most this much address space
 
 
-def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token over every layer: itemsize bytes an element in the model's dtype, or in FP8 one
+    byte an element and one a (token, head) row for its scale (kernels/kv_quant.py)."""
+    if is_fp8(kv_cache_dtype):
+        return cfg.num_layers * 2 * num_kv_heads * (cfg.head_dim + SCALE_BYTES)
     return cfg.num_layers * 2 * num_kv_heads * cfg.head_dim * itemsize
 
 

@@ -187,9 +187,10 @@ class ZeroLayout(WeightLayout):
         self.vocab = VocabShards(cfg.vocab_size, rank, world_size, group)
         self.attn_cfg = cfg                  # a prefill's layers are whole: every head
 
-    def build_model(self, weights: dict[str, torch.Tensor], reduce, quantization: str) -> LlamaModel:
+    def build_model(self, weights: dict[str, torch.Tensor], reduce, quantization: str,
+                    kv_cache_dtype: str = "auto") -> LlamaModel:
         """The model on the slices, and its layers' gatherer (collective: it makes a process group)."""
-        model = super().build_model(weights, reduce, quantization)
+        model = super().build_model(weights, reduce, quantization, kv_cache_dtype)
         self.whole_layers = LayerGather(self.cfg, model.layers, self.world_size, self.device, self.group)
         return model
 

@@ -461,6 +461,7 @@ class ModelRunner:
         total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
+                "kv_cache_dtype": "fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
                 "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
                 "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max}
 

@@ -1,4 +1,6 @@
 """transformers checkpoints made inside the tests, and transformers' own answers on them."""
+import contextlib
+
 import torch
 
 TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -114,3 +116,36 @@ def assert_same_logprobs(got: dict[int, float], want: dict[int, float], tol: flo
     for mine, other in ((got, want), (want, got)):
         for token in mine.keys() - other.keys():
             assert abs(mine[token] - min(other.values())) <= tol, (what, "not a tie at the cut", got, want)
+
+
+@contextlib.contextmanager
+def kv_rounded(model, round_kv):
+    """transformers' model with every layer's K (after RoPE) and V passed through round_kv ([..., D] -> the
+    same shape and dtype) before its attention sees them or its cache keeps them: the reference of a KV
+    cache that stores K/V rounded (an FP8 cache). Patches the model's RoPE function (Llama, Qwen2) and
+    hooks each v_proj; both undone on exit."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+    modules = (modeling_llama, modeling_qwen2)
+    originals = [m.apply_rotary_pos_emb for m in modules]
+
+    def rounded_rope(original):
+        def rope(q, k, cos, sin, *args, **kwargs):
+            q, k = original(q, k, cos, sin, *args, **kwargs)
+            return q, round_kv(k)                                     # k [B, Hkv, S, D]
+        return rope
+
+    def round_v(module, inputs, out):                                 # out [B, S, Hkv * D]
+        d = model.config.hidden_size // model.config.num_attention_heads
+        return round_kv(out.unflatten(-1, (-1, d))).flatten(-2)
+
+    hooks = [layer.self_attn.v_proj.register_forward_hook(round_v) for layer in model.model.layers]
+    for m, original in zip(modules, originals):
+        m.apply_rotary_pos_emb = rounded_rope(original)
+    try:
+        yield model
+    finally:
+        for m, original in zip(modules, originals):
+            m.apply_rotary_pos_emb = original
+        for h in hooks:
+            h.remove()

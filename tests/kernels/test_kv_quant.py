@@ -1,0 +1,84 @@
+"""The FP8 KV format (kernels/kv_quant.py) against its definition, built here from first principles: every
+finite float8_e4m3fn value listed from its bits, the scale the smallest power of two that brings a row's
+largest magnitude to at most 448, each element the nearest listed value (ties to the even bit pattern)."""
+import random
+
+import torch
+
+from kernels.kv_quant import EXP_BIAS, dequantize_kv, exponents, quantize_kv, round_kv
+
+
+def e4m3_values() -> torch.Tensor:
+    """The 127 non-negative finite e4m3fn values, from sign 0, 4 exponent bits (bias 7), 3 mantissa bits
+    (S.1111.111 is NaN), ascending; index = the byte's low 7 bits."""
+    values = []
+    for bits in range(127):
+        exp, man = bits >> 3, bits & 7
+        values.append(man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def nearest(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """x [...] (float64, |x| <= 448) -> the nearest grid value in magnitude, sign kept; ties to the even
+    index (the even bit pattern)."""
+    a = x.abs().flatten()
+    hi = torch.searchsorted(grid, a).clamp(max=len(grid) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    pick = torch.where(d_lo < d_hi, lo, torch.where(d_hi < d_lo, hi, torch.where(lo % 2 == 0, lo, hi)))
+    return (grid[pick] * x.flatten().sign()).view(x.shape)
+
+
+def _rows(n=300, d=64, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    x = torch.randn(n, 2, d, generator=g) * torch.exp(torch.randn(n, 2, 1, generator=g) * 4)
+    x[:, :, 7] *= 40                                    # an outlier channel, as trained models' keys have
+    x[5] = 0                                            # all-zero rows
+    x[9, 0, :3] = torch.tensor([448.0, -448.0, 224.0])  # a row whose max is exactly 448
+    return x
+
+
+def test_each_rows_scale_is_the_smallest_power_of_two_that_fits_448():
+    x = _rows()
+    amax = x.abs().amax(-1).double()
+    data, exp = quantize_kv(x)
+    e = exp.long() - EXP_BIAS
+    scaled = amax * torch.pow(2.0, -e.double())
+    nonzero = amax > 0
+    assert (scaled[nonzero] <= 448).all() and (scaled[nonzero] > 224).all()
+    assert e[9, 0] == 0                                                 # 448 itself: scale 1
+    assert torch.equal(exponents(amax.float()), e.to(torch.int32))
+
+
+def test_each_element_is_the_nearest_e4m3_value_of_its_scaled_self():
+    x = _rows().double()
+    data, exp = quantize_kv(x.float())
+    scale = torch.pow(2.0, exp.double() - EXP_BIAS).unsqueeze(-1)
+    want = nearest(x.float().double() / scale, e4m3_values())            # the float32 input, scaled exactly
+    got = dequantize_kv(data, exp, torch.float64) / scale
+    assert torch.equal(got, want)
+
+
+def test_error_bounds_zero_rows_and_outliers():
+    x = _rows()
+    y = round_kv(x)
+    scale = torch.pow(2.0, quantize_kv(x)[1].double() - EXP_BIAS).unsqueeze(-1)
+    normal = x.double().abs() >= 2.0 ** -6 * scale                      # e4m3's normal range, scaled
+    rel = ((y - x).abs() / x.abs())[normal]
+    assert rel.max() <= 2.0 ** -4                                       # half an ulp of 3 mantissa bits
+    assert ((y - x).abs().double()[~normal] <= 2.0 ** -10 * scale.expand_as(x)[~normal]).all()
+    assert torch.equal(y[5], torch.zeros_like(y[5])) and torch.isfinite(y).all()
+    # per (token, head) scales: an outlier costs only its own row's precision
+    z = x.clone()
+    z[0, 0, 0] = 1e6
+    assert torch.equal(round_kv(z)[1:], y[1:]) and torch.equal(round_kv(z)[0, 1], y[0, 1])
+
+
+def test_values_come_back_exact_in_bfloat16_and_rounding_twice_changes_nothing():
+    x = _rows()
+    data, exp = quantize_kv(x)
+    assert torch.equal(dequantize_kv(data, exp, torch.bfloat16).float(), dequantize_kv(data, exp, torch.float32))
+    y = round_kv(x)
+    assert torch.equal(round_kv(y), y)
+    assert torch.equal(round_kv(x.bfloat16()).float(), round_kv(x.bfloat16().float()))
+    assert data.dtype == torch.uint8 and exp.dtype == torch.uint8 and exp.shape == x.shape[:-1]

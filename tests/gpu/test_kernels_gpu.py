@@ -337,3 +337,30 @@ def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
     t_o, t_l = merge_stacked(outs, lses)
     torch.testing.assert_close(g_o, t_o.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(g_l, t_l, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lens,h,hkv,splits", [([0, 1, 200, 5000], 32, 8, None), ([3000], 32, 8, 7),
+                                               ([130, 129, 128, 1], 8, 8, 2), ([9000, 1, 0], 32, 4, 40)])
+def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(lens, h, hkv, splits):
+    """The Triton FP8 decode kernel (bf16 queries, pages of 128) against the torch reference over the same
+    pages (fp32), eagerly and replayed from a CUDA graph after the lengths change (same shapes)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+    import test_fp8_paged_attention as fp8_cases
+    from kernels import fp8_paged_attention as fpa
+    q, kp, vp, table, seq_lens, _ = fp8_cases._case(lens, h, hkv, 128, bs=128)
+    q, table, seq_lens = q.to(DEV, torch.bfloat16), table.to(DEV), seq_lens.to(DEV)
+    kp, vp = (type(p)(p.data.to(DEV), p.exp.to(DEV)) for p in (kp, vp))
+    scale = 128 ** -0.5
+    want, want_lse = fpa.fp8_paged_decode_reference(q, kp, vp, table, seq_lens, scale)
+    out, lse = fpa.fp8_paged_decode(q, kp, vp, table, seq_lens, scale, splits)
+    assert fpa._triton.enabled, "the Triton kernel failed and the torch ops served"
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = fpa.fp8_paged_decode(q, kp, vp, table, seq_lens, scale, splits)
+    seq_lens.copy_((seq_lens // 2).to(torch.int32))
+    g.replay()
+    want, want_lse = fpa.fp8_paged_decode_reference(q, kp, vp, table, seq_lens, scale)
+    torch.testing.assert_close(graphed[0].float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(graphed[1], want_lse, atol=1e-3, rtol=1e-4)

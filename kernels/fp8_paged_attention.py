@@ -1,0 +1,159 @@
+"""Decode attention over FP8 pages (kernels/kv_quant.py): one new token per sequence against its paged K/V,
+read as float8_e4m3fn with a power-of-two scale per (token, KV head), in one Triton kernel plus the LSE merge.
+
+    fp8_paged_decode(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=None)
+        -> (out [B, H, D] in q's dtype, lse [B, H] fp32, natural log)
+
+q [B, H, D] (bf16 or fp16); k_pages, v_pages: Fp8Pages ([num_blocks, block_size, Hkv, D] uint8 and
+[num_blocks, block_size, Hkv] uint8 exponents); block_table [B, max_blocks] int32; seq_lens [B] int32
+(0: a padding row, out 0 and lse -inf).
+
+One program per (sequence, KV head, split): the QPK = H / Hkv query heads of the KV head (packed GQA,
+padded to 16 rows for the tensor cores), over split s's pages of the sequence: its own pages cut into
+`num_splits` runs from its length on the device (a CUDA graph captured for the table's capacity still
+splits each sequence's actual keys). A page's K and V tiles are loaded as FP8 bytes, turned into the
+compute dtype exactly (4 significant bits), and their scales applied to the scores' columns (K) and to
+the probabilities' columns (V) in fp32: the same values as attention over the dequantized pages. The
+splits' partials (fp32) merge by LSE (kernels.merge.merge_partials). The number of splits is chosen
+from the shapes alone, as the flash-attn-4 path's (paged_attention.choose_num_chunks). Nothing is read
+on the host, so a CUDA graph can capture it.
+
+The torch ops (`fp8_paged_decode_reference`: the pages gathered and dequantized, then attention in fp32)
+are the reference and run where Triton does not (the CPU).
+"""
+import torch
+
+from kernels.arith import ceil_div
+from kernels.kv_quant import EXP_BIAS, Fp8Pages
+from kernels.merge import merge_partials
+from kernels.triton_setup import LazyTriton
+
+tl = None   # triton.language, bound by _build (the kernel resolves it as a global)
+
+MIN_SPLIT_KEYS = 512      # a split covers at least this many keys (fewer: the launch and the merge dominate)
+MAX_SPLITS = 64
+QPAD_MIN = 16             # tl.dot's smallest M
+
+
+def fp8_paged_decode(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. num_splits: None chooses from the shapes (host-known only)."""
+    kern = _triton.kernels(q.device)
+    if kern is not None:
+        try:
+            return _decode_triton(kern["decode"], q, k_pages, v_pages, block_table, seq_lens, scale, num_splits)
+        except Exception as e:      # compile or launch failure: the torch ops from now on
+            _triton.failed(e)
+    return fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
+
+
+def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so that the programs about fill the SMs twice over, each split at
+    least MIN_SPLIT_KEYS of the table's capacity (host-known, so the choice holds under CUDA graphs)."""
+    by_sms = 2 * num_sms // max(batch * num_kv_heads, 1)
+    return max(1, min(by_sms, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+# ---------------------------------------------------------------- torch (the reference, and off CUDA)
+
+def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale):
+    """The pages gathered and dequantized, attention in fp32 -> (out [B, H, D] in q's dtype, lse [B, H])."""
+    b, h, d = q.shape
+    bs, hkv = k_pages.shape[1], k_pages.shape[2]
+    out = torch.zeros(b, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for i, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = block_table[i, :ceil_div(n, bs)].long()
+        k = k_pages.gather(blocks, n, torch.float32).repeat_interleave(h // hkv, dim=1)     # [n, H, D]
+        v = v_pages.gather(blocks, n, torch.float32).repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale                         # [H, n]
+        lse[i] = torch.logsumexp(scores, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out, lse
+
+
+# ---------------------------------------------------------------- Triton
+
+def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits):
+    b, h, d = q.shape
+    _, bs, hkv, _ = k_pages.shape
+    qpk = h // hkv
+    if num_splits is None:
+        num_splits = choose_splits(b, hkv, block_table.shape[1] * bs,
+                                   torch.cuda.get_device_properties(q.device).multi_processor_count)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    seq_lens = seq_lens.to(torch.int32)
+    outs = torch.empty(num_splits, b, h, d, dtype=torch.float32, device=q.device)
+    lses = torch.empty(num_splits, b, h, dtype=torch.float32, device=q.device)
+    kernel[(b, hkv, num_splits)](
+        q, k_pages.data, v_pages.data, k_pages.exp, v_pages.exp, block_table, seq_lens, outs, lses,
+        scale, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
+        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs, BIAS=EXP_BIAS)
+    return merge_partials(outs, lses, q.dtype)
+
+
+def _build() -> dict:
+    """jit the decode kernel. A fresh one each call: tests build an interpreted one (TRITON_INTERPRET=1)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    def decode_kernel(q_ptr, k_ptr, v_ptr, ke_ptr, ve_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+                      scale, table_stride, splits, q_stride_b, q_stride_h, batch,
+                      HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                      BIAS: tl.constexpr):
+        """Program (sequence b, KV head g, split s): the partial (out, lse) of the KV head's query heads over
+        split s's pages, written at [s, b, heads] of out [S, B, H, D] and lse [S, B, H] (fp32)."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(lens_ptr + b)
+        pages = (n + BS - 1) // BS
+        per = (pages + splits - 1) // splits
+        first = s * per
+        last = tl.minimum(first + per, pages)
+        rows = tl.arange(0, QPAD)
+        head = g * QPK + rows                                                      # [QPAD]
+        row_ok = rows < QPK
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + cols[None, :],
+                    mask=row_ok[:, None], other=0.0)                               # [QPAD, D]
+        dt = q.dtype
+        m = tl.full([QPAD], float("-inf"), tl.float32)
+        l = tl.zeros([QPAD], tl.float32)
+        acc = tl.zeros([QPAD, D], tl.float32)
+        slot = tl.arange(0, BS)
+        for p in range(first, last):
+            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + p).to(tl.int64)
+            row = (page * BS + slot) * HKV + g                                     # [BS]: (slot, head) rows
+            valid = p * BS + slot < n
+            k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
+            k_exp = tl.load(ke_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
+            k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
+            scores = tl.dot(q, tl.trans(k)) * (tl.exp2(k_exp) * scale)[None, :]   # [QPAD, BS] fp32
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))                          # a page has a key: finite
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(prob, axis=1)
+            v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
+            v_exp = tl.load(ve_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
+            v = v.to(tl.float8e4nv, bitcast=True).to(dt)
+            acc = acc * alpha[:, None] + tl.dot((prob * tl.exp2(v_exp)[None, :]).to(dt), v)
+            m = m_new
+        has = l > 0
+        out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        at = (s * batch + b).to(tl.int64) * (HKV * QPK) + head                     # [QPAD] rows of [S, B, H]
+        tl.store(out_ptr + at[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
+        tl.store(lse_ptr + at, lse, mask=row_ok)
+
+    return {"decode": triton.jit(decode_kernel, do_not_specialize=["table_stride", "splits", "q_stride_b",
+                                                                    "q_stride_h", "batch"])}
+
+
+_triton = LazyTriton(_build, "fp8-paged-attention")

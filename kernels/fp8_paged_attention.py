@@ -36,22 +36,24 @@ QPAD_MIN = 16             # tl.dot's smallest M
 
 
 def fp8_paged_decode(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, **launch
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. num_splits: None chooses from the shapes (host-known only)."""
+    """See the module docstring. num_splits: None chooses from the shapes (host-known only). launch: the
+    Triton launch's settings (num_warps, num_stages, waves), for measuring them."""
     kern = _triton.kernels(q.device)
     if kern is not None:
         try:
-            return _decode_triton(kern["decode"], q, k_pages, v_pages, block_table, seq_lens, scale, num_splits)
+            return _decode_triton(kern["decode"], q, k_pages, v_pages, block_table, seq_lens, scale, num_splits,
+                                  **launch)
         except Exception as e:      # compile or launch failure: the torch ops from now on
             _triton.failed(e)
     return fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head) so that the programs about fill the SMs twice over, each split at
-    least MIN_SPLIT_KEYS of the table's capacity (host-known, so the choice holds under CUDA graphs)."""
-    by_sms = 2 * num_sms // max(batch * num_kv_heads, 1)
+def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int, waves: int = 2) -> int:
+    """Splits per (sequence, KV head) so that the programs about fill the SMs `waves` times over, each split
+    at least MIN_SPLIT_KEYS of the table's capacity (host-known, so the choice holds under CUDA graphs)."""
+    by_sms = waves * num_sms // max(batch * num_kv_heads, 1)
     return max(1, min(by_sms, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
@@ -77,13 +79,16 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 # ---------------------------------------------------------------- Triton
 
-def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits):
+def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=4,
+                   num_stages=2, waves=2, block_keys=128):
+    """The launch's defaults are the fastest of scripts/gpu_fp8_decode.py --sweep on one H100 (docs/results/log.md,
+    "FP8 pages: a decode kernel")."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv
     if num_splits is None:
         num_splits = choose_splits(b, hkv, block_table.shape[1] * bs,
-                                   torch.cuda.get_device_properties(q.device).multi_processor_count)
+                                   torch.cuda.get_device_properties(q.device).multi_processor_count, waves)
     if q.stride(2) != 1:
         q = q.contiguous()
     seq_lens = seq_lens.to(torch.int32)
@@ -92,7 +97,8 @@ def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, nu
     kernel[(b, hkv, num_splits)](
         q, k_pages.data, v_pages.data, k_pages.exp, v_pages.exp, block_table, seq_lens, outs, lses,
         scale, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
-        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs, BIAS=EXP_BIAS)
+        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs, BIAS=EXP_BIAS,
+        STAGES=num_stages, BN=min(block_keys, bs), num_warps=num_warps)
     return merge_partials(outs, lses, q.dtype)
 
 
@@ -105,7 +111,7 @@ def _build() -> dict:
     def decode_kernel(q_ptr, k_ptr, v_ptr, ke_ptr, ve_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
                       scale, table_stride, splits, q_stride_b, q_stride_h, batch,
                       HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      BIAS: tl.constexpr):
+                      BIAS: tl.constexpr, STAGES: tl.constexpr, BN: tl.constexpr):
         """Program (sequence b, KV head g, split s): the partial (out, lse) of the KV head's query heads over
         split s's pages, written at [s, b, heads] of out [S, B, H, D] and lse [S, B, H] (fp32)."""
         b = tl.program_id(0)
@@ -122,15 +128,20 @@ def _build() -> dict:
         cols = tl.arange(0, D)
         q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + cols[None, :],
                     mask=row_ok[:, None], other=0.0)                               # [QPAD, D]
-        dt = q.dtype
+        # the dots in fp16 (fp32 for fp32 queries): an FP8 value becomes fp16 exactly in one instruction per
+        # pair, where bf16 takes several (the conversions bound the kernel), and bf16 queries are exact in
+        # fp16 within its range
+        dt = tl.float32 if q.dtype == tl.float32 else tl.float16
+        q = q.to(dt)
         m = tl.full([QPAD], float("-inf"), tl.float32)
         l = tl.zeros([QPAD], tl.float32)
         acc = tl.zeros([QPAD, D], tl.float32)
-        slot = tl.arange(0, BS)
-        for p in range(first, last):
-            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + p).to(tl.int64)
-            row = (page * BS + slot) * HKV + g                                     # [BS]: (slot, head) rows
-            valid = p * BS + slot < n
+        slot = tl.arange(0, BN)
+        tiles = BS // BN                                                           # key tiles a page
+        for t in tl.range(first * tiles, tl.minimum(last * tiles, (n + BN - 1) // BN), num_stages=STAGES):
+            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
+            row = (page * BS + (t % tiles) * BN + slot) * HKV + g                  # [BN]: (slot, head) rows
+            valid = t * BN + slot < n                                              # a tile has a key
             k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
             k_exp = tl.load(ke_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
             k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
@@ -143,7 +154,11 @@ def _build() -> dict:
             v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
             v_exp = tl.load(ve_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
             v = v.to(tl.float8e4nv, bitcast=True).to(dt)
-            acc = acc * alpha[:, None] + tl.dot((prob * tl.exp2(v_exp)[None, :]).to(dt), v)
+            # V's scales on the probabilities' columns, relative to the page's largest (<= 1: no overflow in
+            # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
+            top = tl.max(tl.where(valid, v_exp, -1e9), axis=0)
+            weights = (prob * tl.exp2(v_exp - top)[None, :]).to(dt)
+            acc = acc * alpha[:, None] + tl.dot(weights, v) * tl.exp2(top)
             m = m_new
         has = l > 0
         out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)

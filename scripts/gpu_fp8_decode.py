@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from kernels import fp8_paged_attention as fpa
 from kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
 from kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
 from kernels.paged_attention import guarded_table, paged_attention
@@ -84,7 +85,35 @@ def run(batch: int, context: int) -> dict:
     return row
 
 
+def sweep(shapes) -> None:
+    """The kernel's launch settings: warps x pipeline stages x waves of programs, time per call."""
+    kernel = fpa._triton.kernels(torch.device("cuda"))["decode"]     # straight: a failure is shown, not hidden
+    print("| batch x context | warps | stages | waves | keys a tile | splits | fp8 us | TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, n in shapes:
+        q, ((k8, _), (v8, _)), table, lens = make(b, n)
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                for waves in (2, 8):
+                    for bn in (32, 64, 128):
+                        launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn)
+                        try:
+                            t = graph_time(lambda: fpa._decode_triton(kernel, q, k8, v8, table, lens, D ** -0.5, None,
+                                                                      **launch))
+                        except Exception as e:
+                            print(f"| {b} x {n} | {warps} | {stages} | {waves} | {bn} | - | {type(e).__name__} | |", flush=True)
+                            continue
+                        splits = choose_splits(b, HKV, table.shape[1] * BS,
+                                               torch.cuda.get_device_properties(0).multi_processor_count, waves)
+                        tbps = b * n * HKV * 2 * (D + 1) / t / 1e12
+                        print(f"| {b} x {n} | {warps} | {stages} | {waves} | {bn} | {splits} | {t * 1e6:.1f} | {tbps:.2f} |",
+                              flush=True)
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--sweep"]:
+        return sweep([tuple(int(x) for x in a.split("x")) for a in (argv[1:] or ["1x131072", "16x8192", "64x2048"])])
     shapes = [tuple(int(x) for x in a.split("x")) for a in (argv or ["1x131072", "16x8192", "64x2048", "1x1048576"])]
     rows = []
     print("| batch x context | splits | fp8 us | fp8 TB/s | fa4 bf16 us | fa4 TB/s | speed-up | max abs err vs fp32 "

@@ -90,8 +90,8 @@ def _triton_interpreted_checks():
         q = q.to(dtype)
         scale = d ** -0.5
         want, want_lse = fpa.fp8_paged_decode_reference(q, kp, vp, table, seq_lens, scale)
-        for splits in (1, 3, 9):                                     # 9 > the longest row's 7 pages
-            out, lse = fpa._decode_triton(kern["decode"], q, kp, vp, table, seq_lens, scale, splits)
+        for splits, tile in ((1, 16), (3, 8), (9, 16)):              # 9 > the longest row's 7 pages; 2 tiles a page
+            out, lse = fpa._decode_triton(kern["decode"], q, kp, vp, table, seq_lens, scale, splits, block_keys=tile)
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)   # P in the compute dtype
             torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
             assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()

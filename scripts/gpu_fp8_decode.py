@@ -4,6 +4,7 @@ decode kernel), one layer with llama3-8b's attention shapes (32 query heads, 8 K
 in a CUDA graph, with the KV bytes it reads per second.
 
     python scripts/gpu_fp8_decode.py [BATCHxCONTEXT ...]      default: 1x131072 16x8192 64x2048 1x1048576
+    python scripts/gpu_fp8_decode.py --sweep [BATCHxCONTEXT ...]   the kernel's launch settings, time per call
 
 Prints a table; writes fp8_decode.json under $OUT (or the working directory).
 """
@@ -17,6 +18,9 @@ from kernels import fp8_paged_attention as fpa
 from kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
 from kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
 from kernels.paged_attention import guarded_table, paged_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_kernel_timing import graph_us  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 128
 
@@ -40,22 +44,9 @@ def make(batch: int, context: int):
     return q, pools, table, lens
 
 
-def graph_time(fn, reps: int = 50) -> float:
-    """Seconds per call of fn, captured in a CUDA graph and replayed reps times (after an eager warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+def graph_time(fn) -> float:
+    """Seconds per call of fn replayed in a CUDA graph (scripts/gpu_kernel_timing.py's graph_us)."""
+    return graph_us(fn)[0] / 1e6
 
 
 def run(batch: int, context: int) -> dict:

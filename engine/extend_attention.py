@@ -47,7 +47,7 @@ WAYS = ("local", "whole", "ring")
 class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
                  new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
-                 overlap: bool = True, group=None, way: str = "ring"):
+                 overlap: bool = True, group=None, way: str = "ring", fp8: bool = False):
         """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
         where this worker's new tokens' K/V go (empty if it keeps none); new_shards: the n new tokens
         over the workers (way "whole": all on one; "local" under tp: the strategy's one shard)."""
@@ -67,8 +67,8 @@ class ExtendAttention:
         queries = sum(s.length for s in new_shards) if way != "local" else mine
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
                    for m in {queries, mine}}
-        self.ring_attention = (BurstAttention(ring, backend, new_shards, rank, scale, overlap) if way == "ring"
-                               else None)
+        self.ring_attention = (BurstAttention(ring, backend, new_shards, rank, scale, overlap, fp8=fp8)
+                               if way == "ring" else None)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]: this worker's new tokens ("ring"), or all n

@@ -37,6 +37,7 @@ from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, Exte
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
+from kernels.kv_quant import is_fp8
 from kernels.paged_attention import fa4_available, guarded_table, paged_attention, prefix_runs, split_prefix_attention
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ class ModelRunner:
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
+        self.kv_fp8 = is_fp8(engine.kv_cache_dtype)
         self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
-                                              cfg.num_heads, engine.auto_ulysses_max_tokens)
+                                              cfg.num_heads, engine.auto_ulysses_max_tokens, self.kv_fp8)
         self.dtype, self.attn_cfg = dtype, attn
         self.block_size = engine.page_size
         self.max_model_len = max_model_len
@@ -113,9 +115,12 @@ class ModelRunner:
         self.fed_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=device)
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
-        # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective)
-        self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, (2, attn.num_kv_heads, cfg.head_dim),
-                                                   dtype, device) if self.ring is not None else None)
+        # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective), for the
+        # block the ring sends (FP8 pages: FP8 bytes and an exponent a row)
+        message = ((2, attn.num_kv_heads, cfg.head_dim + 1), torch.uint8) if self.kv_fp8 else \
+            ((2, attn.num_kv_heads, cfg.head_dim), dtype)
+        self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, *message, device)
+                              if self.ring is not None else None)
         log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, num_pages,
                  self.block_size, self.pool.bytes() / 2**30,
                  "FP8 with a scale per token and head" if self.pool.fp8 else str(dtype).removeprefix("torch."),
@@ -285,7 +290,7 @@ class ModelRunner:
         way, shards, positions = placed.way, placed.shards, placed.positions
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
-                                 self.ring, self.engine.overlap, self.data_group, way)
+                                 self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8)
         last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 

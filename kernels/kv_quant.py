@@ -68,6 +68,18 @@ def dequantize_kv(data: torch.Tensor, exp: torch.Tensor, dtype: torch.dtype) -> 
     return torch.ldexp(data.view(FP8).float(), e.unsqueeze(-1)).to(dtype)
 
 
+def pack_kv(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> one uint8 message [..., D + 1]: the FP8 bytes, then the row's exponent (what a K/V ring
+    sends: D + 1 bytes a row against 2 D in bf16)."""
+    data, exp = quantize_kv(x)
+    return torch.cat([data, exp.unsqueeze(-1)], dim=-1)
+
+
+def unpack_kv(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pack_kv's message [..., D + 1] -> the rounded values [..., D] in dtype."""
+    return dequantize_kv(packed[..., :-1], packed[..., -1], dtype)
+
+
 def round_kv(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> the values an FP8 cache gives back for it, in x's dtype."""
     return dequantize_kv(*quantize_kv(x), x.dtype)

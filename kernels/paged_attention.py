@@ -5,7 +5,8 @@
         -> (out [total_q, H, D] in q's dtype, lse [total_q, H] fp32, natural log)
 
 q [total_q, H, D]: the new tokens of B sequences packed, sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
-k_cache, v_cache [num_blocks, block_size, Hkv, D] (H % Hkv == 0); block_table [B, max_blocks] int32;
+k_cache, v_cache [num_blocks, block_size, Hkv, D] (H % Hkv == 0), or two kernels.kv_quant.Fp8Pages (an FP8
+cache: the gathered backends dequantize the pages they gather); block_table [B, max_blocks] int32;
 seq_lens_k [B] int32: sequence b's keys are the first seq_lens_k[b] slots of its blocks, its new
 tokens' keys included. `causal` is aligned to the end: query i of a sequence with q_len new tokens
 sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and lse -inf.
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import ceil_div, next_pow2
+from kernels.kv_quant import Fp8Pages
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
                                select_backend)
 from kernels.merge import merge_partials
@@ -62,9 +64,12 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1))."""
+    fp8 = isinstance(k_cache, Fp8Pages)
     if backend == "auto":
-        backend = "fa4" if fa4_available(q.device) else "dense"
+        backend = "fa4" if fa4_available(q.device) and not fp8 else "dense"
     if backend == "fa4":
+        if fp8:
+            raise ValueError("flash-attn-4 does not read FP8 pages; use the dense or reference backend")
         return _fa4(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, num_chunks,
                     max_seqlen_q, rows_see_keys)
     if backend == "dense":
@@ -92,10 +97,17 @@ def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
         if q1 == q0 or n == 0:
             continue
         blocks = block_table[b, :(n + bs - 1) // bs].long()
-        k = k_cache[blocks].flatten(0, 1)[:n]                 # [n, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:n]
+        k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]
+        v = _gather(v_cache, blocks, n, q.dtype)
         out[q0:q1], lse[q0:q1] = _end_aligned(q[q0:q1], k, v, causal, scale, attn)
     return out, lse
+
+
+def _gather(cache, blocks, n, dtype):
+    """The first n slots of these blocks [b] of a cache (a tensor or Fp8Pages) -> [n, Hkv, D]."""
+    if isinstance(cache, Fp8Pages):
+        return cache.gather(blocks, n, dtype)
+    return cache[blocks].flatten(0, 1)[:n]
 
 
 def _end_aligned(q, k, v, causal, scale, attn):

@@ -9,6 +9,9 @@ each step is one of:
   block of rank s<r:  all local queries to the keys of s's first chunk (full);
   block of rank s>r:  the queries of r's second chunk to all of s's keys (full).
 Without a causal mask (causal=False) every step is all local queries to the whole block.
+With an FP8 KV cache (fp8=True) K/V are already FP8 values (kernels/kv_quant.py), so the block travels as
+FP8 bytes and a scale exponent a row (`pack_kv`, [n, 2, Hkv, D + 1] uint8: (D + 1) / 2D of the bf16
+block's bytes) and is turned back into the same values when attended: nothing changes but the bytes.
 The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
 the paper's ablation without its local attention optimization) are at the end.
 """
@@ -20,6 +23,7 @@ from engine.parallel.ring import RingCommunicator, RingPass
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from kernels.attention import AttentionBackend, reference_attention
+from kernels.kv_quant import pack_kv, unpack_kv
 from kernels.merge import merge_into
 
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
@@ -27,9 +31,9 @@ MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, que
 
 class BurstAttention:
     def __init__(self, ring: RingCommunicator | None, backend: AttentionBackend, shards: list[Shard],
-                 rank: int, scale: float, overlap: bool = True, causal: bool = True):
+                 rank: int, scale: float, overlap: bool = True, causal: bool = True, fp8: bool = False):
         self.backend, self.shards, self.rank = backend, shards, rank
-        self.scale, self.causal = scale, causal
+        self.scale, self.causal, self.fp8 = scale, causal, fp8
         self.ring = ring
         self.ring_pass = RingPass(ring, [s.length for s in shards], rank, overlap)
 
@@ -44,9 +48,14 @@ class BurstAttention:
         with an fp32 accumulator converted at the end)."""
         acc = {}
         merges_left = self.ring_pass.world_size - 1
+        travels = pack_kv(kv) if self.fp8 and merges_left > 0 else kv                # the ring's message
 
         def attend(source: int, block: torch.Tensor) -> None:
             nonlocal merges_left
+            if block is travels and travels is not kv:
+                block = kv                                                           # its own: no round trip
+            elif block.dtype == torch.uint8:
+                block = unpack_kv(block, kv.dtype)                                  # [m, 2, Hkv, D]
             rows, block_out, block_lse = self._attend_block(q, block, source)
             if not acc:   # the first block is this worker's own: it covers every query row
                 acc["out"], acc["lse"] = block_out, block_lse.clone()
@@ -56,7 +65,7 @@ class BurstAttention:
             merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
             merges_left -= 1
 
-        self.ring_pass.run(kv, attend)
+        self.ring_pass.run(travels, attend)
         return acc["out"].to(q.dtype), acc["lse"]
 
     def _attend_block(self, q, block, source):
@@ -79,7 +88,7 @@ class BurstStrategy(PrefillStrategy):
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         backend = MATERIALIZED if self.materialized else ctx.backend
-        return BurstAttention(ctx.ring, backend, shards, rank, ctx.scale, ctx.overlap)
+        return BurstAttention(ctx.ring, backend, shards, rank, ctx.scale, ctx.overlap, fp8=ctx.kv_fp8)
 
 
 class BurstNoLaoStrategy(BurstStrategy):

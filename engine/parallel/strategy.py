@@ -55,6 +55,7 @@ class PrefillContext:
     data_group: object = None          # the workers' data-plane process group (None: the default group)
     num_heads: int = 0                 # the model's query heads (auto: ulysses needs W to divide them)
     auto_ulysses_max_tokens: int = 0   # auto: the longest prompt that takes ulysses
+    kv_fp8: bool = False               # --kv-cache-dtype fp8: K/V are FP8 values; a ring may send them as FP8
 
 
 class PrefillStrategy:

@@ -69,3 +69,32 @@ def test_kv_view_is_the_stacked_message_without_a_copy():
     swapped = kv_view(v, k)                                 # k after v: not that layout, stacked
     assert torch.equal(kv_view(k2, v2), torch.stack([k2, v2], dim=1))
     assert torch.equal(swapped, torch.stack([v, k], dim=1)) and swapped.data_ptr() != v.data_ptr()
+
+
+def _fp8_ring_rank(rank, world_size, seq_len, causal, seed):
+    from kernels.kv_quant import round_kv
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq_len, 4, 16, generator=gen)
+    kv = round_kv(torch.randn(seq_len, 2, 2, 16, generator=gen) * 5)         # an FP8 cache's values
+    shards = zigzag_shards(seq_len, world_size)
+    pos = shards[rank].positions()
+    ring = RingCommunicator(rank, world_size, torch.device("cpu"))
+    sent = []
+    exchange = ring.exchange
+    ring.exchange = lambda send, recv: sent.append((send.dtype, tuple(send.shape[1:]))) or exchange(send, recv)
+    results = []
+    for fp8 in (True, False):
+        attn = BurstAttention(ring, _backend(), shards, rank, 16 ** -0.5, causal=causal, fp8=fp8)
+        results.append(attn.forward(q[pos], kv[pos].contiguous()))
+    return results, sent
+
+
+@pytest.mark.parametrize("world_size,seq_len,causal", [(2, 64, True), (3, 37, True), (4, 5, True), (3, 50, False)])
+def test_an_fp8_ring_sends_fp8_bytes_and_attends_the_same_values(world_size, seq_len, causal):
+    """--kv-cache-dtype fp8: the K/V block travels as [m, 2, Hkv, D + 1] uint8 (FP8 bytes, an exponent a row),
+    and each worker's out and lse are those of the bf16-message ring on the same (rounded) K/V, bit for bit."""
+    seed = random.randrange(1 << 30)
+    for (fp8_result, plain_result), sent in run_on_ranks(_fp8_ring_rank, world_size, seq_len, causal, seed):
+        assert torch.equal(fp8_result[0], plain_result[0]) and torch.equal(fp8_result[1], plain_result[1])
+        steps = world_size - 1
+        assert sent == [(torch.uint8, (2, 2, 17))] * steps + [(torch.float32, (2, 2, 16))] * steps

@@ -35,7 +35,7 @@ class DecodeGraphs:
         if not engine.cuda_graphs:
             log.info("decode CUDA graphs off (cuda_graphs=False / --enforce-eager)")
             return None
-        if not fa4_available(runner.device):
+        if not fa4_available(runner.device) and not runner.pool.fp8:   # FP8 pages: a Triton kernel of our own
             log.warning("decode runs eagerly: CUDA graphs need flash-attn-4's paged attention "
                         "(pip install 'burstserve[flash-attn]', SM90 or newer)")
             return None

@@ -110,7 +110,7 @@ class ExtendAttention:
         if layer == 0:
             self.runs = None
             device = self.pool.device
-            if self.cached_local and device.type == "cuda" and fa4_available(device):
+            if self.cached_local and device.type == "cuda" and fa4_available(device) and not self.pool.fp8:
                 hkv = self.pool.k.shape[3]
                 count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local, num_sms(device))
                 if count > 1:

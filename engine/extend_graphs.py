@@ -135,7 +135,7 @@ class ExtendGraphs:
     def create(cls, runner, engine) -> "ExtendGraphs | None":
         """Graphs for this worker's small extends, or None (eager), as DecodeGraphs decides: CUDA with
         flash-attn-4 (its paged call reads lengths only on the device), not burst-zero (its extends run on
-        the weight slices)."""
+        the weight slices), not FP8 pages (an extend gathers them)."""
         if runner.whole_layers is not None or engine.max_num_batched_tokens is None and not engine.enable_prefix_caching:
             return None
         sizes = [m for m in SIZES if m < runner.max_model_len + STEP]        # up to the first that holds any prompt
@@ -143,8 +143,8 @@ class ExtendGraphs:
         decode = mixed_buckets(engine.max_num_seqs) if chunked and engine.mixed_batch is not False else []
         if runner.device.type != "cuda":               # the tests' way to run the graphs' forward, uncaptured
             return cls(runner, sizes, decode, capture=False) if os.environ.get(ON_CPU_ENV) == "1" else None
-        if not engine.cuda_graphs or not fa4_available(runner.device):
-            return None
+        if not engine.cuda_graphs or not fa4_available(runner.device) or runner.pool.fp8:
+            return None                                # (an extend over FP8 pages gathers them: not capturable)
         return cls(runner, sizes, decode)
 
     def __init__(self, runner, sizes: list[int], decode_buckets: list[int] = (), capture: bool = True):

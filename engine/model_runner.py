@@ -492,7 +492,7 @@ class ModelRunner:
             share = self.strategy.kv_share(self.max_model_len)
             self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
                                                           self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
-                                                          gathers_context=not has_fa4)
+                                                          gathers_context=not has_fa4 or self.kv_fp8)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "
@@ -519,7 +519,7 @@ class ModelRunner:
         late chunk's prefix runs with their causal call over the chunk), so that none is built under
         load: a kernel built on first use while streams decode stalls every one of them for the whole build
         (a second or more). Reads only the scratch page; the results are dropped. Each worker alone."""
-        if self.device.type != "cuda" or not fa4_available(self.device):
+        if self.device.type != "cuda" or not fa4_available(self.device) or self.kv_fp8:
             return
         m, h, hkv, d = MIN_CHUNK, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim
         q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)

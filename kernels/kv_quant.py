@@ -18,6 +18,7 @@ The exponent from the row's max, m * 2^k (torch.frexp: m in [0.5, 1)): 448 = 0.8
 e = k - 9 where m <= 0.875, else k - 8; clamped to [-EXP_BIAS, EXP_BIAS] (an all-zero row: e = -9).
 Bytes per (token, head): D + 1, against 2 D in bfloat16 (llama3-8b: 64.5 KiB a token against 128 KiB).
 """
+import os
 from typing import NamedTuple
 
 import torch
@@ -85,12 +86,23 @@ def round_kv(x: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(*quantize_kv(x), x.dtype)
 
 
+GPU_ENV = "BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU"    # "1": FP8 pages on GPUs, before their GPU runs are done
+
+
 def kv_cache_refusal(kv_cache_dtype: str, devices: list[str]) -> str | None:
     """Why this KV cache dtype cannot run on these devices, or None."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
-    if is_fp8(kv_cache_dtype) and any(d.startswith("cuda") for d in devices):
-        return ("--kv-cache-dtype fp8 runs on CPU workers only in this version: the GPU kernels that read FP8 "
-                "pages (decode, chunks, prefix hits) are not built yet (issue 35); use --kv-cache-dtype auto "
-                "on GPUs")
+    gpus = [d for d in devices if d.startswith("cuda")]
+    if not is_fp8(kv_cache_dtype) or not gpus:
+        return None
+    if os.environ.get(GPU_ENV) != "1":
+        return ("--kv-cache-dtype fp8 runs on CPU workers only in this version: on GPUs its decode kernel is built "
+                "but its engine runs (chunks and prefix hits over FP8 pages, accuracy, speed) are not done yet "
+                f"(issue 35; {GPU_ENV}=1 runs it anyway); use --kv-cache-dtype auto on GPUs")
+    for d in gpus:
+        major, minor = torch.cuda.get_device_capability(torch.device(d))
+        if (major, minor) < (8, 9):
+            return (f"--kv-cache-dtype fp8 on GPUs needs FP8 conversions (compute capability 8.9 or newer); {d} is "
+                    f"capability {major}.{minor}")
     return None

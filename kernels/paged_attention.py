@@ -6,7 +6,8 @@
 
 q [total_q, H, D]: the new tokens of B sequences packed, sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
 k_cache, v_cache [num_blocks, block_size, Hkv, D] (H % Hkv == 0), or two kernels.kv_quant.Fp8Pages (an FP8
-cache: the gathered backends dequantize the pages they gather); block_table [B, max_blocks] int32;
+cache: on CUDA a decode call reads them in place, kernels.fp8_paged_attention, graphable; any other call
+goes through the gathered backends, which dequantize the pages they gather); block_table [B, max_blocks] int32;
 seq_lens_k [B] int32: sequence b's keys are the first seq_lens_k[b] slots of its blocks, its new
 tokens' keys included. `causal` is aligned to the end: query i of a sequence with q_len new tokens
 sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and lse -inf.
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import ceil_div, next_pow2
+from kernels.fp8_paged_attention import fp8_paged_decode
 from kernels.kv_quant import Fp8Pages
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
                                select_backend)
@@ -65,6 +67,8 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1))."""
     fp8 = isinstance(k_cache, Fp8Pages)
+    if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
+        return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
     if backend == "auto":
         backend = "fa4" if fa4_available(q.device) and not fp8 else "dense"
     if backend == "fa4":

@@ -303,9 +303,10 @@ part_capacity() {   # the longest prompt one GPU takes, one call against chunks 
   grep -E "^\|" "$out"/merged/*.md 2>/dev/null | head -12
 }
 
-part_fp8kv() {   # the FP8 KV cache's decode kernel: its GPU tests, then scripts/gpu_fp8_decode.py against flash-attn-4
-  [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu \
-      tests/gpu/test_kernels_gpu.py -k fp8_paged_decode 2>&1 | tail -20 | tee "$out/tests.log"
+part_fp8kv() {   # the FP8 KV cache: its kernel's and the engine's GPU tests, then scripts/gpu_fp8_decode.py
+  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+      tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu.py -k "fp8_paged_decode or fp8_kv_cache" 2>&1 \
+      | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
   OUT=$out timeout "${DECODE_LIMIT:-300}" python3 scripts/gpu_fp8_decode.py ${SHAPES:-} 2>&1 | grep -v -i warn \
       | tee "$out/fp8_decode.txt"
 }

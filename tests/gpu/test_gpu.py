@@ -707,3 +707,42 @@ def test_torch_cp_peer_matches_transformers(hf_bf16_checkpoint, gpus):
     diff = (logits - ref).abs().max().item()
     print(f"torch-cp on {gpus} GPU(s): max |logit diff| {diff:.4f}")
     assert diff <= 0.1 * max(ref.abs().max().item(), 1.0)
+
+
+def test_fp8_kv_cache_on_one_gpu_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, monkeypatch):
+    """--kv-cache-dtype fp8 on one GPU (decode in CUDA graphs on the FP8 decode kernel; chunks and prefix hits
+    over gathered FP8 pages): logits and greedy tokens against transformers (bf16) with K/V rounded alike
+    (bf16 noise); a prompt in chunks of 1024 and one extending it (a prefix hit) too; graphs against eager
+    decode; the pool holds about twice bf16's tokens."""
+    from hf_reference import kv_rounded
+    from engine import LLM, SamplingParams
+    from kernels import kv_quant
+    monkeypatch.setenv(kv_quant.GPU_ENV, "1")
+    path, model = hf_bf16_checkpoint
+    noise = 0.1
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 5000)]
+    prompts.append(prompts[2] + [random.randrange(2000) for _ in range(300)])          # a prefix hit
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    capacity = {}
+    for kv, graphs in (("fp8", True), ("fp8", False), ("auto", True)):
+        with LLM(path, devices="cuda:0", dtype="bfloat16", kv_cache_dtype=kv, cuda_graphs=graphs,
+                 max_num_batched_tokens=1024, gpu_memory_utilization=0.5) as llm:
+            capacity[kv] = llm.worker_info[0]["kv_capacity_tokens"]
+            if kv == "auto":
+                continue
+            assert llm.worker_info[0]["kv_cache_dtype"] == "fp8"
+            assert llm.worker_info[0]["cuda_graphs"] == graphs
+            outs = [llm.generate(p, greedy)[0] for p in prompts]
+            assert outs[3].metrics.prefill_stats.get("cached_tokens", 0) >= 5000
+            for prompt, out in zip(prompts, outs):
+                with kv_rounded(model, kv_quant.round_kv):
+                    ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
+                diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+                print(f"fp8 KV, graphs {graphs}, prompt {len(prompt)}: max |logit diff| {diff:.4f}")
+                assert diff <= noise * max(ref_logits.abs().max().item(), 1.0), len(prompt)
+                for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+                    if a != b:
+                        assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
+                        break
+    print(f"KV pool at gpu_memory_utilization 0.5: fp8 {capacity['fp8']} tokens, bf16 {capacity['auto']}")
+    assert capacity["fp8"] >= 1.9 * capacity["auto"], capacity

@@ -34,7 +34,8 @@ def _rows(n=300, d=64, seed=None):
     x = torch.randn(n, 2, d, generator=g) * torch.exp(torch.randn(n, 2, 1, generator=g) * 4)
     x[:, :, 7] *= 40                                    # an outlier channel, as trained models' keys have
     x[5] = 0                                            # all-zero rows
-    x[9, 0, :3] = torch.tensor([448.0, -448.0, 224.0])  # a row whose max is exactly 448
+    x[9, 0] = torch.rand(x.shape[-1], generator=g)      # a row whose max is exactly 448
+    x[9, 0, :3] = torch.tensor([448.0, -448.0, 224.0])
     return x
 
 

@@ -64,7 +64,8 @@ def test_the_defaults_reach_llm_as_before_by_keyword():
         llm_args = offline_llm_args(args, 4096, 16, enable_prefix_caching=True)
         assert llm_args == dict(model="tiny", devices=None, context_parallel_size=None, dtype=None, sp_strategy="burst",
                                 attention_backend="auto", overlap=True, max_model_len=4096, max_num_seqs=16,
-                                quantization="none", zero_sliced_max_tokens=None, async_scheduling=True,
+                                quantization="none", kv_cache_dtype="auto", zero_sliced_max_tokens=None,
+                                async_scheduling=True,
                                 max_num_batched_tokens=None, enable_chunked_prefill=True,
                                 enable_prefix_caching=True), mode      # no seed: shared's --seed is the prompts'
         values = check_options({k: v for k, v in llm_args.items() if k != "model"})
@@ -73,10 +74,11 @@ def test_the_defaults_reach_llm_as_before_by_keyword():
 
 def test_every_flag_reaches_llm_by_keyword():
     args = _parse("sweep", "--offline", "--model", "llama3-8b", "--devices", "cuda", "-cp", "2", "--dtype", "float16",
-                  "-q", "fp8", "--sp-strategy", "burst-zero", "--attention-backend", "cudnn", "--no-overlap",
-                  "--no-async-scheduling", "--no-enable-chunked-prefill", "--zero-sliced-max-tokens", "0")
+                  "-q", "fp8", "--kv-cache-dtype", "fp8", "--sp-strategy", "burst-zero", "--attention-backend", "cudnn",
+                  "--no-overlap", "--no-async-scheduling", "--no-enable-chunked-prefill", "--zero-sliced-max-tokens", "0")
     assert offline_llm_args(args, 100) == dict(
         model="llama3-8b", devices="cuda", context_parallel_size=2, dtype="float16", quantization="fp8",
+        kv_cache_dtype="fp8",
         sp_strategy="burst-zero", attention_backend="cudnn", overlap=False, async_scheduling=False,
         enable_chunked_prefill=False, max_num_batched_tokens=None, zero_sliced_max_tokens=0, max_model_len=100,
         max_num_seqs=64)
@@ -90,6 +92,7 @@ def test_every_flag_reaches_llm_by_keyword():
 def test_values_the_table_refuses_are_refused_when_parsed(capsys):
     for argv in (["sweep", "--max-num-batched-tokens", "0"], ["shared", "--zero-sliced-max-tokens", "-1"],
                  ["sweep", "--sp-strategy", "magic"], ["sweep", "--dtype", "float64"], ["sweep", "-q", "int4"],
+                 ["sweep", "--kv-cache-dtype", "fp8_e5m2"],
                  ["shared", "--sp-strategy", "transformers"], ["sweep", "--attention-backend", "flash-attn-9"]):
         with pytest.raises(SystemExit):
             _parse(*argv)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.cache.prefix_cache import BLOCK
 from engine.calls import Decode, Prefill
 from engine.config import EngineConfig
 from hf_reference import assert_same_greedy, hf_greedy, save_checkpoint
@@ -90,9 +91,10 @@ def test_steps_run_ahead_and_give_the_tokens_of_steps_read_back_first(checkpoint
 def test_a_stop_tokens_kv_computed_ahead_is_cached_and_reused_as_its_cold_answer(checkpoint):
     """A request ended by a stop token while the next step ran ahead keeps that step's K/V of the stop
     token: its prefix-cache entry holds prompt + every generated token. A follow-up prompt (prompt +
-    answer + a new turn) reuses all of it and answers as a cold engine (no prefix cache) does."""
+    answer + a new turn) reuses all of it and answers as a cold engine (no prefix cache) does. Prompts of a
+    prefix-cache block or more: a stop token may end an answer after 1 token, and a hit takes a whole block."""
     path, model = checkpoint
-    prompts = [[random.randrange(256) for _ in range(random.randrange(13, 30))] for _ in range(4)]
+    prompts = [[random.randrange(256) for _ in range(random.randrange(BLOCK, 30))] for _ in range(4)]
     greedy = _greedy(path, prompts)
     first = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True,
                                          stop_token_ids=[greedy[f"r{i}"][random.randrange(6, GEN - 4)]]))

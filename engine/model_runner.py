@@ -37,7 +37,7 @@ from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, Exte
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
-from kernels.kv_quant import is_fp8
+from kernels.kv_quant import SCALE_BYTES, is_fp8
 from kernels.paged_attention import fa4_available, guarded_table, paged_attention, prefix_runs, split_prefix_attention
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ class ModelRunner:
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         self._warm_extend_kernels()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective), for the
-        # block the ring sends (FP8 pages: FP8 bytes and an exponent a row)
-        message = ((2, attn.num_kv_heads, cfg.head_dim + 1), torch.uint8) if self.kv_fp8 else \
+        # block the ring sends (FP8 pages: FP8 bytes and a scale a row)
+        message = ((2, attn.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.uint8) if self.kv_fp8 else \
             ((2, attn.num_kv_heads, cfg.head_dim), dtype)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, *message, device)
                               if self.ring is not None else None)

@@ -157,7 +157,7 @@ OPTIONS: tuple[Option, ...] = (
            "embeddings and the LM head stay bfloat16", flags=("--quantization", "-q"), choices=QUANTIZATIONS,
            on_worker=True),
     Option("kv_cache_dtype", str, "the paged KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: K and V in "
-           "float8_e4m3fn with a power-of-two scale per token and KV head, about half the bytes, so about twice the "
+           "float8_e4m3fn with a bf16 scale per token and KV head, about half the bytes, so about twice the "
            "tokens; attention sees K/V rounded so, in every call)", choices=KV_CACHE_DTYPES, on_worker=True),
     Option("sp_strategy", str, "how prefill attention spans the workers (decoding is the same for all); auto: "
            "ulysses for short prompts, burst for long ones", choices=SP_STRATEGIES, on_worker=True),

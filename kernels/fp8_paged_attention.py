@@ -1,11 +1,11 @@
 """Decode attention over FP8 pages (kernels/kv_quant.py): one new token per sequence against its paged K/V,
-read as float8_e4m3fn with a power-of-two scale per (token, KV head), in one Triton kernel plus the LSE merge.
+read as float8_e4m3fn with a bf16 scale per (token, KV head), in one Triton kernel plus the LSE merge.
 
     fp8_paged_decode(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=None)
         -> (out [B, H, D] in q's dtype, lse [B, H] fp32, natural log)
 
 q [B, H, D] (bf16 or fp16); k_pages, v_pages: Fp8Pages ([num_blocks, block_size, Hkv, D] uint8 and
-[num_blocks, block_size, Hkv] uint8 exponents); block_table [B, max_blocks] int32; seq_lens [B] int32
+[num_blocks, block_size, Hkv] bf16 scales); block_table [B, max_blocks] int32; seq_lens [B] int32
 (0: a padding row, out 0 and lse -inf).
 
 One program per (sequence, KV head, split): the QPK = H / Hkv query heads of the KV head (packed GQA,
@@ -24,7 +24,7 @@ are the reference and run where Triton does not (the CPU).
 import torch
 
 from kernels.arith import ceil_div
-from kernels.kv_quant import EXP_BIAS, Fp8Pages
+from kernels.kv_quant import Fp8Pages
 from kernels.merge import merge_partials
 from kernels.triton_setup import LazyTriton
 
@@ -95,9 +95,9 @@ def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, nu
     outs = torch.empty(num_splits, b, h, d, dtype=torch.float32, device=q.device)
     lses = torch.empty(num_splits, b, h, dtype=torch.float32, device=q.device)
     kernel[(b, hkv, num_splits)](
-        q, k_pages.data, v_pages.data, k_pages.exp, v_pages.exp, block_table, seq_lens, outs, lses,
+        q, k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, block_table, seq_lens, outs, lses,
         scale, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
-        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs, BIAS=EXP_BIAS,
+        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs,
         STAGES=num_stages, BN=min(block_keys, bs), num_warps=num_warps)
     return merge_partials(outs, lses, q.dtype)
 
@@ -108,10 +108,10 @@ def _build() -> dict:
     import triton
     import triton.language as tl
 
-    def decode_kernel(q_ptr, k_ptr, v_ptr, ke_ptr, ve_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+    def decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
                       scale, table_stride, splits, q_stride_b, q_stride_h, batch,
                       HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      BIAS: tl.constexpr, STAGES: tl.constexpr, BN: tl.constexpr):
+                      STAGES: tl.constexpr, BN: tl.constexpr):
         """Program (sequence b, KV head g, split s): the partial (out, lse) of the KV head's query heads over
         split s's pages, written at [s, b, heads] of out [S, B, H, D] and lse [S, B, H] (fp32)."""
         b = tl.program_id(0)
@@ -143,22 +143,22 @@ def _build() -> dict:
             row = (page * BS + (t % tiles) * BN + slot) * HKV + g                  # [BN]: (slot, head) rows
             valid = t * BN + slot < n                                              # a tile has a key
             k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            k_exp = tl.load(ke_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
+            k_scale = tl.load(ks_ptr + row, mask=valid, other=0.0).to(tl.float32)
             k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
-            scores = tl.dot(q, tl.trans(k)) * (tl.exp2(k_exp) * scale)[None, :]   # [QPAD, BS] fp32
+            scores = tl.dot(q, tl.trans(k)) * (k_scale * scale)[None, :]         # [QPAD, BN] fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))                          # a page has a key: finite
             alpha = tl.exp(m - m_new)
             prob = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(prob, axis=1)
             v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            v_exp = tl.load(ve_ptr + row, mask=valid, other=BIAS).to(tl.float32) - BIAS
+            v_scale = tl.load(vs_ptr + row, mask=valid, other=0.0).to(tl.float32)
             v = v.to(tl.float8e4nv, bitcast=True).to(dt)
             # V's scales on the probabilities' columns, relative to the page's largest (<= 1: no overflow in
             # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
-            top = tl.max(tl.where(valid, v_exp, -1e9), axis=0)
-            weights = (prob * tl.exp2(v_exp - top)[None, :]).to(dt)
-            acc = acc * alpha[:, None] + tl.dot(weights, v) * tl.exp2(top)
+            top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+            weights = (prob * (v_scale / top)[None, :]).to(dt)
+            acc = acc * alpha[:, None] + tl.dot(weights, v) * top
             m = m_new
         has = l > 0
         out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)

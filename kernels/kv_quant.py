@@ -1,22 +1,21 @@
-"""The FP8 KV cache's format (`--kv-cache-dtype fp8`): K and V in float8_e4m3fn, one power-of-two scale
-per (token, KV head).
+"""The FP8 KV cache's format (`--kv-cache-dtype fp8`): K and V in float8_e4m3fn, one bf16 scale per (token,
+KV head).
 
-    x [n, Hkv, D]  ->  data [n, Hkv, D] float8_e4m3fn (stored as uint8),  exp [n, Hkv] uint8
-    x ~= data * 2^(exp - EXP_BIAS)
+    x [n, Hkv, D]  ->  data [n, Hkv, D] float8_e4m3fn (stored as uint8),  scale [n, Hkv] bfloat16
+    scale = bf16(max_D |x| / 448)  (448: the largest finite e4m3 value),  data = e4m3(clamp(x / scale, +-448))
+    x ~= data * scale
 
-The scale of a (token, head) row is the smallest power of two 2^e with max_D |x| * 2^-e <= 448 (the largest
-finite e4m3 value): the row's largest element lands in (224, 448], and an outlier channel costs only
-that row's precision. A power of two (stored as its biased exponent, one byte: the OCP microscaling
-formats' E8M0) is exact to apply and to undo, so the rounding is the cast to e4m3 alone, round to nearest
-even, the same in torch on any device and in a kernel: a CPU reference and a GPU kernel agree bit for
-bit. A dequantized value has 4 significant bits, so it is exact in bfloat16 (and fp32): attention over
-dequantized pages equals attention over K/V rounded once (`round_kv`), which is what the model does to
-its K/V before any attention (engine/model.py), so that a prompt attends the same values whether its
-keys come from this call, the ring or the pages.
+The row's largest element lands on +-448, which e4m3 holds exactly (a power-of-two scale would put it
+anywhere in (224, 448], rounded like any other: with an outlier channel in K, the element that decides the
+scores; attention error 0.20 against 0.035 so: docs/results/log.md, "The FP8 KV format's rounding error").
+The scale keeps a mantissa; bf16, so 2 bytes a row. Rounding: the division in fp32, the cast to e4m3 round
+to nearest even. A dequantized value, 4 x 8 significant bits, is exact in fp32, so re-quantizing the
+values of an fp32 model gives back the same bytes and scale, and the kernels that apply the scale to
+scores (kernels/fp8_paged_attention.py) compute what attention over the dequantized values computes.
+The model rounds its K/V to exactly these values before any attention (engine/model.py), so that a prompt
+attends the same values whether its keys come from this call, the ring or the pages.
 
-The exponent from the row's max, m * 2^k (torch.frexp: m in [0.5, 1)): 448 = 0.875 * 2^9, so
-e = k - 9 where m <= 0.875, else k - 8; clamped to [-EXP_BIAS, EXP_BIAS] (an all-zero row: e = -9).
-Bytes per (token, head): D + 1, against 2 D in bfloat16 (llama3-8b: 64.5 KiB a token against 128 KiB).
+Bytes per (token, head): D + 2, against 2 D in bfloat16 (llama3-8b: 65 KiB a token against 128 KiB).
 """
 import os
 from typing import NamedTuple
@@ -25,9 +24,10 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-EXP_BIAS = 127
+SCALE_DTYPE = torch.bfloat16
+MIN_SCALE = 2.0 ** -126                              # an all-zero row's scale (its values stay 0)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")        # auto: the model's dtype; fp8 (= fp8_e4m3): this format
-SCALE_BYTES = 1                                      # a (token, head) row's exponent
+SCALE_BYTES = 2                                      # a (token, head) row's bf16 scale
 
 
 def is_fp8(kv_cache_dtype: str) -> bool:
@@ -37,7 +37,7 @@ def is_fp8(kv_cache_dtype: str) -> bool:
 class Fp8Pages(NamedTuple):
     """One layer's K (or V) pages in FP8: what kernels.paged_attention reads in place of a bf16 cache."""
     data: torch.Tensor     # [num_blocks, block_size, Hkv, D] uint8 (float8_e4m3fn bits)
-    exp: torch.Tensor      # [num_blocks, block_size, Hkv] uint8, biased exponents
+    scale: torch.Tensor    # [num_blocks, block_size, Hkv] bfloat16
 
     @property
     def shape(self) -> torch.Size:
@@ -45,40 +45,33 @@ class Fp8Pages(NamedTuple):
 
     def gather(self, blocks: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n slots of these blocks [b] (in order) -> [n, Hkv, D] in dtype."""
-        return dequantize_kv(self.data[blocks].flatten(0, 1)[:n], self.exp[blocks].flatten(0, 1)[:n], dtype)
-
-
-def exponents(amax: torch.Tensor) -> torch.Tensor:
-    """amax [...] fp32 (>= 0) -> e [...] int32: the smallest e with amax * 2^-e <= 448."""
-    m, k = torch.frexp(amax)
-    e = k - 9 + (m > 0.875).to(torch.int32)
-    return e.clamp(-EXP_BIAS, EXP_BIAS)
+        return dequantize_kv(self.data[blocks].flatten(0, 1)[:n], self.scale[blocks].flatten(0, 1)[:n], dtype)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (data [..., D] uint8 (e4m3 bits), exp [...] uint8)."""
+    """x [..., D] -> (data [..., D] uint8 (e4m3 bits), scale [...] bf16)."""
     xf = x.float()
-    e = exponents(xf.abs().amax(dim=-1))                                   # [...]
-    data = torch.ldexp(xf, -e.unsqueeze(-1)).to(FP8)                       # exact scaling, then the one rounding
-    return data.view(torch.uint8), (e + EXP_BIAS).to(torch.uint8)
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE).to(SCALE_DTYPE)          # [...]
+    data = (xf / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)             # the one rounding
+    return data.view(torch.uint8), scale
 
 
-def dequantize_kv(data: torch.Tensor, exp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(data [..., D] uint8, exp [...] uint8) -> [..., D] in dtype (exact in bf16 and fp32)."""
-    e = exp.to(torch.int32) - EXP_BIAS
-    return torch.ldexp(data.view(FP8).float(), e.unsqueeze(-1)).to(dtype)
+def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(data [..., D] uint8, scale [...] bf16) -> [..., D] in dtype (exact in fp32)."""
+    return (data.view(FP8).float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 def pack_kv(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> one uint8 message [..., D + 1]: the FP8 bytes, then the row's exponent (what a K/V ring
-    sends: D + 1 bytes a row against 2 D in bf16)."""
-    data, exp = quantize_kv(x)
-    return torch.cat([data, exp.unsqueeze(-1)], dim=-1)
+    """x [..., D] -> one uint8 message [..., D + 2]: the FP8 bytes, then the row's bf16 scale (what a K/V ring
+    sends: D + 2 bytes a row against 2 D in bf16)."""
+    data, scale = quantize_kv(x)
+    return torch.cat([data, scale.unsqueeze(-1).view(torch.uint8)], dim=-1)
 
 
 def unpack_kv(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pack_kv's message [..., D + 1] -> the rounded values [..., D] in dtype."""
-    return dequantize_kv(packed[..., :-1], packed[..., -1], dtype)
+    """pack_kv's message [..., D + 2] -> the rounded values [..., D] in dtype."""
+    scale = packed[..., -SCALE_BYTES:].contiguous().view(SCALE_DTYPE).squeeze(-1)
+    return dequantize_kv(packed[..., :-SCALE_BYTES], scale, dtype)
 
 
 def round_kv(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from kernels import fp8_paged_attention as fpa
 from kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
-from kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
+from kernels.kv_quant import SCALE_BYTES, Fp8Pages, dequantize_kv, quantize_kv
 from kernels.paged_attention import guarded_table, paged_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,8 +34,8 @@ def make(batch: int, context: int):
         x = torch.randn(blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
         if j == 0:
             x[..., 3] *= 20
-        data, exp = quantize_kv(x)
-        pools.append((Fp8Pages(data, exp), dequantize_kv(data, exp, torch.bfloat16)))
+        data, scale = quantize_kv(x)
+        pools.append((Fp8Pages(data, scale), dequantize_kv(data, scale, torch.bfloat16)))
         del x
     order = torch.randperm(blocks - 1, device="cuda") + 1
     table = guarded_table(order[:batch * pages].view(batch, pages).to(torch.int32))
@@ -66,7 +66,7 @@ def run(batch: int, context: int) -> dict:
     row["fp8_vs_fa4_bf16_max_abs"] = (out.float() - fa4_out.float()).abs().max().item()
     tokens = batch * context
     row["fp8_us"] = graph_time(lambda: fp8_paged_decode(q, k8, v8, table, lens, scale)) * 1e6
-    row["fp8_TBps"] = tokens * HKV * 2 * (D + 1) / (row["fp8_us"] * 1e-6) / 1e12
+    row["fp8_TBps"] = tokens * HKV * 2 * (D + SCALE_BYTES) / (row["fp8_us"] * 1e-6) / 1e12
     try:
         row["fa4_us"] = graph_time(lambda: paged_attention(q, kb, vb, table, cu, lens, scale, causal=False,
                                                            max_seqlen_q=1)) * 1e6
@@ -96,7 +96,7 @@ def sweep(shapes) -> None:
                             continue
                         splits = choose_splits(b, HKV, table.shape[1] * BS,
                                                torch.cuda.get_device_properties(0).multi_processor_count, waves)
-                        tbps = b * n * HKV * 2 * (D + 1) / t / 1e12
+                        tbps = b * n * HKV * 2 * (D + SCALE_BYTES) / t / 1e12
                         print(f"| {b} x {n} | {warps} | {stages} | {waves} | {bn} | {splits} | {t * 1e6:.1f} | {tbps:.2f} |",
                               flush=True)
         torch.cuda.empty_cache()

@@ -3,7 +3,7 @@
     k, v [num_layers, num_pages + 1, block_size, Hkv, D]; `layer(i)` gives layer i's caches as
     kernels.paged_attention reads them ([num_blocks, block_size, Hkv, D], contiguous).
     With kv_cache_dtype fp8 (kernels/kv_quant.py) k and v hold float8_e4m3fn bits (uint8) and
-    k_exp, v_exp [num_layers, num_pages + 1, block_size, Hkv] uint8 their per-(token, head) exponents:
+    k_scale, v_scale [num_layers, num_pages + 1, block_size, Hkv] bf16 their per-(token, head) scales:
     `layer(i)` then gives two kv_quant.Fp8Pages, and `write` quantizes what it stores.
 
 Page 0 is scratch: it is never given to a sequence, and a decode step writes there the new K/V of
@@ -18,7 +18,7 @@ import torch
 from engine.devices import host_to_device
 from engine.cache.ledger import pages_for
 from kernels.fused import store_kv
-from kernels.kv_quant import Fp8Pages, is_fp8, quantize_kv
+from kernels.kv_quant import SCALE_DTYPE, Fp8Pages, is_fp8, quantize_kv
 
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
@@ -52,8 +52,8 @@ class PagePool:
         stored = torch.uint8 if self.fp8 else dtype
         self.k = alloc(shape, dtype=stored, device=device)
         self.v = alloc(shape, dtype=stored, device=device)
-        self.k_exp = alloc(shape[:-1], dtype=torch.uint8, device=device) if self.fp8 else None
-        self.v_exp = alloc(shape[:-1], dtype=torch.uint8, device=device) if self.fp8 else None
+        self.k_scale = alloc(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.fp8 else None
+        self.v_scale = alloc(shape[:-1], dtype=SCALE_DTYPE, device=device) if self.fp8 else None
         self.block_size, self.num_pages, self.device = block_size, num_pages, device
         self.max_pages_per_seq = max_pages_per_seq
         self.table = torch.zeros(max_seqs + 1, max_pages_per_seq, dtype=torch.int32, device=device)
@@ -73,13 +73,13 @@ class PagePool:
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed [layer, page, ...]: what a page copy copies."""
-        return [self.k, self.v] + ([self.k_exp, self.v_exp] if self.fp8 else [])
+        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.fp8 else [])
 
     def layer(self, i: int):
         """Layer i's (k_cache, v_cache) for kernels.paged_attention: [num_blocks, block_size, Hkv, D] tensors,
         or two Fp8Pages."""
         if self.fp8:
-            return Fp8Pages(self.k[i], self.k_exp[i]), Fp8Pages(self.v[i], self.v_exp[i])
+            return Fp8Pages(self.k[i], self.k_scale[i]), Fp8Pages(self.v[i], self.v_scale[i])
         return self.k[i], self.v[i]
 
     def add(self, seq_id: int, num_tokens: int) -> None:
@@ -124,10 +124,10 @@ class PagePool:
         if not self.fp8:
             store_kv(self.k[layer], self.v[layer], slots, k, v)
             return
-        for cache, exps, x in ((self.k, self.k_exp, k), (self.v, self.v_exp, v)):
-            data, exp = quantize_kv(x)                                     # [n, Hkv, D], [n, Hkv] uint8
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            data, scale = quantize_kv(x)                                   # [n, Hkv, D] uint8, [n, Hkv] bf16
             cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, data)
-            exps[layer].view(-1, exps.shape[-1]).index_copy_(0, slots, exp)
+            scales[layer].view(-1, scales.shape[-1]).index_copy_(0, slots, scale)
 
     def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
         """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""

@@ -10,7 +10,7 @@ each step is one of:
   block of rank s>r:  the queries of r's second chunk to all of s's keys (full).
 Without a causal mask (causal=False) every step is all local queries to the whole block.
 With an FP8 KV cache (fp8=True) K/V are already FP8 values (kernels/kv_quant.py), so the block travels as
-FP8 bytes and a scale exponent a row (`pack_kv`, [n, 2, Hkv, D + 1] uint8: (D + 1) / 2D of the bf16
+FP8 bytes and a bf16 scale a row (`pack_kv`, [n, 2, Hkv, D + 2] uint8: (D + 2) / 2D of the bf16
 block's bytes) and is turned back into the same values when attended: nothing changes but the bytes.
 The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
 the paper's ablation without its local attention optimization) are at the end.

@@ -91,10 +91,10 @@ def _fp8_ring_rank(rank, world_size, seq_len, causal, seed):
 
 @pytest.mark.parametrize("world_size,seq_len,causal", [(2, 64, True), (3, 37, True), (4, 5, True), (3, 50, False)])
 def test_an_fp8_ring_sends_fp8_bytes_and_attends_the_same_values(world_size, seq_len, causal):
-    """--kv-cache-dtype fp8: the K/V block travels as [m, 2, Hkv, D + 1] uint8 (FP8 bytes, an exponent a row),
+    """--kv-cache-dtype fp8: the K/V block travels as [m, 2, Hkv, D + 2] uint8 (FP8 bytes, a bf16 scale a row),
     and each worker's out and lse are those of the bf16-message ring on the same (rounded) K/V, bit for bit."""
     seed = random.randrange(1 << 30)
     for (fp8_result, plain_result), sent in run_on_ranks(_fp8_ring_rank, world_size, seq_len, causal, seed):
         assert torch.equal(fp8_result[0], plain_result[0]) and torch.equal(fp8_result[1], plain_result[1])
         steps = world_size - 1
-        assert sent == [(torch.uint8, (2, 2, 17))] * steps + [(torch.float32, (2, 2, 16))] * steps
+        assert sent == [(torch.uint8, (2, 2, 18))] * steps + [(torch.float32, (2, 2, 16))] * steps

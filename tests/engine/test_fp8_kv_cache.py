@@ -130,13 +130,13 @@ def test_preempted_sequences_resume_on_fp8_pages_with_their_solo_tokens(checkpoi
 
 def test_pages_keep_what_was_written_and_copies_carry_the_scales(monkeypatch):
     """PagePool in FP8: written K/V read back as their rounding, through both ways of copying a prefix
-    (slices per run of pages, and the batched gather), exponents included; bytes counted with them."""
+    (slices per run of pages, and the batched gather), scales included; bytes counted with them."""
     from engine.cache import page_pool
     torch.manual_seed(random.randrange(1 << 30))
     layers, hkv, d, bs = 3, 2, 8, 4
     pool = PagePool(layers, 40, bs, hkv, d, torch.float32, torch.device("cpu"), max_seqs=4, max_pages_per_seq=20,
                     kv_cache_dtype="fp8")
-    assert pool.bytes() == 2 * layers * 41 * bs * hkv * (d + 1)
+    assert pool.bytes() == 2 * layers * 41 * bs * hkv * (d + 2)
     n = 37
     pool.add(1, n)
     k, v = (torch.randn(layers, n, hkv, d) * torch.rand(layers, n, hkv, 1) * 100 for _ in range(2))
@@ -158,7 +158,7 @@ def test_pages_keep_what_was_written_and_copies_carry_the_scales(monkeypatch):
 def test_fp8_pages_hold_about_twice_the_tokens():
     cfg, _ = resolve_model(EngineConfig(model="llama3-8b", devices=["cpu"]))
     bf16, fp8 = kv_bytes_per_token(cfg, 8, 2), kv_bytes_per_token(cfg, 8, 2, "fp8")
-    assert bf16 == 131072 and fp8 == 32 * 2 * 8 * (128 + 1)          # one exponent byte per token and head
+    assert bf16 == 131072 and fp8 == 32 * 2 * 8 * (128 + 2)          # a bf16 scale per token and head
     assert pool_tokens_on_cpu(fp8) >= 1.9 * pool_tokens_on_cpu(bf16) or pool_tokens_on_cpu(bf16) == 1 << 20
 
 

@@ -349,7 +349,7 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
     from kernels import fp8_paged_attention as fpa
     q, kp, vp, table, seq_lens, _ = fp8_cases._case(lens, h, hkv, 128, bs=128)
     q, table, seq_lens = q.to(DEV, torch.bfloat16), table.to(DEV), seq_lens.to(DEV)
-    kp, vp = (type(p)(p.data.to(DEV), p.exp.to(DEV)) for p in (kp, vp))
+    kp, vp = (type(p)(p.data.to(DEV), p.scale.to(DEV)) for p in (kp, vp))
     scale = 128 ** -0.5
     want, want_lse = fpa.fp8_paged_decode_reference(q, kp, vp, table, seq_lens, scale)
     out, lse = fpa.fp8_paged_decode(q, kp, vp, table, seq_lens, scale, splits)

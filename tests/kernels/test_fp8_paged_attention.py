@@ -22,7 +22,7 @@ def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
     data = [torch.zeros(num_blocks, bs, hkv, d, dtype=torch.uint8) for _ in range(2)]
-    exps = [torch.zeros(num_blocks, bs, hkv, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.zeros(num_blocks, bs, hkv, dtype=torch.bfloat16) for _ in range(2)]
     table = torch.zeros(len(lens), width, dtype=torch.int32)
     rounded = []
     for b, n in enumerate(lens):
@@ -32,12 +32,12 @@ def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
         kv = torch.randn(2, n, hkv, d, generator=g) * torch.exp(torch.randn(2, n, hkv, 1, generator=g))
         kv[0, :, :, 3] *= 20                                                # an outlier channel in K
         for j in range(2):
-            q8, e8 = quantize_kv(kv[j])
+            q8, s8 = quantize_kv(kv[j])
             data[j].view(-1, hkv, d)[slots] = q8
-            exps[j].view(-1, hkv)[slots] = e8
+            scales[j].view(-1, hkv)[slots] = s8
         rounded.append(round_kv(kv).double())
     q = (torch.randn(len(lens), h, d, generator=g)).to(dtype)
-    return (q, Fp8Pages(data[0], exps[0]), Fp8Pages(data[1], exps[1]), table,
+    return (q, Fp8Pages(data[0], scales[0]), Fp8Pages(data[1], scales[1]), table,
             torch.tensor(lens, dtype=torch.int32), rounded)
 
 

@@ -111,9 +111,14 @@ def quantization_refusal(quantization: str, devices: list[str], dtype: str) -> s
                 f"Ada, Hopper, Blackwell); the devices are {', '.join(devices)}")
     if dtype != "bfloat16":
         return f"--quantization fp8 computes in bfloat16 (its GEMMs' output); --dtype {dtype} cannot be used with it"
-    for d in devices:
+    return below_fp8_capability(devices, "--quantization fp8 needs FP8 tensor cores")
+
+
+def below_fp8_capability(gpus: list[str], what: str) -> str | None:
+    """`what`, naming the first of these CUDA devices below compute capability 8.9 (FP8), or None."""
+    for d in gpus:
         major, minor = torch.cuda.get_device_capability(torch.device(d))
         if (major, minor) < (8, 9):
-            return (f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9 or newer); {d} is "
+            return (f"{what} (compute capability 8.9 or newer); {d} is "
                     f"{torch.cuda.get_device_name(torch.device(d))}, capability {major}.{minor}")
     return None

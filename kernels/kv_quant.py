@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.fp8 import below_fp8_capability
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_DTYPE = torch.bfloat16
@@ -93,9 +95,4 @@ def kv_cache_refusal(kv_cache_dtype: str, devices: list[str]) -> str | None:
         return ("--kv-cache-dtype fp8 runs on CPU workers only in this version: on GPUs its decode kernel is built "
                 "but its engine runs (chunks and prefix hits over FP8 pages, accuracy, speed) are not done yet "
                 f"(issue 35; {GPU_ENV}=1 runs it anyway); use --kv-cache-dtype auto on GPUs")
-    for d in gpus:
-        major, minor = torch.cuda.get_device_capability(torch.device(d))
-        if (major, minor) < (8, 9):
-            return (f"--kv-cache-dtype fp8 on GPUs needs FP8 conversions (compute capability 8.9 or newer); {d} is "
-                    f"capability {major}.{minor}")
-    return None
+    return below_fp8_capability(gpus, "--kv-cache-dtype fp8 on GPUs needs FP8 conversions")

@@ -171,8 +171,9 @@ def test_kv_cache_dtype_is_checked_and_named(monkeypatch):
     monkeypatch.setenv(kv_quant.GPU_ENV, "1")
     capability = {"cuda:0": (9, 0), "cuda:1": (8, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[str(d)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "an old GPU")
     assert kv_cache_refusal("fp8", ["cuda:0"]) is None
-    assert "cuda:1 is capability 8.0" in kv_cache_refusal("fp8", ["cuda:0", "cuda:1"])
+    assert "cuda:1 is an old GPU, capability 8.0" in kv_cache_refusal("fp8", ["cuda:0", "cuda:1"])
 
 
 def test_the_stored_format_is_the_rounding_the_reference_uses():

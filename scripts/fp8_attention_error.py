@@ -1,0 +1,94 @@
+"""FP8 attention's rounding error against fp64, attention output relative to fp64's, for the ways an FP8
+attention kernel can be fed from the FP8 KV cache (kernels/kv_quant.py: e4m3 with a bf16 scale per token and
+KV head). One head group of llama3-8b (4 query heads on a KV head, d 128), random q, k, v, causal, with and
+without an outlier channel in K (one channel 20x the others, as trained models' keys have).
+
+The ways (each emulated in plain torch; what an FP8 kernel adds is the rounding of Q and of the
+probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8):
+- cache only: bf16-precision Q, the cache's K/V (what decode and the CPU path compute)
+- FA3 as is: Q with one scale per (block, KV-head group), K/V re-quantized from the cache to one scale per
+  (segment, KV head) (FA3's descales are [batch, kv_heads]), P in e4m3
+- per-token Q: Q with a scale per (token, head), the cache's per-token K/V scales applied to the scores'
+  columns, P in e4m3 (what a kernel of our own can do; FA3 cannot)
+- each of these with a random-sign Hadamard rotation of the head dimension on Q and K before any rounding
+  (q.k is unchanged; K is stored rotated; FlashAttention-3's "incoherent processing")
+
+    python scripts/fp8_attention_error.py [TOKENS]      (default 4096; prints a markdown table)
+"""
+import sys
+
+import torch
+
+from kernels.kv_quant import FP8, FP8_MAX, round_kv
+
+
+def causal_attention(q, k, v, p_round=None):
+    """q [H, n, D], k, v [n, D] in fp64 -> out [H, n, D]; p_round rounds exp(s - rowmax) (in [0, 1])."""
+    n = k.shape[0]
+    s = q @ k.T / k.shape[-1] ** 0.5
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    denominator = p.sum(-1, keepdim=True)                      # FA3 sums P in fp32 before the cast
+    if p_round is not None:
+        p = p_round(p)
+    return (p @ v) / denominator
+
+
+def fa3_p(p):
+    """P scaled by 2^8, cast to e4m3, scaled back (FlashAttention-3's FP8 softmax, Max_offset 8)."""
+    return (p * 256).to(FP8).double() / 256
+
+
+def one_scale(x):
+    """x [..., n, D] in e4m3 with one scale over its last two dimensions (a block, a segment)."""
+    s = x.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-30) / FP8_MAX
+    return (x / s).to(FP8).double() * s
+
+
+def per_row(x):
+    """x [..., D] in e4m3 with one scale per row."""
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX
+    return (x / s).to(FP8).double() * s
+
+
+def hadamard(d, seed=1):
+    """A random-sign normalized Hadamard matrix [d, d] (d a power of two), orthogonal."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    return signs[:, None] * h / d ** 0.5
+
+
+def ways(q, k, v, rotate):
+    """The attention outputs of each way for fp32-precision q [H, n, D], k, v [n, D]."""
+    if rotate is not None:
+        q, k = q @ rotate, k @ rotate
+    kc, vc = round_kv(k.float()).double(), round_kv(v.float()).double()          # the cache's values
+    return {"cache only (bf16 Q)": causal_attention(q.bfloat16().double(), kc, vc),
+            "FA3 as is (Q per block, K/V per segment, P e4m3)":
+                causal_attention(one_scale(q), one_scale(kc), one_scale(vc), fa3_p),
+            "per-token Q, cache's K/V scales, P e4m3": causal_attention(per_row(q), kc, vc, fa3_p)}
+
+
+def main(argv):
+    n, h, d = int(argv[0]) if argv else 4096, 4, 128
+    torch.manual_seed(0)
+    rotation = hadamard(d)
+    rows: dict[str, list[float]] = {}
+    for _ in range(3):
+        q, k, v = torch.randn(h, n, d).double(), torch.randn(n, d).double(), torch.randn(n, d).double()
+        for j, kk in enumerate((k, k * torch.where(torch.arange(d) == 7, 20.0, 1.0))):
+            want = causal_attention(q, kk, v)
+            for rotate, tag in ((None, ""), (rotation, ", Hadamard on Q, K")):
+                for name, got in ways(q, kk, v, rotate).items():
+                    row = rows.setdefault(name + tag, [0.0, 0.0])
+                    row[j] = max(row[j], ((got - want).norm() / want.norm()).item())
+    print(f"| way | rel. error, plain K | rel. error, K with an outlier channel |  ({n} tokens, 3 draws, max)")
+    print("|---|---|---|")
+    for name, (plain, outlier) in rows.items():
+        print(f"| {name} | {plain:.4f} | {outlier:.4f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

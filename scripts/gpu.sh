@@ -21,7 +21,7 @@ KIND=${KIND:-cuda}
 site=/tmp/site
 out=${OUT:-/tmp/burstserve-gpu}
 # parts whose figures rest on flash-attn-4: they stop (exit 3) without it, the others fall back to cuDNN
-NEEDS_FA4="kernels decode prefix fp8 profile extend 8x regress"
+NEEDS_FA4="kernels decode prefix fp8 fp8attn profile extend 8x regress"
 
 usage() {
   awk '/^## `scripts\/gpu.sh`/ {p = 1; print; next} p && /^## / {exit} p' scripts/README.md
@@ -51,6 +51,9 @@ install_carried() {
   fi
   if [ -d .fa4b ]; then
     bash .fa4b/install.sh || exit 3
+  fi
+  if [ -f .fa3/install.sh ]; then       # FlashAttention-3's forward (fa3-fwd), for measurements beside ours
+    bash .fa3/install.sh || exit 3
   fi
   if ! fa4_ready; then
     if [ -f /tmp/fa4/part.aa ]; then
@@ -309,6 +312,13 @@ part_fp8kv() {   # the FP8 KV cache: its kernel's and the engine's GPU tests, th
       | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
   OUT=$out timeout "${DECODE_LIMIT:-300}" python3 scripts/gpu_fp8_decode.py ${SHAPES:-} 2>&1 | grep -v -i warn \
       | tee "$out/fp8_decode.txt"
+}
+
+part_fp8attn() {   # FP8 prefill attention: its kernel's GPU tests, then scripts/gpu_fp8_prefill.py (fa3-fwd beside it if carried)
+  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+      tests/gpu/test_kernels_gpu.py -k "fp8_prefill" 2>&1 | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests_attn.log"
+  OUT=$out timeout "${PREFILL_LIMIT:-400}" python3 scripts/gpu_fp8_prefill.py ${SHAPES:-} 2>&1 | grep -v -i warn \
+      | tee "$out/fp8_prefill.txt"
 }
 
 part_fp8() {   # FP8: GPU tests, accuracy and forward time against bf16 (scripts/gpu_fp8.py), TTFT sweep

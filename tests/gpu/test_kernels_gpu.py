@@ -364,3 +364,24 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
     want, want_lse = fpa.fp8_paged_decode_reference(q, kp, vp, table, seq_lens, scale)
     torch.testing.assert_close(graphed[0].float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(graphed[1], want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("queries,keys,h,hkv,causal", [([40, 16, 1000], [40, 3000, 1000], 32, 8, True),
+                                                      ([300], [5000], 8, 8, False), ([1, 129], [129, 129], 32, 4, True)])
+def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, hkv, causal):
+    """The Triton FP8 prefill kernel (FP8 dots, pages of 128, K with an outlier channel) against its torch
+    reference (the same rounding of Q and P, tile by tile) and float64 attention over the cache's values."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+    import test_fp8_attention as cases
+    from kernels import fp8_attention as fa
+    q, kp, vp, table, cu, lens, rounded = cases._case(queries, keys, h, hkv, 128, bs=128)
+    want64, _ = cases._float64(q, rounded, cu, 128 ** -0.5, causal)
+    q, table, cu, lens = q.to(DEV, torch.bfloat16), table.to(DEV), cu.to(DEV), lens.to(DEV)
+    kp, vp = (type(p)(p.data.to(DEV), p.scale.to(DEV)) for p in (kp, vp))
+    scale = 128 ** -0.5
+    want, want_lse = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal)
+    out, lse = fa.fp8_prefill(q, kp, vp, table, cu, lens, scale, causal)
+    assert fa._triton.enabled, "the Triton kernel failed and the torch ops served"
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+    assert cases._relative(out, want) < 2e-2          # the dots' fp32 order can flip a P rounding; bf16 out
+    assert cases._relative(out.cpu(), want64) < 0.06

@@ -306,12 +306,29 @@ part_capacity() {   # the longest prompt one GPU takes, one call against chunks 
   grep -E "^\|" "$out"/merged/*.md 2>/dev/null | head -12
 }
 
-part_fp8kv() {   # the FP8 KV cache: its kernel's and the engine's GPU tests, then scripts/gpu_fp8_decode.py
-  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
-      tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu.py -k "fp8_paged_decode or fp8_kv_cache" 2>&1 \
-      | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
-  OUT=$out timeout "${DECODE_LIMIT:-300}" python3 scripts/gpu_fp8_decode.py ${SHAPES:-} 2>&1 | grep -v -i warn \
-      | tee "$out/fp8_decode.txt"
+part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decode and TTFT against bf16 (PARTS)
+  sel=${PARTS:-tests table}
+  if has tests && [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+        tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu.py -k "fp8_paged_decode or fp8_kv_cache" 2>&1 \
+        | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
+  fi
+  if has table; then
+    OUT=$out timeout "${DECODE_LIMIT:-300}" python3 scripts/gpu_fp8_decode.py ${SHAPES:-} 2>&1 | grep -v -i warn \
+        | tee "$out/fp8_decode.txt"
+  fi
+  if has decode; then       # the engine's four decode configurations, bf16 pages then FP8 pages
+    FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep ""
+    FIRST_LIMIT=${FIRST_LIMIT:-150} BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU=1 decode_sweep "-fp8" --kv-cache-dtype fp8
+  fi
+  if has ttft; then         # TTFT at 8K and LONG, bf16 pages then FP8 pages
+    local kv
+    for kv in auto fp8; do
+      BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU=1 _rows=4 bench "ttft-kv-$kv" 200 sweep --offline --model llama3-8b \
+          --devices cuda --lengths "8192,${LONG:-131072}" --repeats 1 --warmup 1 --kv-cache-dtype "$kv" \
+          --label "kv $kv"
+    done
+  fi
 }
 
 part_fp8attn() {   # FP8 prefill attention: its kernel's GPU tests, then scripts/gpu_fp8_prefill.py (fa3-fwd beside it if carried)

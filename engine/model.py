@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.rope import attention_scaling, inverse_frequencies, rope_cos_sin
 from kernels import fp8, fused
 from kernels.fp8 import Fp8Weight
-from kernels.kv_quant import is_fp8, round_kv
+from kernels.kv_quant import is_fp8, round_kv_
 
 # attend(layer_index, q [S, H, D], k [S, Hkv, D], v [S, Hkv, D]) -> out [S, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -126,7 +126,7 @@ class LlamaModel:
             n = qkv.shape[0]
             k, v = k.view(n, hkv, d), v.view(n, hkv, d)
             if self.kv_fp8:          # every attention, this call's and the pages', sees the cache's values
-                k, v = round_kv(k), round_kv(v)
+                k, v = round_kv_(k, v)                                 # in place: one kernel on GPUs
             attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
             delta = reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             x, residual = norm(delta, layer.post_norm, eps, residual)

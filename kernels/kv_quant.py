@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.fp8 import below_fp8_capability
+from kernels.triton_setup import LazyTriton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -30,6 +31,8 @@ SCALE_DTYPE = torch.bfloat16
 MIN_SCALE = 2.0 ** -126                              # an all-zero row's scale (its values stay 0)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")        # auto: the model's dtype; fp8 (= fp8_e4m3): this format
 SCALE_BYTES = 2                                      # a (token, head) row's bf16 scale
+
+tl = None   # triton.language, bound by _build (the kernel resolves it as a global)
 
 
 def is_fp8(kv_cache_dtype: str) -> bool:
@@ -79,6 +82,109 @@ def unpack_kv(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def round_kv(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> the values an FP8 cache gives back for it, in x's dtype."""
     return dequantize_kv(*quantize_kv(x), x.dtype)
+
+
+def round_kv_(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place where it can: k, v [n, Hkv, D] (rows of any stride, e.g. views of the fused QKV output)
+    become round_kv(k), round_kv(v). One kernel on CUDA (the torch ops take about ten per tensor, in every
+    layer of every step); the torch ops elsewhere. Returns the rounded k, v."""
+    kern = _triton.kernels(k.device)
+    if kern is not None and k.shape[0] > 0 and _rows_ok(k, v):
+        try:
+            _quantize_triton(kern["quantize"], k, v, None, None, None, None, None, write_back=True)
+            return k, v
+        except Exception as e:      # compile or launch failure: the torch ops from now on
+            _triton.failed(e)
+    return round_kv(k), round_kv(v)
+
+
+def store_kv_fp8(k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor, v_scale: torch.Tensor,
+                 slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [n, Hkv, D] quantized (quantize_kv) into slots [n] of one layer's pages: data [pages, block,
+    Hkv, D] uint8 and scale [pages, block, Hkv] bf16, contiguous. One kernel on CUDA."""
+    kern = _triton.kernels(k.device)
+    if kern is not None and k.shape[0] > 0 and _rows_ok(k, v):
+        try:
+            _quantize_triton(kern["quantize"], k, v, k_data, k_scale, v_data, v_scale, slots, write_back=False)
+            return
+        except Exception as e:
+            _triton.failed(e)
+    for data, scales, x in ((k_data, k_scale, k), (v_data, v_scale, v)):
+        q8, scale = quantize_kv(x)                                          # [n, Hkv, D] uint8, [n, Hkv] bf16
+        data.view(-1, *data.shape[2:]).index_copy_(0, slots, q8)
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale)
+
+
+# ---------------------------------------------------------------- Triton (the two calls above)
+
+def _rows_ok(k, v) -> bool:
+    """The kernel's layout: [n, Hkv, D] with heads and elements contiguous within a row, D a power of 2."""
+    d = k.shape[-1]
+    return all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)) and d & (d - 1) == 0
+
+
+def _quantize_triton(kernel, k, v, k_data, k_scale, v_data, v_scale, slots, write_back):
+    n, hkv, d = k.shape
+    if not write_back:
+        assert all(t.is_contiguous() for t in (k_data, k_scale, v_data, v_scale))
+    dummy = k                                                     # pointers the variant does not touch
+    kernel[(n, 2)](k, v, k.stride(0), v.stride(0),
+                   k_data if not write_back else dummy, k_scale if not write_back else dummy,
+                   v_data if not write_back else dummy, v_scale if not write_back else dummy,
+                   slots if not write_back else dummy,
+                   HKV=hkv, HPAD=max(2, 1 << (hkv - 1).bit_length()), D=d, WRITE_BACK=write_back,
+                   ARITH_CAST=os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _build() -> dict:
+    """jit the quantize kernel. A fresh one each call: tests build an interpreted one (TRITON_INTERPRET=1)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    def quantize_kernel(k_ptr, v_ptr, k_row, v_row, kd_ptr, ks_ptr, vd_ptr, vs_ptr, slots_ptr,
+                        HKV: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, WRITE_BACK: tl.constexpr,
+                        ARITH_CAST: tl.constexpr):
+        """Program (token t, which: 0 = k, 1 = v): the token's Hkv rows of D values quantized as quantize_kv
+        does (a bf16 scale amax / 448 per row, the division rounded to nearest, e4m3 round to nearest even);
+        WRITE_BACK: the dequantized values over the input (round_kv); else bytes and scales into the slot."""
+        t = tl.program_id(0).to(tl.int64)
+        which = tl.program_id(1)
+        heads = tl.arange(0, HPAD)
+        cols = tl.arange(0, D)
+        ok = heads[:, None] < HKV
+        row_ptr = tl.where(which == 0, k_ptr + t * k_row, v_ptr + t * v_row)
+        at = heads[:, None] * D + cols[None, :]                                      # [HPAD, D]
+        x = tl.load(row_ptr + at, mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1.1754943508222875e-38)   # MIN_SCALE = 2^-126
+        if ARITH_CAST:      # the interpreter's fp32 -> bf16 cast does not round to nearest even: by bits
+            bits = scale.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            scale = bits.to(tl.float32, bitcast=True)
+        else:
+            scale = scale.to(tl.bfloat16).to(tl.float32)                              # [HPAD]
+        y = tl.minimum(tl.maximum(tl.div_rn(xf, scale[:, None]), -448.0), 448.0)
+        if ARITH_CAST:      # its fp32 -> e4m3 cast drops the carry into the exponent (31.9 -> 16)
+            a = tl.abs(y)
+            step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)
+            big = step * 12582912.0
+            r = (a + big) - big
+            y = tl.where(y < 0, -r, r)
+        q8 = y.to(tl.float8e4nv)
+        if WRITE_BACK:
+            tl.store(row_ptr + at, (q8.to(tl.float32) * scale[:, None]).to(x.dtype), mask=ok)
+        else:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            data_ptr = tl.where(which == 0, kd_ptr, vd_ptr)
+            scale_ptr = tl.where(which == 0, ks_ptr, vs_ptr)
+            tl.store(data_ptr + slot * (HKV * D) + at, q8.to(tl.uint8, bitcast=True), mask=ok)
+            tl.store(scale_ptr + slot * HKV + heads, scale.to(tl.bfloat16), mask=heads < HKV)
+
+    return {"quantize": triton.jit(quantize_kernel, do_not_specialize=["k_row", "v_row"])}
+
+
+_triton = LazyTriton(_build, "kv-quant")
 
 
 GPU_ENV = "BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU"    # "1": FP8 pages on GPUs, before their GPU runs are done

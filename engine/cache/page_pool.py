@@ -18,7 +18,7 @@ import torch
 from engine.devices import host_to_device
 from engine.cache.ledger import pages_for
 from kernels.fused import store_kv
-from kernels.kv_quant import SCALE_DTYPE, Fp8Pages, is_fp8, quantize_kv
+from kernels.kv_quant import SCALE_DTYPE, Fp8Pages, is_fp8, store_kv_fp8
 
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
@@ -124,10 +124,7 @@ class PagePool:
         if not self.fp8:
             store_kv(self.k[layer], self.v[layer], slots, k, v)
             return
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            data, scale = quantize_kv(x)                                   # [n, Hkv, D] uint8, [n, Hkv] bf16
-            cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, data)
-            scales[layer].view(-1, scales.shape[-1]).index_copy_(0, slots, scale)
+        store_kv_fp8(self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], slots, k, v)
 
     def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
         """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""

@@ -385,3 +385,27 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
     assert cases._relative(out, want) < 2e-2          # the dots' fp32 order can flip a P rounding; bf16 out
     assert cases._relative(out.cpu(), want64) < 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
+    """round_kv_ and store_kv_fp8 (one Triton kernel each) against quantize_kv/round_kv's torch ops: the
+    same bytes, scales and values, bit for bit, from rows of a fused QKV output with an outlier channel."""
+    from kernels import kv_quant
+    n, hkv, d = 1000, 8, 128
+    qkv = torch.randn(n, 32 + 2 * hkv, d, device=DEV) * torch.exp(2 * torch.randn(n, 32 + 2 * hkv, 1, device=DEV))
+    qkv[:, 32:32 + hkv, 9] *= 30
+    qkv[5, 32:] = 0
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, 32:32 + hkv], qkv[:, 32 + hkv:]
+    want = kv_quant.round_kv(k), kv_quant.round_kv(v), kv_quant.quantize_kv(k), kv_quant.quantize_kv(v)
+    pages = [torch.zeros(200, 128, hkv, d, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    scales = [torch.zeros(200, 128, hkv, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    slots = torch.randperm(200 * 128, device=DEV)[:n]
+    kv_quant.store_kv_fp8(pages[0], scales[0], pages[1], scales[1], slots, k, v)
+    kv_quant.round_kv_(k, v)
+    assert kv_quant._triton.enabled, "the Triton kernel failed and the torch ops served"
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+    for j in range(2):
+        assert torch.equal(pages[j].view(-1, hkv, d)[slots], want[2 + j][0])
+        assert torch.equal(scales[j].view(-1, hkv)[slots], want[2 + j][1])

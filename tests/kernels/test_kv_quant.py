@@ -6,6 +6,7 @@ import random
 import torch
 
 from kernels.kv_quant import dequantize_kv, pack_kv, quantize_kv, round_kv, unpack_kv
+from triton_interpreter import run_interpreted
 
 
 def e4m3_values() -> torch.Tensor:
@@ -87,3 +88,37 @@ def test_values_come_back_exact_in_fp32_and_rounding_twice_changes_nothing():
     assert [torch.equal(a, b) for a, b in zip(quantize_kv(y), (data, scale))] == [True, True]   # same bytes
     assert data.dtype == torch.uint8 and scale.shape == x.shape[:-1]
     assert torch.equal(unpack_kv(pack_kv(x), torch.float32), y) and pack_kv(x).shape[-1] == x.shape[-1] + 2
+
+
+def test_fused_kernels_interpreted():
+    run_interpreted("test_kv_quant")
+
+
+def _triton_interpreted_checks():
+    """Run in a TRITON_INTERPRET=1 process (see test_fused_kernels_interpreted): the one-kernel round_kv_ and
+    store_kv_fp8 give the torch ops' bytes, scales and values exactly (rows of a fused QKV output, binade
+    edges, zero rows, an outlier channel)."""
+    from kernels import kv_quant
+    build = kv_quant._build()
+    for dtype in (torch.float32, torch.float16):        # bf16: the interpreter loads its raw bits (GPU test)
+        n, hkv, d = 37, 3, 64
+        qkv = _rows(n * 5, d).view(n, 4 + 2 * hkv, d)                             # q 4 heads, k, v hkv each
+        qkv[:, 4:4 + hkv, 5] *= 20                                                # an outlier channel in K
+        qkv = qkv.clamp(-6e4, 6e4).to(dtype)                                      # finite in fp16
+        qkv[3, 4:] = 0                                                            # a zero row
+        qkv[7, 4, :8] = torch.tensor([31.9, -31.9, 15.97, 448.0, 0.1, -0.1, 1e-3, 2.0])   # binade edges
+        k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+        want_k, want_v = round_kv(k), round_kv(v)
+        kv_quant._quantize_triton(build["quantize"], k, v, None, None, None, None, None, write_back=True)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v), dtype
+        pages, bs = 7, 8
+        data = [torch.zeros(pages, bs, hkv, d, dtype=torch.uint8) for _ in range(2)]
+        scales = [torch.zeros(pages, bs, hkv, dtype=torch.bfloat16) for _ in range(2)]
+        slots = torch.randperm(pages * bs)[:n]
+        x = [_rows(n * 3, d).view(n, 2 * hkv, d)[:, :hkv].clamp(-6e4, 6e4).to(dtype) for _ in range(2)]
+        kv_quant._quantize_triton(build["quantize"], x[0], x[1], data[0], scales[0], data[1], scales[1], slots,
+                                  write_back=False)
+        for j in range(2):
+            q8, s8 = quantize_kv(x[j])
+            assert torch.equal(data[j].view(-1, hkv, d)[slots], q8), (dtype, j)
+            assert torch.equal(scales[j].view(-1, hkv)[slots], s8), (dtype, j)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_cpu, pool_tokens_on_gpu,
-                                 prefill_rows_reserved)
+from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, pool_tokens_on_cpu,
+                                 pool_tokens_on_gpu, prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
@@ -492,7 +492,9 @@ class ModelRunner:
             share = self.strategy.kv_share(self.max_model_len)
             self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
                                                           self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
-                                                          gathers_context=not has_fa4 or self.kv_fp8)
+                                                          gathers_context=not has_fa4)
+            if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
+                budget -= fp8_gather_bytes(share, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "

@@ -142,8 +142,11 @@ def _build() -> dict:
             page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
             row = (page * BS + (t % tiles) * BN + slot) * HKV + g                  # [BN]: (slot, head) rows
             valid = t * BN + slot < n                                              # a tile has a key
+            # K's and V's bytes and scales all asked for before any arithmetic: their latencies overlap
             k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
+            v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
             k_scale = tl.load(ks_ptr + row, mask=valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(vs_ptr + row, mask=valid, other=0.0).to(tl.float32)
             k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
             scores = tl.dot(q, tl.trans(k)) * (k_scale * scale)[None, :]         # [QPAD, BN] fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -151,8 +154,6 @@ def _build() -> dict:
             alpha = tl.exp(m - m_new)
             prob = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(prob, axis=1)
-            v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            v_scale = tl.load(vs_ptr + row, mask=valid, other=0.0).to(tl.float32)
             v = v.to(tl.float8e4nv, bitcast=True).to(dt)
             # V's scales on the probabilities' columns, relative to the page's largest (<= 1: no overflow in
             # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)

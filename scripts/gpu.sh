@@ -310,7 +310,7 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
   sel=${PARTS:-tests table}
   if has tests && [ -z "${SKIP_TESTS:-}" ]; then
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
-        tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu.py -k "fp8_paged_decode or fp8_kv_cache" 2>&1 \
+        tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu.py -k "fp8_paged_decode or fp8_kv_cache or fp8_kv_round" 2>&1 \
         | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
   fi
   if has table; then

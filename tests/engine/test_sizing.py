@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from engine.cache.sizing import (activation_bytes_per_token, kv_bytes_per_token, pool_tokens_on_gpu,
-                                 prefill_rows_reserved)
+from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
+                                 pool_tokens_on_gpu, prefill_rows_reserved)
 from engine.config import preset_config
 
 GiB = 1 << 30
@@ -37,6 +37,21 @@ def test_llama3_8b_on_one_h200_holds_twice_the_tokens_with_chunked_prefill():
     assert one_call == budget // (kv + act)
     assert chunked == (budget - act * (8192 + 64)) // kv
     assert 390_000 < one_call < 415_000 and 860_000 < chunked < 900_000, (one_call, chunked)
+
+
+def test_llama3_8b_with_fp8_pages_on_one_h200_holds_a_million_tokens_beside_their_gather():
+    """With --kv-cache-dtype fp8 (65 KiB a token) and chunks of 65536, the reserve is a chunk's activations
+    plus one layer's cached K/V of a 1M-token share gathered in bf16 (3 bytes an element with the FP8 bytes:
+    ~6 GiB): the pool still holds about 1.5M tokens, 1.85x bf16's."""
+    cfg = preset_config("llama3-8b")
+    kv, act = kv_bytes_per_token(cfg, cfg.num_kv_heads, 2, "fp8"), activation_bytes_per_token(cfg, 2)
+    gather = fp8_gather_bytes(1 << 20, cfg.num_kv_heads, cfg.head_dim, 2)
+    assert kv == 66560 and gather == (1 << 20) * 2 * 8 * (128 * 3 + 2)
+    budget = int(0.9 * 139.8 * GiB) - 17 * GiB
+    fp8 = pool_tokens_on_gpu(budget - gather, kv, act, prefill_rows_reserved(1 << 20, 65536, 64, 2048, False))
+    bf16 = pool_tokens_on_gpu(budget, 2 * 65536, act, prefill_rows_reserved(1 << 20, 65536, 64, 2048, False))
+    assert fp8 == (budget - gather - act * (65536 + 64)) // kv
+    assert 1_400_000 < fp8 < 1_600_000 and fp8 > 1.8 * bf16, (fp8, bf16)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -94,6 +94,12 @@ def test_fused_kernels_interpreted():
     run_interpreted("test_kv_quant")
 
 
+def _fp16_safe(x):
+    """x within fp16's normal range: finite, and no subnormals (the interpreter's fp16 loads lose them)."""
+    x = x.clamp(-6e4, 6e4)
+    return torch.where(x.abs() < 2.0 ** -14, 0.0, x)
+
+
 def _triton_interpreted_checks():
     """Run in a TRITON_INTERPRET=1 process (see test_fused_kernels_interpreted): the one-kernel round_kv_ and
     store_kv_fp8 give the torch ops' bytes, scales and values exactly (rows of a fused QKV output, binade
@@ -104,7 +110,7 @@ def _triton_interpreted_checks():
         n, hkv, d = 37, 3, 64
         qkv = _rows(n * 5, d).view(n, 4 + 2 * hkv, d)                             # q 4 heads, k, v hkv each
         qkv[:, 4:4 + hkv, 5] *= 20                                                # an outlier channel in K
-        qkv = qkv.clamp(-6e4, 6e4).to(dtype)                                      # finite in fp16
+        qkv = _fp16_safe(qkv).to(dtype)
         qkv[3, 4:] = 0                                                            # a zero row
         qkv[7, 4, :8] = torch.tensor([31.9, -31.9, 15.97, 448.0, 0.1, -0.1, 1e-3, 2.0])   # binade edges
         k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
@@ -115,10 +121,23 @@ def _triton_interpreted_checks():
         data = [torch.zeros(pages, bs, hkv, d, dtype=torch.uint8) for _ in range(2)]
         scales = [torch.zeros(pages, bs, hkv, dtype=torch.bfloat16) for _ in range(2)]
         slots = torch.randperm(pages * bs)[:n]
-        x = [_rows(n * 3, d).view(n, 2 * hkv, d)[:, :hkv].clamp(-6e4, 6e4).to(dtype) for _ in range(2)]
+        x = [_fp16_safe(_rows(n * 3, d).view(n, 2 * hkv, d)[:, :hkv]).to(dtype) for _ in range(2)]
         kv_quant._quantize_triton(build["quantize"], x[0], x[1], data[0], scales[0], data[1], scales[1], slots,
                                   write_back=False)
         for j in range(2):
             q8, s8 = quantize_kv(x[j])
             assert torch.equal(data[j].view(-1, hkv, d)[slots], q8), (dtype, j)
             assert torch.equal(scales[j].view(-1, hkv)[slots], s8), (dtype, j)
+
+
+def test_pages_gather_in_the_compute_dtype_gives_dequantize_kvs_values():
+    """Fp8Pages.gather multiplies in bf16 (no fp32 copy of a long context): the same values as the exact
+    fp32 product rounded once."""
+    from kernels.kv_quant import Fp8Pages
+    x = _rows(50 * 16, 64).view(50, 16, 2, 64)
+    data, scale = quantize_kv(x)
+    pages = Fp8Pages(data, scale)
+    blocks = torch.randperm(50)[:20]
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        want = dequantize_kv(data[blocks].flatten(0, 1)[:300], scale[blocks].flatten(0, 1)[:300], dtype)
+        assert torch.equal(pages.gather(blocks, 300, dtype), want), dtype

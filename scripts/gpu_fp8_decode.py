@@ -76,30 +76,48 @@ def run(batch: int, context: int) -> dict:
     return row
 
 
+SWEEP = {   # variant: (warps, stages, waves, keys a tile, qpad_min) to try
+    "decode": [(4, st, wv, bn, 16) for st in (1, 2) for wv in (2, 8) for bn in (64, 128)],
+    "decode_fma": [(w, st, wv, bn, 1) for w in (4, 8) for st in (1, 2) for wv in (2, 8) for bn in (16, 32, 64)],
+}
+
+
+def compiled_facts(kernel) -> str:
+    """Registers, spills and shared memory of the kernel's compiled versions (Triton's cache; best effort)."""
+    try:
+        facts = set()
+        for per_device in kernel.device_caches.values():
+            for c in per_device[0].values():
+                facts.add(f"regs {c.n_regs} spills {c.n_spills} smem {c.metadata.shared}")
+        return "; ".join(sorted(facts))
+    except Exception as e:
+        return f"({type(e).__name__})"
+
+
 def sweep(shapes) -> None:
-    """The kernel's launch settings: warps x pipeline stages x waves of programs, time per call."""
-    kernel = fpa._triton.kernels(torch.device("cuda"))["decode"]     # straight: a failure is shown, not hidden
-    print("| batch x context | warps | stages | waves | keys a tile | splits | fp8 us | TB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    """The kernels' launch settings: warps x pipeline stages x waves of programs x keys a tile, time per call."""
+    kernels = fpa._triton.kernels(torch.device("cuda"))     # straight: a failure is shown, not hidden
+    print("| variant | batch x context | warps | stages | waves | keys a tile | splits | fp8 us | TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, n in shapes:
         q, ((k8, _), (v8, _)), table, lens = make(b, n)
-        for warps in (4, 8):
-            for stages in (1, 2, 3):
-                for waves in (2, 8):
-                    for bn in (32, 64, 128):
-                        launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn)
-                        try:
-                            t = graph_time(lambda: fpa._decode_triton(kernel, q, k8, v8, table, lens, D ** -0.5, None,
-                                                                      **launch))
-                        except Exception as e:
-                            print(f"| {b} x {n} | {warps} | {stages} | {waves} | {bn} | - | {type(e).__name__} | |", flush=True)
-                            continue
-                        splits = choose_splits(b, HKV, table.shape[1] * BS,
-                                               torch.cuda.get_device_properties(0).multi_processor_count, waves)
-                        tbps = b * n * HKV * 2 * (D + SCALE_BYTES) / t / 1e12
-                        print(f"| {b} x {n} | {warps} | {stages} | {waves} | {bn} | {splits} | {t * 1e6:.1f} | {tbps:.2f} |",
-                              flush=True)
+        for variant, settings in SWEEP.items():
+            for warps, stages, waves, bn, qpad in settings:
+                launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn, qpad_min=qpad)
+                row = f"| {variant} | {b} x {n} | {warps} | {stages} | {waves} | {bn} |"
+                try:
+                    t = graph_time(lambda: fpa._decode_triton(kernels[variant], q, k8, v8, table, lens, D ** -0.5,
+                                                              None, **launch))
+                except Exception as e:
+                    print(f"{row} - | {type(e).__name__}: {str(e)[:60]} | |", flush=True)
+                    continue
+                splits = choose_splits(b, HKV, table.shape[1] * BS,
+                                       torch.cuda.get_device_properties(0).multi_processor_count, waves)
+                tbps = b * n * HKV * 2 * (D + SCALE_BYTES) / t / 1e12
+                print(f"{row} {splits} | {t * 1e6:.1f} | {tbps:.2f} |", flush=True)
         torch.cuda.empty_cache()
+    for variant in SWEEP:
+        print(f"{variant}: {compiled_facts(kernels[variant])}")
 
 
 def main(argv: list[str]) -> None:

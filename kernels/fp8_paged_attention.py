@@ -80,7 +80,7 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 # ---------------------------------------------------------------- Triton
 
 def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=4,
-                   num_stages=2, waves=2, block_keys=128, qpad_min=QPAD_MIN):
+                   num_stages=2, waves=2, block_keys=128):
     """The launch's defaults are the fastest of scripts/gpu_fp8_decode.py --sweep on one H100 (docs/results/log.md,
     "FP8 pages: a decode kernel")."""
     b, h, d = q.shape
@@ -97,7 +97,7 @@ def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, nu
     kernel[(b, hkv, num_splits)](
         q, k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, block_table, seq_lens, outs, lses,
         scale, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
-        HKV=hkv, QPK=qpk, QPAD=max(qpad_min, 1 << (qpk - 1).bit_length()), D=d, BS=bs,
+        HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs,
         STAGES=num_stages, BN=min(block_keys, bs), num_warps=num_warps)
     return merge_partials(outs, lses, q.dtype)
 
@@ -168,61 +168,8 @@ def _build() -> dict:
         tl.store(out_ptr + at[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
         tl.store(lse_ptr + at, lse, mask=row_ok)
 
-    def decode_fma_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
-                          scale, table_stride, splits, q_stride_b, q_stride_h, batch,
-                          HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                          STAGES: tl.constexpr, BN: tl.constexpr):
-        """decode_kernel's program without tensor cores: the scores and the weighted sum of V as fp32
-        multiply-adds over [QPAD, BN, D] (QPAD = QPK rounded up to a power of 2), so no operand goes through
-        shared memory (the dots' layout changes hold a program to one an SM)."""
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        s = tl.program_id(2)
-        n = tl.load(lens_ptr + b)
-        pages = (n + BS - 1) // BS
-        per = (pages + splits - 1) // splits
-        first = s * per
-        last = tl.minimum(first + per, pages)
-        rows = tl.arange(0, QPAD)
-        head = g * QPK + rows
-        row_ok = rows < QPK
-        cols = tl.arange(0, D)
-        q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + cols[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32) * scale             # [QPAD, D]
-        m = tl.full([QPAD], float("-inf"), tl.float32)
-        l = tl.zeros([QPAD], tl.float32)
-        acc = tl.zeros([QPAD, D], tl.float32)
-        slot = tl.arange(0, BN)
-        tiles = BS // BN
-        for t in tl.range(first * tiles, tl.minimum(last * tiles, (n + BN - 1) // BN), num_stages=STAGES):
-            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
-            row = (page * BS + (t % tiles) * BN + slot) * HKV + g
-            valid = t * BN + slot < n
-            k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            k_scale = tl.load(ks_ptr + row, mask=valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(vs_ptr + row, mask=valid, other=0.0).to(tl.float32)
-            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32)                         # [BN, D]
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * k_scale[None, :]     # [QPAD, BN]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            prob = tl.exp(scores - m_new[:, None])
-            l = l * alpha + tl.sum(prob, axis=1)
-            weights = prob * v_scale[None, :]
-            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
-        has = l > 0
-        out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-        at = (s * batch + b).to(tl.int64) * (HKV * QPK) + head
-        tl.store(out_ptr + at[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
-        tl.store(lse_ptr + at, lse, mask=row_ok)
-
     nospec = ["table_stride", "splits", "q_stride_b", "q_stride_h", "batch"]
-    return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec),
-            "decode_fma": triton.jit(decode_fma_kernel, do_not_specialize=nospec)}
+    return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec)}
 
 
 _triton = LazyTriton(_build, "fp8-paged-attention")

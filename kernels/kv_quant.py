@@ -17,6 +17,7 @@ attends the same values whether its keys come from this call, the ring or the pa
 
 Bytes per (token, head): D + 2, against 2 D in bfloat16 (llama3-8b: 65 KiB a token against 128 KiB).
 """
+import importlib.util
 import os
 from typing import NamedTuple
 
@@ -193,18 +194,15 @@ def _build() -> dict:
 _triton = LazyTriton(_build, "kv-quant")
 
 
-GPU_ENV = "BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU"    # "1": FP8 pages on GPUs, before their GPU runs are done
-
-
 def kv_cache_refusal(kv_cache_dtype: str, devices: list[str]) -> str | None:
-    """Why this KV cache dtype cannot run on these devices, or None."""
+    """Why this KV cache dtype cannot run on these devices, or None. On GPUs FP8 pages need Triton (the
+    write and decode kernels; it comes with torch's CUDA wheels) and FP8 conversions (capability 8.9+)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
     gpus = [d for d in devices if d.startswith("cuda")]
     if not is_fp8(kv_cache_dtype) or not gpus:
         return None
-    if os.environ.get(GPU_ENV) != "1":
-        return ("--kv-cache-dtype fp8 runs on CPU workers only in this version: on GPUs its decode kernel is built "
-                "but its engine runs (chunks and prefix hits over FP8 pages, accuracy, speed) are not done yet "
-                f"(issue 35; {GPU_ENV}=1 runs it anyway); use --kv-cache-dtype auto on GPUs")
+    if importlib.util.find_spec("triton") is None:
+        return ("--kv-cache-dtype fp8 on GPUs needs Triton (its page write and decode kernels), which is not "
+                "installed: `pip install triton` (torch's CUDA wheels bring it), or use --kv-cache-dtype auto")
     return below_fp8_capability(gpus, "--kv-cache-dtype fp8 on GPUs needs FP8 conversions")

@@ -319,12 +319,12 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
   fi
   if has decode; then       # the engine's four decode configurations, bf16 pages then FP8 pages
     FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep ""
-    FIRST_LIMIT=${FIRST_LIMIT:-150} BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU=1 decode_sweep "-fp8" --kv-cache-dtype fp8
+    FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep "-fp8" --kv-cache-dtype fp8
   fi
   if has ttft; then         # TTFT at 8K and LONG, bf16 pages then FP8 pages
     local kv
     for kv in auto fp8; do
-      BURSTSERVE_EXPERIMENTAL_FP8_KV_GPU=1 _rows=4 bench "ttft-kv-$kv" 200 sweep --offline --model llama3-8b \
+      _rows=4 bench "ttft-kv-$kv" 200 sweep --offline --model llama3-8b \
           --devices cuda --lengths "8192,${LONG:-131072}" --repeats 1 --warmup 1 --kv-cache-dtype "$kv" \
           --label "kv $kv"
     done

@@ -76,9 +76,8 @@ def run(batch: int, context: int) -> dict:
     return row
 
 
-SWEEP = {   # variant: (warps, stages, waves, keys a tile, qpad_min) to try
-    "decode": [(4, st, wv, bn, 16) for st in (1, 2) for wv in (2, 8) for bn in (64, 128)],
-    "decode_fma": [(w, st, wv, bn, 1) for w in (4, 8) for st in (1, 2) for wv in (2, 8) for bn in (16, 32, 64)],
+SWEEP = {   # variant: (warps, stages, waves, keys a tile) to try
+    "decode": [(w, st, wv, bn) for w in (4, 8) for st in (1, 2, 3) for wv in (2, 8) for bn in (64, 128)],
 }
 
 
@@ -102,8 +101,8 @@ def sweep(shapes) -> None:
     for b, n in shapes:
         q, ((k8, _), (v8, _)), table, lens = make(b, n)
         for variant, settings in SWEEP.items():
-            for warps, stages, waves, bn, qpad in settings:
-                launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn, qpad_min=qpad)
+            for warps, stages, waves, bn in settings:
+                launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn)
                 row = f"| {variant} | {b} x {n} | {warps} | {stages} | {waves} | {bn} |"
                 try:
                     t = graph_time(lambda: fpa._decode_triton(kernels[variant], q, k8, v8, table, lens, D ** -0.5,

@@ -5,6 +5,7 @@ before its attention (hf_reference.kv_rounded): the engine's logits equal it wit
 tokens equal it (up to near-ties), through one-call prefill, chunked prefill, prefix-cache hits, preemption
 and resume, on 1 and 2 workers and every strategy. Against transformers unrounded the logits differ by
 the rounding itself: more than 1e-3 (the cache is really FP8) and at most PLAIN_BOUND."""
+import importlib.util
 import random
 
 import pytest
@@ -16,7 +17,6 @@ from engine.cache.sizing import kv_bytes_per_token, pool_tokens_on_cpu
 from engine.config import EngineConfig, resolve_model
 from engine.errors import InvalidRequestError
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, kv_rounded, save_checkpoint
-from kernels import kv_quant
 from kernels.kv_quant import Fp8Pages, dequantize_kv, kv_cache_refusal, quantize_kv, round_kv
 
 GEN = 16
@@ -165,15 +165,17 @@ def test_fp8_pages_hold_about_twice_the_tokens():
 def test_kv_cache_dtype_is_checked_and_named(monkeypatch):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM("tiny", devices="cpu", kv_cache_dtype="fp8_e5m2")
-    monkeypatch.delenv(kv_quant.GPU_ENV, raising=False)
-    assert "not done yet" in kv_cache_refusal("fp8", ["cuda:0"])
     assert kv_cache_refusal("auto", ["cuda:0"]) is None and kv_cache_refusal("fp8", ["cpu"]) is None
-    monkeypatch.setenv(kv_quant.GPU_ENV, "1")
     capability = {"cuda:0": (9, 0), "cuda:1": (8, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[str(d)])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "an old GPU")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else found(name, *a))
     assert kv_cache_refusal("fp8", ["cuda:0"]) is None
     assert "cuda:1 is an old GPU, capability 8.0" in kv_cache_refusal("fp8", ["cuda:0", "cuda:1"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else found(name, *a))
+    assert "needs Triton" in kv_cache_refusal("fp8", ["cuda:0"])
+    assert kv_cache_refusal("fp8", ["cpu"]) is None
 
 
 def test_the_stored_format_is_the_rounding_the_reference_uses():

@@ -717,7 +717,6 @@ def test_fp8_kv_cache_on_one_gpu_matches_transformers_with_kv_rounded(hf_bf16_ch
     from hf_reference import kv_rounded
     from engine import LLM, SamplingParams
     from kernels import kv_quant
-    monkeypatch.setenv(kv_quant.GPU_ENV, "1")
     path, model = hf_bf16_checkpoint
     noise = 0.1
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 5000)]

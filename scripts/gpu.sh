@@ -321,6 +321,11 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
     FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep ""
     FIRST_LIMIT=${FIRST_LIMIT:-150} decode_sweep "-fp8" --kv-cache-dtype fp8
   fi
+  if has accuracy; then     # logits and greedy steps against fp32, outlier channels in K; the KV pool by dtype
+    OUT=$out timeout "${ACCURACY_LIMIT:-360}" python3 scripts/gpu_fp8_kv_accuracy.py ${ACCURACY_LENGTHS:-8192 32768} \
+        2>&1 | grep -v -i warn | tail -12 | tee "$out/accuracy.txt"
+    timeout 150 python3 scripts/gpu_kv_capacity.py 2>&1 | grep "^|" | tee "$out/capacity.txt"
+  fi
   if has ttft; then         # TTFT at 8K and LONG, bf16 pages then FP8 pages
     local kv
     for kv in auto fp8; do

@@ -164,7 +164,8 @@ def _build() -> dict:
         at = heads[:, None] * D + cols[None, :]                                      # [HPAD, D]
         x = tl.load(row_ptr + at, mask=ok, other=0.0)
         xf = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1.1754943508222875e-38)   # MIN_SCALE = 2^-126
+        # divisions rounded to nearest, as torch's (Triton's `/` on fp32 may be off by an ulp)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=1), 448.0), 1.1754943508222875e-38)   # MIN_SCALE
         if ARITH_CAST:      # the interpreter's fp32 -> bf16 cast does not round to nearest even: by bits
             bits = scale.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536

@@ -125,9 +125,12 @@ def store_kv_fp8(k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tens
 # ---------------------------------------------------------------- Triton (the two calls above)
 
 def _rows_ok(k, v) -> bool:
-    """The kernel's layout: [n, Hkv, D] with heads and elements contiguous within a row, D a power of 2."""
+    """The kernel's layout: [n, Hkv, D] with heads and elements contiguous within a row, D a power of 2; bf16
+    or fp32 (fp16 rows go through the torch ops: on one H200 the kernel's fp16 values differed from theirs,
+    docs/results/log.md "FP8 pages in the engine")."""
     d = k.shape[-1]
-    return all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)) and d & (d - 1) == 0
+    return (all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)) and d & (d - 1) == 0
+            and k.dtype in (torch.bfloat16, torch.float32))
 
 
 def _quantize_triton(kernel, k, v, k_data, k_scale, v_data, v_scale, slots, write_back):

@@ -388,10 +388,11 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     assert cases._relative(out.cpu(), want64) < 0.06
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
     """round_kv_ and store_kv_fp8 (one Triton kernel each) against quantize_kv/round_kv's torch ops: the
-    same bytes, scales and values, bit for bit, from rows of a fused QKV output with an outlier channel."""
+    same bytes, scales and values, bit for bit, from rows of a fused QKV output with an outlier channel.
+    (fp16 rows take the torch ops: kv_quant._rows_ok.)"""
     from kernels import kv_quant
     n, hkv, d = 1000, 8, 128
     qkv = torch.randn(n, 32 + 2 * hkv, d, device=DEV) * torch.exp(2 * torch.randn(n, 32 + 2 * hkv, 1, device=DEV))

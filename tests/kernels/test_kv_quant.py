@@ -114,6 +114,7 @@ def _triton_interpreted_checks():
         qkv[3, 4:] = 0                                                            # a zero row
         qkv[7, 4, :8] = torch.tensor([31.9, -31.9, 15.97, 448.0, 0.1, -0.1, 1e-3, 2.0])   # binade edges
         k, v = qkv[:, 4:4 + hkv], qkv[:, 4 + hkv:]
+        assert kv_quant._rows_ok(k, v) == (dtype != torch.float16)      # fp16: the engine takes the torch ops
         want_k, want_v = round_kv(k), round_kv(v)
         kv_quant._quantize_triton(build["quantize"], k, v, None, None, None, None, None, write_back=True)
         assert torch.equal(k, want_k) and torch.equal(v, want_v), dtype

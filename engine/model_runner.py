@@ -38,7 +38,8 @@ from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
 from kernels.kv_quant import SCALE_BYTES, is_fp8
-from kernels.paged_attention import fa4_available, guarded_table, paged_attention, prefix_runs, split_prefix_attention
+from kernels.paged_attention import (FP8_GATHER_SEGMENT, fa4_available, guarded_table, paged_attention, prefix_runs,
+                                     split_prefix_attention)
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +495,8 @@ class ModelRunner:
                                                           self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
                                                           gathers_context=not has_fa4)
             if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
-                budget -= fp8_gather_bytes(share, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
+                gathered = min(share, FP8_GATHER_SEGMENT + self.engine.max_num_batched_tokens)
+                budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "

@@ -59,6 +59,13 @@ class Fp8Pages(NamedTuple):
         values = self.data[blocks].flatten(0, 1)[:n].view(FP8).to(dtype)                   # [n, Hkv, D]
         return values.mul_(self.scale[blocks].flatten(0, 1)[:n].to(dtype).unsqueeze(-1))
 
+    def gather_range(self, blocks: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slots start..stop-1 of these blocks [b] (in order) -> [stop - start, Hkv, D] in dtype: the pages
+        that hold them gathered, no others."""
+        bs = self.data.shape[1]
+        first = start // bs
+        return self.gather(blocks[first:(stop + bs - 1) // bs], stop - first * bs, dtype)[start - first * bs:]
+
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (data [..., D] uint8 (e4m3 bits), scale [...] bf16)."""

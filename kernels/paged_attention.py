@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 tl = None   # triton.language, bound by _build (the prep kernel resolves it as a global)
 
 MIN_CHUNK_KEYS = 512      # a split chunk covers at least this many keys (fewer: launch-bound)
+FP8_GATHER_SEGMENT = 65536   # FP8 pages gathered for a chunk this many keys at a time (sizing.fp8_gather_bytes)
 MAX_CHUNKS = 64
 
 
@@ -101,10 +102,34 @@ def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
         if q1 == q0 or n == 0:
             continue
         blocks = block_table[b, :(n + bs - 1) // bs].long()
+        if isinstance(k_cache, Fp8Pages) and n - (q1 - q0 if causal else 0) > FP8_GATHER_SEGMENT:
+            out[q0:q1], lse[q0:q1] = _fp8_segments(q[q0:q1], k_cache, v_cache, blocks, n, causal, scale, attn)
+            continue
         k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]
         v = _gather(v_cache, blocks, n, q.dtype)
         out[q0:q1], lse[q0:q1] = _end_aligned(q[q0:q1], k, v, causal, scale, attn)
     return out, lse
+
+
+def _fp8_segments(q, k_pages, v_pages, blocks, n, causal, scale, attn):
+    """q [m, H, D] against n keys in FP8 pages, gathered and dequantized FP8_GATHER_SEGMENT keys at a time
+    (a 1M-token context is 4 GiB a layer in bf16): the keys every query sees, segment by segment without a
+    mask, then the last m keys causally (or the rest without a mask), the partials merged by LSE."""
+    m = q.shape[0]
+    seen = n - m if causal else n                             # keys every query sees (> 0 here)
+    bounds = list(range(0, seen, FP8_GATHER_SEGMENT)) + [seen]
+    outs, lses = [], []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        k, v = k_pages.gather_range(blocks, start, stop, q.dtype), v_pages.gather_range(blocks, start, stop, q.dtype)
+        o, s = attn(q, k, v, False, scale)
+        outs.append(o)
+        lses.append(s)
+    if causal:
+        k, v = k_pages.gather_range(blocks, seen, n, q.dtype), v_pages.gather_range(blocks, seen, n, q.dtype)
+        o, s = attn(q, k, v, True, scale)                     # square m x m
+        outs.append(o)
+        lses.append(s)
+    return merge_partials(torch.stack(outs), torch.stack(lses), q.dtype)
 
 
 def _gather(cache, blocks, n, dtype):

@@ -61,12 +61,13 @@ def prefill_rows_reserved(share: int, chunk_tokens: int | None, max_num_seqs: in
     return min(share, max(chunk_tokens, min_rows) + max_num_seqs)
 
 
-def fp8_gather_bytes(share: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """What a chunk's attention over FP8 pages holds at once: one layer's cached K and V gathered from the
-    pages and dequantized to the compute dtype (kernels.kv_quant.Fp8Pages.gather: the bytes, then the
-    values), for a worker's share of the longest sequence; it grows with the context, not the chunk."""
+def fp8_gather_bytes(tokens: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What a chunk's attention over FP8 pages holds at once: one layer's K and V of `tokens` keys gathered
+    from the pages and dequantized to the compute dtype (kernels.kv_quant.Fp8Pages.gather: the bytes, then
+    the values). The gather goes a segment at a time (kernels.paged_attention.FP8_GATHER_SEGMENT), so
+    tokens is at most a segment plus a chunk, whatever the context."""
     per_token = 2 * num_kv_heads * (head_dim * (itemsize + 1) + SCALE_BYTES)
-    return share * per_token
+    return tokens * per_token
 
 
 def pool_tokens_on_cpu(kv_per_token: int) -> int:

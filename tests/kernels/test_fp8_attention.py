@@ -113,3 +113,19 @@ def _triton_interpreted_checks():
                 want = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.2, causal, block_n=bn)
                 assert torch.allclose(got[1], want[1], atol=1e-5, rtol=0), (c, causal, bm, bn)
                 assert _relative(got[0], want[0]) < 1e-5, (c, causal, bm, bn, _relative(got[0], want[0]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_attention_over_fp8_pages_gathers_in_segments(causal, monkeypatch):
+    """paged_attention over FP8 pages (the gathered path chunks and prefix hits take) gathers a long context
+    FP8_GATHER_SEGMENT keys at a time and merges by LSE: against float64 attention over the cache's values,
+    with segments of 7 and 16 keys (pages of 16: segments across and within pages) and in one piece."""
+    from kernels import paged_attention as pa
+    queries, keys = [40, 16, 100, 1], [40, 120, 300, 77]
+    q, kp, vp, table, cu, lens, rounded = _case(queries, keys)
+    want_out, want_lse = _float64(q, rounded, cu, 0.125, causal)
+    for segment in (7, 16, 1 << 30):
+        monkeypatch.setattr(pa, "FP8_GATHER_SEGMENT", segment)
+        out, lse = pa.paged_attention(q, kp, vp, table, cu, lens, 0.125, causal=causal, backend="reference")
+        assert torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=1e-5), segment
+        assert _relative(out, want_out) < 1e-5, (segment, _relative(out, want_out))

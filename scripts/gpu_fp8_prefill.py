@@ -24,6 +24,9 @@ from kernels import fp8_attention as fa
 from kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
 from kernels.paged_attention import guarded_table, paged_attention
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_gemm_shapes import timed  # noqa: E402
+
 H, HKV, D, BS = 32, 8, 128, 128
 DEFAULT_SHAPES = ["8192x8192", "65536x65536", "65536x131072", "16384x524288"]
 DEFAULT_SETTINGS = "128,128,8,2 128,128,8,3 128,64,4,3 128,64,8,2 64,128,4,2 64,64,4,3"
@@ -48,18 +51,9 @@ def make(queries: int, keys: int):
     return q, pools, table, cu, lens
 
 
-def seconds(fn, warmup=2, reps=5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+def seconds(fn) -> float:
+    """Median seconds of fn() over 5 calls after 2 (scripts/gpu_gemm_shapes.py's CUDA-event timing)."""
+    return timed(fn, iters=5, warmup=2)
 
 
 def flops(queries: int, keys: int) -> float:

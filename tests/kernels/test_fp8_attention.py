@@ -4,45 +4,25 @@ rounding does not enter the LSE), its output is within P's rounding of it, and w
 unrounded attention with an outlier channel in K. The Triton kernel, in Triton's interpreter on the CPU
 (fp16 dots over the same e4m3 values), equals the reference: causal and not, extends (fewer queries
 than keys), several sequences, GQA and MHA, pages in any order, tiles smaller than a page."""
-import math
 import random
 
 import pytest
 import torch
 
 from kernels import fp8_attention as fa
-from kernels.kv_quant import Fp8Pages, quantize_kv, round_kv
+from test_fp8_paged_attention import fp8_pool
 from triton_interpreter import run_interpreted
 
 
 def _case(queries, keys, h=8, hkv=2, d=64, bs=16, seed=None, q_dtype=torch.float32):
-    """Sequences with these query and key counts (queries <= keys: the last ones) in shuffled pages of an
-    FP8 pool, K with an outlier channel: (q [total, H, D], k_pages, v_pages, table, cu_q, lens, the rounded
-    K/V per sequence [2, n, Hkv, D] fp64)."""
+    """Sequences with these query and key counts (queries <= keys: the last ones) in an FP8 pool
+    (test_fp8_paged_attention.fp8_pool), K with an outlier channel: (q [total, H, D], k_pages, v_pages,
+    table, cu_q, lens, the rounded K/V per sequence [2, n, Hkv, D] fp64)."""
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
-    width = max(1, max(math.ceil(n / bs) for n in keys))
-    num_blocks = 1 + sum(math.ceil(n / bs) for n in keys) + 2
-    free = list(range(1, num_blocks))
-    random.Random(seed).shuffle(free)
-    data = [torch.zeros(num_blocks, bs, hkv, d, dtype=torch.uint8) for _ in range(2)]
-    scales = [torch.zeros(num_blocks, bs, hkv, dtype=torch.bfloat16) for _ in range(2)]
-    table = torch.zeros(len(keys), width, dtype=torch.int32)
-    rounded = []
-    for b, n in enumerate(keys):
-        pages = [free.pop() for _ in range(math.ceil(n / bs))]
-        table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        slots = torch.tensor([pages[i // bs] * bs + i % bs for i in range(n)], dtype=torch.long)
-        kv = torch.randn(2, n, hkv, d, generator=g) * torch.exp(0.5 * torch.randn(2, n, hkv, 1, generator=g))
-        kv[0, :, :, 3] *= 20                                                    # an outlier channel in K
-        for j in range(2):
-            q8, s8 = quantize_kv(kv[j])
-            data[j].view(-1, hkv, d)[slots] = q8
-            scales[j].view(-1, hkv)[slots] = s8
-        rounded.append(round_kv(kv).double())
+    kp, vp, table, rounded = fp8_pool(keys, hkv, d, bs, g, seed, spread=0.5)
     q = torch.randn(sum(queries), h, d, generator=g).to(q_dtype)
     cu = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
-    return (q, Fp8Pages(data[0], scales[0]), Fp8Pages(data[1], scales[1]), table, cu,
-            torch.tensor(keys, dtype=torch.int32), rounded)
+    return q, kp, vp, table, cu, torch.tensor(keys, dtype=torch.int32), rounded
 
 
 def _float64(q, rounded, cu, scale, causal):

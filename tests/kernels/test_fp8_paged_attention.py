@@ -13,10 +13,10 @@ from kernels.paged_attention import paged_attention
 from triton_interpreter import run_interpreted
 
 
-def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
-    """Random sequences of these lengths written into shuffled pages of an FP8 pool: (q [B, H, D], k_pages,
-    v_pages, table [B, P] int32, lens [B] int32, the rounded K/V per sequence [n, Hkv, D] (fp64))."""
-    g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+def fp8_pool(lens, hkv, d, bs, g, seed=None, spread=1.0):
+    """Random K/V (an outlier channel in K, rows of random magnitude exp(spread N(0,1))) for sequences of
+    these lengths, written into shuffled pages of an FP8 pool -> (k_pages, v_pages, table [B, P] int32, the
+    rounded K/V per sequence [2, n, Hkv, D] fp64)."""
     width = max(1, max(math.ceil(n / bs) for n in lens))
     num_blocks = 1 + sum(math.ceil(n / bs) for n in lens) + 3
     free = list(range(1, num_blocks))
@@ -29,16 +29,23 @@ def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
         pages = [free.pop() for _ in range(math.ceil(n / bs))]
         table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
         slots = torch.tensor([pages[i // bs] * bs + i % bs for i in range(n)], dtype=torch.long)
-        kv = torch.randn(2, n, hkv, d, generator=g) * torch.exp(torch.randn(2, n, hkv, 1, generator=g))
+        kv = torch.randn(2, n, hkv, d, generator=g) * torch.exp(spread * torch.randn(2, n, hkv, 1, generator=g))
         kv[0, :, :, 3] *= 20                                                # an outlier channel in K
         for j in range(2):
             q8, s8 = quantize_kv(kv[j])
             data[j].view(-1, hkv, d)[slots] = q8
             scales[j].view(-1, hkv)[slots] = s8
         rounded.append(round_kv(kv).double())
+    return Fp8Pages(data[0], scales[0]), Fp8Pages(data[1], scales[1]), table, rounded
+
+
+def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
+    """Random sequences of these lengths in an FP8 pool (fp8_pool) and one query each: (q [B, H, D], k_pages,
+    v_pages, table [B, P] int32, lens [B] int32, the rounded K/V per sequence [2, n, Hkv, D] (fp64))."""
+    g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    kp, vp, table, rounded = fp8_pool(lens, hkv, d, bs, g, seed)
     q = (torch.randn(len(lens), h, d, generator=g)).to(dtype)
-    return (q, Fp8Pages(data[0], scales[0]), Fp8Pages(data[1], scales[1]), table,
-            torch.tensor(lens, dtype=torch.int32), rounded)
+    return q, kp, vp, table, torch.tensor(lens, dtype=torch.int32), rounded
 
 
 def _float64_attention(q, rounded, scale):

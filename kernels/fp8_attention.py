@@ -13,9 +13,10 @@ The arithmetic (scripts/fp8_attention_error.py chose it: with an outlier channel
 within 0.054 of fp64 where FlashAttention-3's one scale per (block, KV head) gives 0.158):
 - Q in e4m3 with its own scale per (token, head), amax / 448, computed in the kernel;
 - scores = (q8 . k8) * q_scale[row] * k_scale[key]: the cache's per-token scales on the columns, exact;
-- probabilities P (<= 1 against the running row maximum) times v_scale[key] / max(v_scale over the tile),
-  times 2^8, cast to e4m3 (FlashAttention-3's offset keeps small probabilities out of the subnormals),
-  then P8 . v8 scaled back: V's per-token scales, exact;
+- probabilities P against the tile's own row maximum (<= 1, the largest exactly 1; FlashAttention-3 takes
+  the running maximum, which leaves a tile far below it in e4m3's subnormals: error growing with the
+  context), times v_scale[key] / max(v_scale over the tile), times 2^8, cast to e4m3, then P8 . v8 scaled
+  back to the running maximum: V's per-token scales, exact;
 - the row sums in fp32 before any cast; merges and the output in fp32.
 
 One program per (query tile, query head, sequence), heavy tiles first; keys in tiles of BN (a page or part
@@ -24,9 +25,8 @@ DOTS = "fp8" runs both dots on FP8 operands (CUDA, capability 8.9+); "fp16" turn
 values into fp16 first (exact: 4 significant bits) for the Triton interpreter, which multiplies FP8 bytes
 as integers. Both compute the same products.
 
-`fp8_prefill_reference` (torch): the same rounding of Q, exact K/V, P rounded against the row's final
-maximum (the kernel's running maximum differs from it tile by tile, so the two agree to P's rounding,
-not bit for bit); the CPU path and the tests' yardstick.
+`fp8_prefill_reference` (torch): the kernel's arithmetic tile by tile, the same rounding of Q and P: equal
+to the kernel's but for the order of the dots' sums; the path off CUDA and the tests' yardstick.
 """
 import torch
 
@@ -98,15 +98,19 @@ def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn):
         s = torch.einsum("mhd,nhd->hmn", q8, k8[t0:t0 + bn])
         s = s * (q_scale.t() * (scale * LOG2E))[..., None] * k_scale[t0:t0 + bn].t()[:, None, :]
         s = s.masked_fill((key[None, :] > pos[:, None]) | (key >= n)[None, :], float("-inf"))
-        new_max = torch.maximum(run_max, s.amax(dim=-1))
+        tile_max = s.amax(dim=-1)                                                                # [H, m]
+        new_max = torch.maximum(run_max, tile_max)
         safe = torch.where(new_max == float("-inf"), 0.0, new_max)
         alpha = torch.exp2(run_max - safe)
-        p = torch.exp2(s - safe[..., None])
-        total = total * alpha + p.sum(dim=-1)
+        empty = tile_max == float("-inf")                                                       # no key here
+        beta = torch.where(empty, 0.0, torch.exp2(tile_max - safe))
+        p = torch.exp2(s - torch.where(empty, 0.0, tile_max)[..., None])                         # <= 1, max 1
+        total = total * alpha + p.sum(dim=-1) * beta
         vs = v_scale[t0:t0 + bn].t()                                                             # [H, bn]
         top = vs.amax(dim=-1).clamp(min=1e-30)                                                   # [H]
         p8 = (p * (vs * (P_OFFSET / top[:, None]))[:, None, :]).to(FP8).float()
-        acc = acc * alpha[..., None] + torch.einsum("hmn,nhd->hmd", p8, v8[t0:t0 + bn]) * (top / P_OFFSET)[:, None, None]
+        pv = torch.einsum("hmn,nhd->hmd", p8, v8[t0:t0 + bn])
+        acc = acc * alpha[..., None] + pv * ((top / P_OFFSET)[:, None] * beta)[..., None]
         run_max = new_max
     seen = total > 0
     o = torch.where(seen[..., None], acc / torch.where(seen, total, 1.0)[..., None], 0.0)
@@ -188,11 +192,16 @@ def _build() -> dict:
         if MASK:
             visible = (key[None, :] <= pos[:, None]) & (key[None, :] < n)
             scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        tile_max = tl.max(scores, axis=1)
+        m_new = tl.maximum(m, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                            # a row with no key yet
         alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        # P against this tile's own maximum (its largest exactly 1), so a tile far below the running maximum
+        # keeps e4m3's normal range; beta carries it to the running maximum after the dot
+        empty = tile_max == float("-inf")
+        beta = tl.where(empty, 0.0, tl.exp2(tile_max - m_safe))
+        p = tl.exp2(scores - tl.where(empty, 0.0, tile_max)[:, None])
+        l = l * alpha + tl.sum(p, axis=1) * beta
         v = tl.load(vd_ptr + page * v_page + slot[:, None] * v_tok + cols[None, :]).to(tl.float8e4nv, bitcast=True)
         v_scale = tl.load(vs_ptr + page * vs_page + slot * vs_tok).to(tl.float32)         # [BN]
         if MASK:
@@ -200,7 +209,7 @@ def _build() -> dict:
         top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
         p8 = p * (v_scale * (256.0 / top))[None, :]                                      # P_OFFSET = 256
         p8 = p8.to(tl.float8e4nv).to(dt) if FP8_DOTS else _e4m3(p8).to(dt)
-        acc = acc * alpha[:, None] + tl.dot(p8, v.to(dt)) * (top / 256.0)
+        acc = acc * alpha[:, None] + tl.dot(p8, v.to(dt)) * ((top / 256.0) * beta)[:, None]
         return acc, m_new, l
 
     _tile = triton.jit(tile)

@@ -330,7 +330,7 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
     local kv
     for kv in auto fp8; do
       _rows=4 bench "ttft-kv-$kv" 200 sweep --offline --model llama3-8b \
-          --devices cuda --lengths "8192,${LONG:-131072}" --repeats 1 --warmup 1 --kv-cache-dtype "$kv" \
+          --devices cuda -cp "${CP:-1}" --lengths "8192,${LONG:-131072}" --repeats 1 --warmup 1 --kv-cache-dtype "$kv" \
           --label "kv $kv"
     done
   fi

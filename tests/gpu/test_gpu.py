@@ -709,11 +709,13 @@ def test_torch_cp_peer_matches_transformers(hf_bf16_checkpoint, gpus):
     assert diff <= 0.1 * max(ref.abs().max().item(), 1.0)
 
 
-def test_fp8_kv_cache_on_one_gpu_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, monkeypatch):
-    """--kv-cache-dtype fp8 on one GPU (decode in CUDA graphs on the FP8 decode kernel; chunks and prefix hits
-    over gathered FP8 pages): logits and greedy tokens against transformers (bf16) with K/V rounded alike
-    (bf16 noise); a prompt in chunks of 1024 and one extending it (a prefix hit) too; graphs against eager
-    decode; the pool holds about twice bf16's tokens."""
+@pytest.mark.parametrize("strategy", ["one GPU", "burst", "ulysses", "tp"])
+def test_fp8_kv_cache_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, strategy):
+    """--kv-cache-dtype fp8 (decode in CUDA graphs on the FP8 decode kernel; chunks and prefix hits over
+    gathered FP8 pages): logits and greedy tokens against transformers (bf16) with K/V rounded alike (bf16
+    noise); a prompt in chunks of 1024 and one extending it (a prefix hit) too; graphs against eager decode;
+    the pool holds about twice bf16's tokens. On one GPU, and on 2 with burst (the K/V ring sends FP8
+    bytes), ulysses and tp."""
     from hf_reference import kv_rounded
     from engine import LLM, SamplingParams
     from kernels import kv_quant
@@ -723,8 +725,11 @@ def test_fp8_kv_cache_on_one_gpu_matches_transformers_with_kv_rounded(hf_bf16_ch
     prompts.append(prompts[2] + [random.randrange(2000) for _ in range(300)])          # a prefix hit
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     capacity = {}
+    gpus = dict(devices="cuda:0") if strategy == "one GPU" else dict(devices="cuda:0,1", sp_strategy=strategy)
+    if strategy != "one GPU" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     for kv, graphs in (("fp8", True), ("fp8", False), ("auto", True)):
-        with LLM(path, devices="cuda:0", dtype="bfloat16", kv_cache_dtype=kv, cuda_graphs=graphs,
+        with LLM(path, **gpus, dtype="bfloat16", kv_cache_dtype=kv, cuda_graphs=graphs,
                  max_num_batched_tokens=1024, gpu_memory_utilization=0.5) as llm:
             capacity[kv] = llm.worker_info[0]["kv_capacity_tokens"]
             if kv == "auto":

@@ -32,11 +32,11 @@ import torch
 
 from kernels.arith import ceil_div
 from kernels.kv_quant import FP8, FP8_MAX, Fp8Pages
-from kernels.triton_setup import LazyTriton
+from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 tl = None      # triton.language, bound by _build (the kernels resolve it as a global)
 _tile = None   # the kernel's key-tile step (a jitted function), bound by _build
-_e4m3 = None   # the fp16 branch's e4m3 rounding (a jitted function), bound by _build
+_e4m3 = None   # the fp16 branch's e4m3 rounding (triton_setup.e4m3_by_arithmetic), bound by _build
 
 P_OFFSET = 256.0          # FlashAttention-3's 2^8: P in e4m3 as P * 256 (448 >= 256: no overflow at P = 1)
 MIN_Q_SCALE = 2.0 ** -126
@@ -163,17 +163,7 @@ def _build() -> dict:
 
     global _tile, _e4m3
 
-    def e4m3(x):
-        """x (fp32) -> the nearest e4m3 value (ties to even, saturating at 448) as fp32, by arithmetic: the
-        fp16-dots branch's cast, as the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
-        (31.9 -> 16)."""
-        a = tl.minimum(tl.abs(x), 448.0)
-        step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)     # 3 mantissa bits; 2^-6: subnormals
-        big = step * 12582912.0                                               # 1.5 * 2^23 steps: fp32 rounds
-        r = (a + big) - big
-        return tl.where(x < 0, -r, r)
-
-    _e4m3 = triton.jit(e4m3)
+    _e4m3 = e4m3_by_arithmetic()
 
     def tile(acc, m, l, q8, q_scale, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, t, pos, n,
              k_tok, k_page, v_tok, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale,

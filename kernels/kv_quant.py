@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.fp8 import below_fp8_capability
-from kernels.triton_setup import LazyTriton
+from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -33,7 +33,8 @@ MIN_SCALE = 2.0 ** -126                              # an all-zero row's scale (
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")        # auto: the model's dtype; fp8 (= fp8_e4m3): this format
 SCALE_BYTES = 2                                      # a (token, head) row's bf16 scale
 
-tl = None   # triton.language, bound by _build (the kernel resolves it as a global)
+tl = None      # triton.language, bound by _build (the kernel resolves it as a global)
+_e4m3 = None   # the interpreter's e4m3 rounding (triton_setup.e4m3_by_arithmetic), bound by _build
 
 
 def is_fp8(kv_cache_dtype: str) -> bool:
@@ -155,9 +156,10 @@ def _quantize_triton(kernel, k, v, k_data, k_scale, v_data, v_scale, slots, writ
 
 def _build() -> dict:
     """jit the quantize kernel. A fresh one each call: tests build an interpreted one (TRITON_INTERPRET=1)."""
-    global tl
+    global tl, _e4m3
     import triton
     import triton.language as tl
+    _e4m3 = e4m3_by_arithmetic()
 
     def quantize_kernel(k_ptr, v_ptr, k_row, v_row, kd_ptr, ks_ptr, vd_ptr, vs_ptr, slots_ptr,
                         HKV: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, WRITE_BACK: tl.constexpr,
@@ -184,11 +186,7 @@ def _build() -> dict:
             scale = scale.to(tl.bfloat16).to(tl.float32)                              # [HPAD]
         y = tl.minimum(tl.maximum(tl.div_rn(xf, scale[:, None]), -448.0), 448.0)
         if ARITH_CAST:      # its fp32 -> e4m3 cast drops the carry into the exponent (31.9 -> 16)
-            a = tl.abs(y)
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)
-            big = step * 12582912.0
-            r = (a + big) - big
-            y = tl.where(y < 0, -r, r)
+            y = _e4m3(y)
         q8 = y.to(tl.float8e4nv)
         if WRITE_BACK:
             tl.store(row_ptr + at, (q8.to(tl.float32) * scale[:, None]).to(x.dtype), mask=ok)

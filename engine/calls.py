@@ -96,6 +96,30 @@ class Free:
 
 
 @dataclass
+class Offload:
+    """A copy of the sequence's tokens before `position` into the host tier (engine/cache/host_pool.py), as
+    the host entry of its id (write-through: the sequence has just retired into a prefix-cache entry).
+    Returns the bytes copied (on worker 0)."""
+    seq_id: int
+    position: int
+
+
+@dataclass
+class Restore:
+    """seq_id's cache starts as a copy of host entry host_id's tokens before `position` (a cached prefix
+    held in host memory). Returns the bytes copied (on worker 0)."""
+    host_id: int
+    seq_id: int
+    position: int
+
+
+@dataclass
+class HostFree:
+    """These host entries are dropped (host ids)."""
+    host_ids: list[int]
+
+
+@dataclass
 class Shutdown:
     """The workers leave their loop."""
 
@@ -118,6 +142,8 @@ class PrefillResult:
     setup_seconds: float | None = None
     wrapup_seconds: float | None = None
     cached_tokens: int | None = None           # an extend: the tokens before its own
+    restore_seconds: float | None = None       # an extend after a restore from the host tier: the copy's time
+    restored_bytes: int | None = None          # ... and its bytes (this worker's)
     exposed_seconds: float | None = None       # the ring's exchanges: compute stalled waiting for them
     exchange_overlapped_seconds: float | None = None
     exchange_seconds: float | None = None      # all layers' exchanges alone (arithmetic)

@@ -6,6 +6,7 @@ routes each token that worker 0 sends back to its request, and raises (never han
 dies. The HTTP server uses the same object through `submit` / `results`.
 """
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -18,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from engine.cache.host_memory import offload_gib
 from engine.cache.ledger import pages_for
 from engine.cluster import Head
 from engine.config import context_limit, resolve_model
@@ -73,6 +75,11 @@ class LLM:
                    or kv_cache_refusal(self.engine.kv_cache_dtype, self.engine.devices))
         if refusal:
             raise DeviceSpecError(refusal)
+        self.engine = dataclasses.replace(self.engine, kv_offload_gb=offload_gib(
+            self.engine.kv_offload_gb, self.engine.devices, self.engine.world_size))
+        if self.engine.kv_offload_gb and values["kv_offload_gb"] is None:
+            log.info("KV host tier: %.1f GiB per worker (by default a quarter of what this host can pin; "
+                     "--kv-offload-gb sets it, 0 turns it off)", self.engine.kv_offload_gb)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(model)          # fails now, naming the file, rather than in every worker

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.cache.host_pool import HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
@@ -32,8 +33,8 @@ from engine.parallel.sharding import Shard, owner_of_position
 from engine.parallel.weight_layout import global_rank
 from engine.prompt_logprobs import as_entries
 from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
-from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, Prefill,
-                          PrefillResult, Reinstate, Retire, Truncate)
+from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, HostFree,
+                          Offload, Prefill, PrefillResult, Reinstate, Restore, Retire, Truncate)
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
@@ -107,6 +108,7 @@ class ModelRunner:
                              kv_cache_dtype=engine.kv_cache_dtype)
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
+        self.host_ledger, self.host = self._host_tier()   # --kv-offload-gb (engine/cache/host_pool.py), or None
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.decode_attend = self.layout.decode_attention(self.decode_attention)   # (burst-zero: Helix's)
         # prompts this short run on the weight slices (burst-zero; else 0)
@@ -212,16 +214,19 @@ class ModelRunner:
         seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
         self._sync()
         start_time = time.perf_counter()
+        if self.host is not None:
+            self.host.wait_loaded(seq_id)          # a restore from the host tier before it: on the GPU
         placed = self._place_extend(seq_id, token_ids.shape[0], start)
         if self._graphed_extend(placed):
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
-            return self._extend_result(logits, start, start_time, "extend", placed.way, graphed=True)
+            return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", placed.way,
+                                                              graphed=True))
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed)
         attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
         hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
         logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
-        return self._extend_result(logits, start, start_time, "extend", attend.way)
+        return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", attend.way))
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
@@ -236,13 +241,16 @@ class ModelRunner:
         seq_ids, decode_tokens, decode_positions = step.seq_ids, step.token_ids, step.positions
         self._sync()
         start_time = time.perf_counter()
+        if self.host is not None:
+            self.host.wait_loaded(seq_id)          # a restore from the host tier before it: on the GPU
         step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
         placed = self._place_extend(seq_id, token_ids.shape[0], start, step_pages)
         if self._graphed_extend(placed, len(seq_ids)):
             step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
+            result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", placed.way,
+                                                                graphed=True))
             if self.rank == 0:
                 result.decode = self._sampled(decode_logits, step)
             return result
@@ -257,7 +265,7 @@ class ModelRunner:
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._extend_result(logits, start, start_time, "extend+decode", chunk.way)
+        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", chunk.way))
         if self.rank == 0:
             result.decode = self._sampled(decode_logits, step)
         return result
@@ -428,6 +436,26 @@ class ModelRunner:
         counts = self.ledger.add_prefix_of(call.source_id, call.seq_id, call.position)
         self.pool.copy_prefix(call.source_id, call.seq_id, counts[self.rank])
 
+    @torch.inference_mode()
+    def offload(self, call: Offload) -> int:
+        """A host entry of the sequence's id: a copy of its tokens before `position` (every worker its own
+        first slots) -> the bytes this worker copies."""
+        counts = self.host_ledger.add_prefix_of(call.seq_id, call.seq_id, call.position, tier=self.ledger)
+        return self.host.store(self.pool, call.seq_id, call.seq_id, counts[self.rank])
+
+    @torch.inference_mode()
+    def restore(self, call: Restore) -> int:
+        """A new sequence whose cache starts as a copy of the host entry's tokens before `position` (on every
+        worker, the entry's first slots there, whole pages copied) -> the bytes this worker copies."""
+        counts = self.ledger.add_prefix_of(call.host_id, call.seq_id, call.position, tier=self.host_ledger)
+        self.pool.add(call.seq_id, counts[self.rank])
+        return self.host.load(self.pool, call.host_id, call.seq_id, counts[self.rank])
+
+    def host_free(self, call: HostFree) -> None:
+        for h in call.host_ids:
+            self.host.free(h)
+            self.host_ledger.remove(h)
+
     def retire(self, call: Retire) -> None:
         """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""
         for s in call.seq_ids:
@@ -435,6 +463,7 @@ class ModelRunner:
 
     def truncate(self, call: Truncate) -> None:
         """A prefix-cache entry keeps only its tokens before `position` (its tail's pages freed on every worker)."""
+        self._pages_unused(call.seq_id)
         self.pool.truncate(call.seq_id, self.ledger.truncate(call.seq_id, call.position)[self.rank])
 
     def reinstate(self, call: Reinstate) -> None:
@@ -444,8 +473,24 @@ class ModelRunner:
 
     def free(self, call: Free) -> None:
         for s in call.seq_ids:
+            self._pages_unused(s)
             self.pool.free(s)
             self.ledger.remove(s)
+
+    def _pages_unused(self, seq_id: int) -> None:
+        """Before the sequence's pages go back to the pool: the compute stream waits for the host tier's copies
+        out of them or into them (whoever takes them next writes them)."""
+        if self.host is not None:
+            self.host.wait_stored(seq_id)
+            self.host.wait_loaded(seq_id)
+            self.host.loads.pop(seq_id, None)
+
+    def _restored(self, seq_id: int, result: PrefillResult) -> PrefillResult:
+        """An extend's result, with the restore from the host tier that preceded it (its copy's seconds and bytes)."""
+        done = self.host.restore_seconds(seq_id) if self.host is not None else None
+        if done is not None:
+            result.restore_seconds, result.restored_bytes = done
+        return result
 
     def release_graphs(self) -> None:
         """Destroys the decode and extend CUDA graphs; called before the process group is destroyed. A
@@ -469,11 +514,39 @@ class ModelRunner:
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
                 "kv_cache_dtype": "fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
                 "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
-                "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max}
+                "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max,
+                "kv_host_capacity_tokens": self.host_ledger.num_pages * self.block_size if self.host else 0}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)
         return x
+
+    def _host_tier(self) -> "tuple[KVLedger | None, HostPool | None]":
+        """The host-memory tier under the prefix cache: --kv-offload-gb GiB of pages shaped like the pool's (the
+        fewest over the workers, so every worker's tier is the same size), and its ledger; (None, None) at 0."""
+        gib = self.engine.kv_offload_gb
+        if not gib:
+            return None, None
+        page_bytes = self.block_size * kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize,
+                                                          self.engine.kv_cache_dtype)
+        agreed = torch.tensor([int(gib * 2**30) // page_bytes], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.data_group)
+        pages = int(agreed)
+        if pages < 1:
+            raise ModelLoadError(f"--kv-offload-gb {gib} holds no KV page (a page is {page_bytes / 2**20:.1f} MiB "
+                                 f"on a worker): raise it, or 0 for no host tier")
+        start = time.perf_counter()
+        host = HostPool(self.pool, pages)
+        log.info("worker %d: KV host tier of %d pages x %d tokens (%.2f GiB%s, %.1f s)", self.rank, pages,
+                 self.block_size, host.bytes() / 2**30, ", pinned" if host.cuda else "", time.perf_counter() - start)
+        return KVLedger(self.world_size, self.block_size, pages, replicated=self.strategy.replicated_kv), host
+
+    def release_host_tier(self) -> None:
+        """Unpins the host tier's memory (at shutdown)."""
+        if self.host is not None:
+            self.host.release()
+            self.host = None
 
     def _num_pages(self) -> int:
         """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
@@ -565,7 +638,12 @@ class ModelRunner:
         return int(peak.max())
 
     def _sync(self) -> None:
-        synchronize(self.device)
+        """Waits for the work queued so far, but the host tier's copies: a store out of the GPU runs beside
+        compute, and what reads a restore waits for it on the GPU (engine/cache/host_pool.py)."""
+        if self.host is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            synchronize(self.device)
 
 
 def check_same_kernels(rank: int, device: torch.device, has_fa4: bool, fa4_on_every: bool, fa4_on_some: bool) -> None:

@@ -159,6 +159,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_dtype", str, "the paged KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: K and V in "
            "float8_e4m3fn with a bf16 scale per token and KV head, about half the bytes, so about twice the "
            "tokens; attention sees K/V rounded so, in every call)", choices=KV_CACHE_DTYPES, on_worker=True),
+    Option("kv_offload_gb", float, "GiB of host memory per worker for a tier under the prefix cache: a finished "
+           "request's KV is copied there, and a prompt whose cached prefix has left the GPU gets it back from there "
+           "instead of prefilling it again (pinned on GPUs, copied beside compute). Default: on GPUs a quarter of "
+           "the host memory that can be pinned, shared over the local workers; on CPU 0 (none). 0: none",
+           default=None, metavar="GIB", at_least=0),
     Option("sp_strategy", str, "how prefill attention spans the workers (decoding is the same for all); auto: "
            "ulysses for short prompts, burst for long ones", choices=SP_STRATEGIES, on_worker=True),
     Option("seed", int, "seed of the preset's random weights", on_worker=True),

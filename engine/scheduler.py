@@ -62,7 +62,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.device = runner.device                                  # where tokens are sampled
-        self.kv = KVManager(runner.ledger, runner.pages, call, engine.enable_prefix_caching)
+        self.kv = KVManager(runner.ledger, runner.pages, call, engine.enable_prefix_caching,
+                            getattr(runner, "host_ledger", None))
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
@@ -125,10 +126,13 @@ class Scheduler:
             twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
         looked_up = time.perf_counter()
+        hit = None
         if twin is None and self.kv.prefix_cache is not None and request.params.prompt_logprobs is None:
-            cached = self._adopt_cached_prefix(seq, request.prompt_token_ids)
+            hit = self._adopt_cached_prefix(seq, request.prompt_token_ids)
+            cached = hit.length if hit else 0
         if twin is None and (cached or chunked):   # prefilled by extending what is cached
             job = ChunkedPrefill(seq, request.prompt_token_ids, done=cached, cached=cached,
+                                 host_cached=cached if hit and hit.on_host else 0,
                                  adopt_seconds=time.perf_counter() - looked_up, queued_seconds=queued)
             if self.state.prefilling is None:
                 self._start_chunks(job)
@@ -169,18 +173,18 @@ class Scheduler:
         self.kv.evict(evict)
         return True
 
-    def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int]) -> int:
-        """The sequence starts from a copy of the longest cached prefix of ids (what it prefills; the rest in
-        chunks) -> its length (0: none, or the copy and its extension do not fit: a prefill, as admitted)."""
+    def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int]):
+        """The sequence starts from a copy of the longest cached prefix of ids (in the pool, or restored from
+        the host tier) -> that Hit (None: none, or the copy and its extension do not fit: a prefill, as
+        admitted)."""
         hit = self.kv.cached_prefix(ids)
         if hit is None:
-            return 0
-        source, length = hit
-        need = self.kv.pages.adopt_pages(source, length, len(ids) - length, self.policy.chunk_tokens)
-        if not self._room_beside(need, keep_entry=source):
-            return 0
-        self.kv.adopt(source, seq.seq_id, length)
-        return length
+            return None
+        need = self.kv.hit_pages(hit, len(ids) - hit.length, self.policy.chunk_tokens)
+        if not self._room_beside(need, keep_entry=None if hit.on_host else hit.entry):
+            return None
+        self.kv.adopt(hit, seq.seq_id)
+        return hit
 
     def _resume(self, plan: plans.Resume) -> None:
         """A preempted sequence decodes again: on its kept pages when its entry is still there, else after
@@ -191,13 +195,22 @@ class Scheduler:
         self.state.decode_owed = False
         ids = seq.request.prompt_token_ids + seq.generated
         kept = self.kv.kept(seq.seq_id)
-        if kept:                              # it takes back its entry's pages
+        host = self.kv.host_hit(ids, kept) if kept < len(ids) - 1 else None
+        if host is not None:                  # the host tier holds more of it than its kept pages: restored
+            if kept:
+                self.kv.drop(seq.seq_id)
+            hit = self._adopt_cached_prefix(seq, ids)
+            cached = hit.length if hit else 0
+        elif kept:                            # it takes back its entry's pages
             self.kv.reinstate(seq.seq_id)
             if kept == len(ids) - 1:          # all of them: it decodes on
                 self.state.running.append(seq)
                 log.info("request %s resumed on its kept pages", seq.request.request_id)
                 return
-        cached = kept or (self._adopt_cached_prefix(seq, ids) if self.kv.prefix_cache is not None else 0)
+            cached = kept
+        else:
+            hit = self._adopt_cached_prefix(seq, ids) if self.kv.prefix_cache is not None else None
+            cached = hit.length if hit else 0
         self.recomputed_tokens += len(ids) - cached
         log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",
                  seq.request.request_id, len(ids), cached)
@@ -247,10 +260,13 @@ class Scheduler:
             return True
         stats = result.stats()
         stats.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
-                      cached_tokens=job.cached, smallest_chunk=job.smallest, largest_chunk=job.largest,
+                      cached_tokens=job.cached, host_cached_tokens=job.host_cached,
+                      smallest_chunk=job.smallest, largest_chunk=job.largest,
                       adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
                       extend_ways=dict(job.extend_ways), graphed_extends=job.graphed,
                       mixed_chunks=job.mixed)
+        if job.restore_seconds is not None:
+            stats["restore_seconds"] = job.restore_seconds
         job.seq.prompt_logits = logits
         self._emit(job.seq, logits, prefill=stats, keep_logits=job.seq.request.return_logits)
         return True
@@ -258,6 +274,8 @@ class Scheduler:
     @staticmethod
     def _count_chunk(job: ChunkedPrefill, n: int, result: PrefillResult, mixed: bool) -> None:
         job.prefill_seconds += result.prefill_seconds
+        if result.restore_seconds is not None:
+            job.restore_seconds = result.restore_seconds
         job.done += n
         job.chunks += 1
         job.smallest, job.largest = min(job.smallest or n, n), max(job.largest, n)
@@ -418,7 +436,8 @@ class Scheduler:
         kv = self.kv.tokens_per_worker()                         # in use; prefix-cache entries count as free (vLLM)
         waiting = len(s.waiting) + len(s.preempted) + (s.prefilling is not None)
         state = (len(s.running), waiting, tuple(kv), self.num_preemptions,
-                 cache.queries if cache else 0, cache.hits if cache else 0, self.recomputed_tokens)
+                 cache.queries if cache else 0, cache.hits if cache else 0, self.recomputed_tokens,
+                 self.kv.host_hits, self.kv.stored_bytes)
         now = time.monotonic()
         if state == self._published or (now - self._published_at < 0.25 and s.running and
                                         state[:2] == self._published[:2]):
@@ -429,7 +448,13 @@ class Scheduler:
                                     "kv_pages_free": self.kv.free_pages(), "num_preemptions": state[3],
                                     "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
                                     "num_recomputed_tokens": state[6],
-                                    "kv_tokens_cached_per_worker": self.kv.tokens_per_worker(cached=True)}))
+                                    "kv_tokens_cached_per_worker": self.kv.tokens_per_worker(cached=True),
+                                    "kv_host_tokens_per_worker": self.kv.host_tokens_per_worker(),
+                                    "kv_host_capacity_per_worker": self.kv.host_capacity_per_worker,
+                                    "prefix_cache_host_hits": self.kv.host_hits,
+                                    "kv_host_evicted_tokens": self.kv.host_evicted_tokens,
+                                    "kv_offload_stored_bytes": self.kv.stored_bytes,
+                                    "kv_offload_restored_bytes": self.kv.restored_bytes}))
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""

@@ -41,6 +41,8 @@ class ChunkedPrefill:
     tokens: list[int]             # what it prefills: the prompt, or a preempted sequence's prompt + generated
     done: int = 0                 # of those, already in the KV cache
     cached: int = 0               # of those, taken from the prefix cache (the first chunk extends them)
+    host_cached: int = 0          # of those, restored from the host tier (engine/cache/host_pool.py)
+    restore_seconds: float | None = None   # that restore's copy (worker 0's)
     chunks: int = 0
     prefill_seconds: float = 0.0  # the workers' time over all chunks
     call_seconds: float = 0.0

@@ -16,8 +16,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, Prefill, Reinstate, Retire,
-                          Shutdown, Truncate)
+from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload, Prefill,
+                          Reinstate, Restore, Retire, Shutdown, Truncate)
 from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.model_runner import ModelRunner
@@ -68,6 +68,10 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
                 runner.release_graphs()
             except Exception:          # a broken device: the group is still destroyed
                 log.exception("worker %d: releasing the CUDA graphs failed", rank)
+            try:
+                runner.release_host_tier()
+            except Exception:
+                log.exception("worker %d: unpinning the KV host tier failed", rank)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -118,7 +122,8 @@ def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_met
 HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndDecode: ModelRunner.extend_and_decode,
             Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, Fork: ModelRunner.fork,
             Adopt: ModelRunner.adopt, Truncate: ModelRunner.truncate, Retire: ModelRunner.retire,
-            Reinstate: ModelRunner.reinstate, Free: ModelRunner.free}
+            Reinstate: ModelRunner.reinstate, Free: ModelRunner.free, Offload: ModelRunner.offload,
+            Restore: ModelRunner.restore, HostFree: ModelRunner.host_free}
 
 
 def run_call(runner: ModelRunner, message):

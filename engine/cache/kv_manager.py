@@ -11,13 +11,24 @@ Eviction: least recently used entry first, from its tail (an entry gives back on
 keeping its longest prefix of whole hashed blocks); preempted sequences' entries after all others (they
 will be resumed), and the entry holding the longest prefix of the prompt being admitted last of all (it
 is about to be copied).
+
+The host tier (--kv-offload-gb, engine/cache/host_pool.py), when there is one, is a second prefix cache
+with its own ledger (every worker keeps it identical, as the pool's). A sequence retiring into an entry is
+copied there at once (write-through: the copy runs beside compute, so evicting the GPU entry later costs
+nothing), unless the tier already holds all but a little of it (less than an eighth, OFFLOAD_GAIN); host
+entries are evicted whole, least recently used first, and one that is a prefix of a newer entry goes when
+that one comes. A prompt whose longest prefix in the host tier is longer than in the pool by at least an
+eighth of it (RESTORE_GAIN) restores it from there (Restore), else copies it in the pool (Adopt).
 """
 from dataclasses import dataclass
 
-from engine.cache.ledger import KVLedger
+from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.prefix_cache import BLOCK, PrefixCache
-from engine.calls import Adopt, Fork, Free, Reinstate, Retire, Truncate
+from engine.calls import Adopt, Fork, Free, HostFree, Offload, Reinstate, Restore, Retire, Truncate
+
+OFFLOAD_GAIN = 8     # a retiring entry is copied to the host tier when at least 1/8 of it is not there yet
+RESTORE_GAIN = 8     # a host hit is restored when it is longer than the pool's by at least 1/8 of it
 
 
 @dataclass(frozen=True)
@@ -26,11 +37,27 @@ class Eviction:
     keep: int        # the tokens it keeps (a multiple of the prefix cache's block); 0: all freed
 
 
+@dataclass(frozen=True)
+class Hit:
+    """The longest cached prefix of a prompt: `length` tokens of an entry in the pool or in the host tier."""
+    entry: int
+    length: int
+    on_host: bool = False
+
+
 class KVManager:
-    def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool):
-        """call(message): sends one engine/calls.py message to every worker."""
+    def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
+                 host_ledger: KVLedger | None = None):
+        """call(message): sends one engine/calls.py message to every worker; host_ledger: the host tier's (None:
+        no tier)."""
         self.ledger, self.pages, self.call = ledger, pages, call
         self.prefix_cache = PrefixCache() if prefix_caching else None
+        self.host = host_ledger if prefix_caching else None
+        self.host_cache = PrefixCache() if self.host is not None else None
+        self.host_capacity_per_worker = self.host.num_pages * self.host.block_size if self.host else 0
+        self.host_hits = 0                    # prompt tokens restored from the host tier
+        self.host_evicted_tokens = 0
+        self.stored_bytes = self.restored_bytes = 0    # worker 0's copies to and from the host tier
         self.watermark = max(1, ledger.num_pages // 100)   # pages kept free for running sequences to grow
         self.capacity_per_worker = ledger.num_pages * ledger.block_size
 
@@ -92,9 +119,35 @@ class KVManager:
             return 0
         return len(self.prefix_cache.entries[seq_id])
 
-    def cached_prefix(self, ids: list[int]) -> "tuple[int, int] | None":
-        """(entry, length) of the longest cached prefix of ids, counted as a query of the prefix cache."""
-        return self.prefix_cache.lookup(ids) if self.prefix_cache is not None else None
+    def cached_prefix(self, ids: list[int]) -> Hit | None:
+        """The longest cached prefix of ids, from the pool, or from the host tier where that holds enough more
+        (RESTORE_GAIN), counted as a query of the prefix cache; the entry becomes the most recently used."""
+        if self.prefix_cache is None:
+            return None
+        gpu = self.prefix_cache.longest(ids)
+        hit = Hit(*gpu) if gpu is not None else None
+        host = self.host_hit(ids, hit.length if hit else 0)
+        if host is not None:
+            hit = host
+            self.host_cache.touch(hit.entry)
+            self.host_hits += hit.length
+        elif hit is not None:
+            self.prefix_cache.touch(hit.entry)
+        self.prefix_cache.queries += len(ids)
+        self.prefix_cache.hits += hit.length if hit else 0
+        return hit
+
+    def host_hit(self, ids: list[int], in_pool: int) -> Hit | None:
+        """The host tier's longest prefix of ids, if it is worth restoring over the `in_pool` tokens the pool
+        holds: longer by at least a block and an eighth of it."""
+        host = self.host_cache.longest(ids) if self.host_cache is not None else None
+        if host is None or host[1] - in_pool < max(BLOCK, host[1] // RESTORE_GAIN):
+            return None
+        return Hit(*host, on_host=True)
+
+    def hit_pages(self, hit: Hit, rest: int, chunk: int | None) -> list[int]:
+        """Pages per worker to copy the hit (from the pool or the host tier) and extend it by `rest` tokens."""
+        return self.pages.adopt_pages(hit.entry, hit.length, rest, chunk, tier=self.host if hit.on_host else None)
 
     def free_pages(self) -> list[int]:
         return self.ledger.free_pages()
@@ -102,6 +155,10 @@ class KVManager:
     def step_pages(self, seq_ids: list[int]) -> list[int]:
         """Pages per worker a decode step of these sequences takes."""
         return self.ledger.step_new_pages(seq_ids)
+
+    def host_tokens_per_worker(self) -> list[int]:
+        """Tokens the host tier's entries hold on each worker."""
+        return self.host.tokens_per_worker() if self.host is not None else []
 
     def tokens_per_worker(self, cached: bool = False) -> list[int]:
         """Tokens per worker in use (prefix-cache entries count as free, as vLLM counts them), or with
@@ -125,18 +182,70 @@ class KVManager:
         self.call(Free([seq_id]))
 
     def retire(self, seq_id: int, computed: list[int]) -> None:
-        """The sequence's pages stay as a prefix-cache entry of the tokens whose K/V they hold."""
+        """The sequence's pages stay as a prefix-cache entry of the tokens whose K/V they hold (and are copied
+        to the host tier, if it lacks enough of them)."""
         self.call(Retire([seq_id]))
         self.prefix_cache.insert(seq_id, computed)
+        if self.host_cache is not None:
+            self._offload(seq_id, computed)
+
+    def _offload(self, seq_id: int, tokens: list[int]) -> None:
+        """Copies the entry to the host tier unless it holds all but less than 1/OFFLOAD_GAIN of it already;
+        the host entries it supersedes (its prefixes, its own older copy) go first, then the least recently
+        used ones until it fits (a prefix of whole blocks, if the whole tier is too small)."""
+        have = self.host_cache.longest(tokens + [-1])        # [-1]: a match may cover every token
+        if len(tokens) - (have[1] if have else 0) < max(BLOCK, len(tokens) // OFFLOAD_GAIN):
+            return
+        stale = [e for e in self.host_cache.entries
+                 if e == seq_id or (have and e == have[0] and len(self.host_cache.entries[e]) <= have[1])]
+        self.host_drop(stale, evicted=False)
+        position = self._host_room(seq_id, len(tokens))
+        if position < BLOCK:
+            return
+        self.stored_bytes += self.call(Offload(seq_id, position))
+        self.host_cache.insert(seq_id, tokens[:position])
+
+    def _host_room(self, seq_id: int, length: int) -> int:
+        """Host pages for the sequence's first `length` tokens, made by evicting host entries least recently
+        used first -> the tokens that fit: `length`, or the longest prefix of whole blocks the empty tier holds."""
+        def fits(position: int, free: list[int]) -> bool:
+            need = [pages_for(n, self.host.block_size) for n in self.ledger.held_before(seq_id, position)]
+            return all(n <= f for n, f in zip(need, free))
+
+        whole = [self.host.num_pages] * self.host.world_size
+        if not fits(length, whole):
+            lo, hi = 0, length // BLOCK
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid * BLOCK, whole) else (lo, mid - 1)
+            length = lo * BLOCK
+        for entry in list(self.host_cache.entries):
+            if fits(length, self.host.free_pages()):
+                break
+            self.host_drop([entry])
+        return length
+
+    def host_drop(self, host_ids: list[int], evicted: bool = True) -> None:
+        """Host entries freed (evicted: counted as such)."""
+        if not host_ids:
+            return
+        for h in host_ids:
+            if evicted:
+                self.host_evicted_tokens += len(self.host_cache.entries[h])
+            self.host_cache.remove(h)
+        self.call(HostFree(list(host_ids)))
 
     def reinstate(self, seq_id: int) -> None:
         """A preempted sequence takes its entry's pages back, to decode or extend on them."""
         self.prefix_cache.remove(seq_id)
         self.call(Reinstate([seq_id]))
 
-    def adopt(self, source_id: int, seq_id: int, length: int) -> None:
-        """A new sequence starts as a copy of the source's first `length` tokens."""
-        self.call(Adopt(source_id, seq_id, length))
+    def adopt(self, hit: Hit, seq_id: int) -> None:
+        """A new sequence starts as a copy of the hit's `length` tokens: in the pool, or restored from the host tier."""
+        if hit.on_host:
+            self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length))
+        else:
+            self.call(Adopt(hit.entry, seq_id, hit.length))
 
     def fork(self, source_id: int, seq_id: int) -> None:
         """A new sequence starts as a copy of the source's prompt."""

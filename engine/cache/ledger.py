@@ -57,10 +57,11 @@ class KVLedger:
         for r, n in enumerate(tokens_per_rank):
             self.pages_used[r] += pages_for(n, self.block_size)
 
-    def add_prefix_of(self, source_id: int, seq_id: int, position: int) -> list[int]:
+    def add_prefix_of(self, source_id: int, seq_id: int, position: int, tier: "KVLedger | None" = None) -> list[int]:
         """A new sequence holding, on every rank, the copy of the source's tokens before `position`
-        (its first slots there) -> those counts by rank."""
-        source = self.seqs[source_id]
+        (its first slots there) -> those counts by rank. tier: the ledger the source is in (the host
+        tier's, engine/cache/host_pool.py), if not this one."""
+        source = (tier or self).seqs[source_id]
         counts = [source.held_before(r, position) for r in range(self.world_size)]
         self.add(seq_id, counts, [truncate(source.ranges[r], position) for r in range(self.world_size)])
         return counts
@@ -75,6 +76,11 @@ class KVLedger:
             seq.tokens[r], seq.prompt[r] = n, min(seq.prompt[r], n)
             seq.ranges[r] = truncate(seq.ranges[r], position)
         return kept
+
+    def held_before(self, seq_id: int, position: int) -> list[int]:
+        """By rank, how many of the sequence's tokens lie before `position`."""
+        seq = self.seqs[seq_id]
+        return [seq.held_before(r, position) for r in range(self.world_size)]
 
     def pages_freed_by_truncating(self, seq_id: int, position: int) -> list[int]:
         """The pages each rank would give back if the sequence kept only its tokens before `position`."""

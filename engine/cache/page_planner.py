@@ -102,10 +102,11 @@ class PagePlanner:
         held = self.tokens_per_rank(self.prefill_shards(first))
         return self.pages_after(held, num_tokens - first, chunk)
 
-    def adopt_pages(self, source_id: int, position: int, num_tokens: int, chunk: int | None) -> list[int]:
-        """To copy the source's tokens before `position` and extend the copy by num_tokens in chunks."""
-        source = self.ledger.seqs[source_id]
-        return self.pages_after([source.held_before(r, position) for r in range(self.world_size)], num_tokens, chunk)
+    def adopt_pages(self, source_id: int, position: int, num_tokens: int, chunk: int | None,
+                    tier: KVLedger | None = None) -> list[int]:
+        """To copy the source's tokens before `position` and extend the copy by num_tokens in chunks. tier:
+        the ledger the source is in (the host tier's), if not the pool's."""
+        return self.pages_after((tier or self.ledger).held_before(source_id, position), num_tokens, chunk)
 
     def fork_pages(self, source_id: int) -> list[int]:
         """To copy the source's prompt (its shard on each worker)."""

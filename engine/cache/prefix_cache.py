@@ -42,14 +42,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _touch(self, seq_id: int) -> None:
+    def touch(self, seq_id: int) -> None:
+        """The entry becomes the most recently used."""
         self.entries.move_to_end(seq_id)
         self.tick += 1
         self.used[seq_id] = self.tick
 
     def insert(self, seq_id: int, tokens: list[int]) -> None:
         self.entries[seq_id] = list(tokens)
-        self._touch(seq_id)
+        self.touch(seq_id)
         for key in block_keys(tokens):
             self.index.setdefault(key, set()).add(seq_id)
 
@@ -85,7 +86,7 @@ class PrefixCache:
         self.queries += len(prompt)
         hit = self.longest(prompt)
         if hit is not None:
-            self._touch(hit[0])
+            self.touch(hit[0])
             self.hits += hit[1]
         return hit
 

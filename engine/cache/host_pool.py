@@ -1,0 +1,158 @@
+"""One worker's host-memory tier under the prefix cache (--kv-offload-gb): pages like its GPU pool's
+(engine/cache/page_pool.py), in host memory, pinned on CUDA workers so that copies run as DMA beside compute.
+
+    tensors: one per PagePool tensor (k, v; with FP8 pages also k_scale, v_scale),
+             [num_layers, num_pages, block_size, ...] like the pool's, without its scratch page
+
+An entry (`pages[host_id]`, host_id the id of the sequence it was copied from) holds a prefix of that
+sequence's slots on this worker, as whole pages in token order. `store` copies a GPU sequence's first pages
+in (the scheduler does it when a sequence retires into a prefix-cache entry: write-through, so dropping the
+GPU copy later costs no copy); `load` copies an entry's first pages into a new sequence's GPU pages (a
+restore). Every page is copied whole, so a restored page past the entry's last slot holds finite K/V as the
+GPU pool's own pages do.
+
+Order on CUDA: the copies run on one side stream in the order they are issued, so a load never reads host
+pages a store has not finished and a store never overwrites pages a load still reads. That stream first
+waits for the compute stream (the K/V a store copies out are written; the pages a load fills are no longer
+read); the compute stream waits for a load before it runs the restored sequence (`wait_loaded`), and for a
+store before the stored GPU pages are freed or truncated (`wait_stored`). On CPU the copies are plain and
+synchronous.
+"""
+import contextlib
+import time
+
+import torch
+
+from engine.cache.ledger import pages_for
+from engine.cache.page_pool import OutOfPagesError, PagePool, page_runs
+from engine.errors import DeviceSpecError
+
+
+class HostMemoryError(DeviceSpecError):
+    """The host tier's memory could not be allocated or pinned."""
+
+
+def pin(t: torch.Tensor) -> None:
+    """Page-locks t's memory in place (cudaHostRegister: exactly its bytes, unlike torch's pinned allocator,
+    which rounds a block up to a power of two)."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    if rc != 0:
+        raise HostMemoryError(f"pinning {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory for the KV "
+                              f"host tier failed (cudaHostRegister returned CUDA error {rc}): lower --kv-offload-gb")
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class HostPool:
+    def __init__(self, gpu: PagePool, num_pages: int):
+        """Host pages shaped like the GPU pool's; num_pages per worker (the same on every worker)."""
+        self.num_pages, self.block_size = num_pages, gpu.block_size
+        self.cuda = gpu.device.type == "cuda"
+        self.tensors = [torch.empty((t.shape[0], num_pages, *t.shape[2:]), dtype=t.dtype) for t in gpu._tensors()]
+        self.pinned = []
+        if self.cuda:
+            for t in self.tensors:
+                pin(t)
+                self.pinned.append(t)
+            self.stream = torch.cuda.Stream(gpu.device)
+        self.page_bytes = sum(t[0, 0].numel() * t.element_size() for t in self.tensors) * gpu.k.shape[0]
+        self._free = list(range(num_pages - 1, -1, -1))   # a stack: low page ids first, so entries get runs
+        self.pages: dict[int, list[int]] = {}             # host_id -> its host pages, in token order
+        self.stored: dict[int, torch.cuda.Event] = {}     # GPU seq_id -> its latest store's end (CUDA)
+        self.loads: dict[int, tuple] = {}                 # GPU seq_id -> (start, end, bytes) of its restore
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def store(self, gpu: PagePool, seq_id: int, host_id: int, num_tokens: int) -> int:
+        """A new entry host_id: a copy of the GPU sequence's first num_tokens slots -> bytes copied."""
+        n = pages_for(num_tokens, self.block_size)
+        if n > len(self._free):
+            raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {len(self._free)} are free")
+        self.pages[host_id] = [self._free.pop() for _ in range(n)]
+        runs = page_runs(gpu.pages[seq_id][:n], self.pages[host_id])
+        with self._on_stream():
+            for host, dev in zip(self.tensors, gpu._tensors()):
+                for layer in range(host.shape[0]):
+                    for d, h, length in runs:
+                        host[layer, h:h + length].copy_(dev[layer, d:d + length], non_blocking=self.cuda)
+        if self.cuda:
+            self.stored[seq_id] = self._record()
+        return n * self.page_bytes
+
+    def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
+        """The GPU sequence's first num_tokens slots (its pages already taken) <- the entry's -> bytes copied."""
+        n = pages_for(num_tokens, self.block_size)
+        runs = page_runs(self.pages[host_id][:n], gpu.pages[seq_id][:n])
+        start = time.perf_counter()
+        with self._on_stream():
+            begun = self._record() if self.cuda else None
+            for host, dev in zip(self.tensors, gpu._tensors()):
+                for layer in range(host.shape[0]):
+                    for h, d, length in runs:
+                        dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
+        ended = self._record() if self.cuda else time.perf_counter() - start
+        self.loads[seq_id] = (begun, ended, n * self.page_bytes)
+        return n * self.page_bytes
+
+    def wait_loaded(self, seq_id: int) -> "tuple[float, int] | None":
+        """The compute stream waits for the sequence's restore (if one is pending) -> (its seconds, bytes),
+        the seconds read once the compute stream has passed it (`restore_seconds`), or None."""
+        load = self.loads.get(seq_id)
+        if load is not None and self.cuda:
+            torch.cuda.current_stream().wait_event(load[1])
+        return load
+
+    def restore_seconds(self, seq_id: int) -> "tuple[float, int] | None":
+        """(seconds, bytes) of the sequence's restore, once it is done (read after a synchronize); forgets it."""
+        load = self.loads.pop(seq_id, None)
+        if load is None:
+            return None
+        begun, ended, nbytes = load
+        return (begun.elapsed_time(ended) / 1e3 if self.cuda else ended), nbytes
+
+    def wait_stored(self, seq_id: int) -> None:
+        """The compute stream waits for the latest store out of the sequence's GPU pages before they are
+        freed or truncated (they would be written by whoever takes them next)."""
+        event = self.stored.pop(seq_id, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def truncate(self, host_id: int, num_tokens: int) -> None:
+        """The entry keeps its first num_tokens slots."""
+        pages = self.pages[host_id]
+        keep = pages_for(num_tokens, self.block_size)
+        self._free.extend(reversed(pages[keep:]))
+        del pages[keep:]
+
+    def free(self, host_id: int) -> None:
+        pages = self.pages.pop(host_id, None)
+        if pages is not None:
+            self._free.extend(reversed(pages))
+
+    def release(self) -> None:
+        """Unpins the tier's memory (at shutdown: the kernel unpinning it at exit can stall for seconds)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        for t in self.pinned:
+            unpin(t)
+        self.pinned = []
+
+    def _record(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def _on_stream(self):
+        """On CUDA: the side stream, after the compute stream's work so far; on CPU: nothing."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.stream)
+

@@ -175,16 +175,13 @@ class Scheduler:
 
     def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int]):
         """The sequence starts from a copy of the longest cached prefix of ids (in the pool, or restored from
-        the host tier) -> that Hit (None: none, or the copy and its extension do not fit: a prefill, as
-        admitted)."""
-        hit = self.kv.cached_prefix(ids)
-        if hit is None:
-            return None
-        need = self.kv.hit_pages(hit, len(ids) - hit.length, self.policy.chunk_tokens)
-        if not self._room_beside(need, keep_entry=None if hit.on_host else hit.entry):
-            return None
-        self.kv.adopt(hit, seq.seq_id)
-        return hit
+        the host tier) that fits with its extension -> that Hit (None: none fits; a prefill, as admitted)."""
+        for hit in self.kv.cached_prefixes(ids):
+            need = self.kv.hit_pages(hit, len(ids) - hit.length, self.policy.chunk_tokens)
+            if self._room_beside(need, keep_entry=None if hit.on_host else hit.entry):
+                self.kv.adopt(hit, seq.seq_id)
+                return hit
+        return None
 
     def _resume(self, plan: plans.Resume) -> None:
         """A preempted sequence decodes again: on its kept pages when its entry is still there, else after

@@ -119,23 +119,20 @@ class KVManager:
             return 0
         return len(self.prefix_cache.entries[seq_id])
 
-    def cached_prefix(self, ids: list[int]) -> Hit | None:
-        """The longest cached prefix of ids, from the pool, or from the host tier where that holds enough more
-        (RESTORE_GAIN), counted as a query of the prefix cache; the entry becomes the most recently used."""
+    def cached_prefixes(self, ids: list[int]) -> list[Hit]:
+        """The longest cached prefixes of ids to copy, best first: the pool's, or the host tier's where that
+        holds enough more (RESTORE_GAIN); after the pool's, the host tier's (restored when the pool's copy does
+        not fit beside its source). Counted as a query of the prefix cache (`adopt` counts the hit)."""
         if self.prefix_cache is None:
-            return None
-        gpu = self.prefix_cache.longest(ids)
-        hit = Hit(*gpu) if gpu is not None else None
-        host = self.host_hit(ids, hit.length if hit else 0)
-        if host is not None:
-            hit = host
-            self.host_cache.touch(hit.entry)
-            self.host_hits += hit.length
-        elif hit is not None:
-            self.prefix_cache.touch(hit.entry)
+            return []
         self.prefix_cache.queries += len(ids)
-        self.prefix_cache.hits += hit.length if hit else 0
-        return hit
+        gpu = self.prefix_cache.longest(ids)
+        in_pool = Hit(*gpu) if gpu is not None else None
+        better = self.host_hit(ids, in_pool.length if in_pool else 0)
+        if better is not None:
+            return [better]
+        fallback = self.host_hit(ids, 0) if in_pool is not None else None
+        return [h for h in (in_pool, fallback) if h is not None]
 
     def host_hit(self, ids: list[int], in_pool: int) -> Hit | None:
         """The host tier's longest prefix of ids, if it is worth restoring over the `in_pool` tokens the pool
@@ -241,10 +238,15 @@ class KVManager:
         self.call(Reinstate([seq_id]))
 
     def adopt(self, hit: Hit, seq_id: int) -> None:
-        """A new sequence starts as a copy of the hit's `length` tokens: in the pool, or restored from the host tier."""
+        """A new sequence starts as a copy of the hit's `length` tokens: in the pool, or restored from the host
+        tier (counted as a hit of the prefix cache; the entry becomes the most recently used)."""
+        self.prefix_cache.hits += hit.length
         if hit.on_host:
+            self.host_cache.touch(hit.entry)
+            self.host_hits += hit.length
             self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length))
         else:
+            self.prefix_cache.touch(hit.entry)
             self.call(Adopt(hit.entry, seq_id, hit.length))
 
     def fork(self, source_id: int, seq_id: int) -> None:

@@ -181,8 +181,9 @@ class EngineConfig:
                                                 # prompt in one call. LLM's default: DEFAULT_MAX_NUM_BATCHED_TOKENS
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     kv_cache_dtype: str = "auto"            # "fp8": K/V pages in FP8, a scale per token and head (kernels/kv_quant.py)
-    kv_offload_gb: float = 0.0              # per worker: GiB of host memory under the prefix cache (engine/cache/
-                                            # host_pool.py); 0: none
+    kv_offload_gb: float | None = None      # per worker: GiB of host memory under the prefix cache (engine/cache/
+                                            # host_pool.py); 0 or None: none (LLM resolves None by device:
+                                            # engine/cache/host_memory.py offload_gib)
     itl_target_ms: float | None = 50.0      # while others decode, a chunk + their step is sized to this (None: chunks
                                             # of max_num_batched_tokens always; engine/chunk_sizer.py)
     extend_ring_min_tokens: int = 4096      # on several workers, an incremental prefill of at least this many new

@@ -163,7 +163,7 @@ OPTIONS: tuple[Option, ...] = (
            "request's KV is copied there, and a prompt whose cached prefix has left the GPU gets it back from there "
            "instead of prefilling it again (pinned on GPUs, copied beside compute). Default: on GPUs a quarter of "
            "the host memory that can be pinned, shared over the local workers; on CPU 0 (none). 0: none",
-           default=None, metavar="GIB", at_least=0),
+           metavar="GIB", at_least=0),
     Option("sp_strategy", str, "how prefill attention spans the workers (decoding is the same for all); auto: "
            "ulysses for short prompts, burst for long ones", choices=SP_STRATEGIES, on_worker=True),
     Option("seed", int, "seed of the preset's random weights", on_worker=True),

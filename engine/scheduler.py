@@ -63,7 +63,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.device = runner.device                                  # where tokens are sampled
         self.kv = KVManager(runner.ledger, runner.pages, call, engine.enable_prefix_caching,
-                            getattr(runner, "host_ledger", None))
+                            getattr(runner, "host_ledger", None), getattr(runner, "host", None))
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
@@ -83,6 +83,7 @@ class Scheduler:
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
                            plans.ReadBack: lambda plan: self._drain(), plans.Preempt: self._preempt_newest,
                            plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: lambda plan: self._refuse_head(),
+                           plans.AwaitRestore: lambda plan: self.kv.wait_restore(self.state.prefilling.seq.seq_id),
                            plans.Idle: lambda plan: None}
 
     @property
@@ -155,8 +156,11 @@ class Scheduler:
 
     def _start_chunks(self, job: ChunkedPrefill) -> None:
         """The prompt is prefilled chunk by chunk, its first chunk in this turn (alone: not with a decode
-        step), the others in the turns the policy gives them."""
+        step), the others in the turns the policy gives them; after a restore from the host tier that is still
+        copying, its first chunk waits for a later turn (the running sequences decode meanwhile)."""
         self.state.prefilling = job
+        if self.kv.restore_pending(job.seq.seq_id):
+            return
         plan = self.policy.next_chunk(self.state, mixed=False)
         if isinstance(plan, plans.GiveWay):
             self._give_way()

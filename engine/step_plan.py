@@ -8,7 +8,8 @@ The rules, in order:
 1. A decode step in flight (asynchronous scheduling) is followed by the next decode step, launched before
    it is read back, only when that is all that would run next; otherwise it is read back first.
 2. After a prompt or a chunk of one ran, the running sequences take a decode step.
-3. While a long prompt is prefilled in chunks, a short waiting request (one chunk's worth) that fits beside
+3. While the prompt being prefilled in chunks waits for its cached prefix to come back from the host tier,
+   the running sequences decode (with none, the scheduler waits for the copy). Then, a short waiting request (one chunk's worth) that fits beside
    the pages the long one still needs goes first, every other turn; otherwise the next chunk runs (with the
    running sequences' decode step in the same call when that is one CUDA graph, or asked for).
 4. Otherwise, preempted sequences resume before any new request is admitted; requests are admitted first
@@ -84,6 +85,11 @@ class GiveWay:
 
 
 @dataclass(frozen=True)
+class AwaitRestore:
+    """Wait for the restore from the host tier of the prompt being prefilled in chunks (nothing else runs)."""
+
+
+@dataclass(frozen=True)
 class Stuck:
     """Nothing runs and the first waiting sequence does not fit in the empty cache (a bug: refused earlier)."""
 
@@ -109,6 +115,8 @@ class Policy:
         if s.decode_owed and s.running:
             return self._decode(s)
         if s.prefilling is not None:
+            if self._restoring(s):
+                return self._decode(s) if s.running else AwaitRestore()
             short = None if s.short_went_first else self._short_beside(s)
             return short or self.next_chunk(s)
         if s.preempted:
@@ -128,8 +136,12 @@ class Policy:
     def _decodes_on(self, s: SchedulerState) -> bool:
         """Is the next thing to do another decode step of the sequences running, nothing else (no abort,
         chunk, resume or admission)? Then the step in flight need not be read back first."""
-        return bool(s.running) and not s.aborted and s.prefilling is None and not s.preempted and not (
-            s.waiting and self._admit(s, s.waiting[0]) is not None)
+        return bool(s.running) and not s.aborted and (s.prefilling is None or self._restoring(s)) and \
+            not s.preempted and not (s.prefilling is None and s.waiting and self._admit(s, s.waiting[0]) is not None)
+
+    def _restoring(self, s: SchedulerState) -> bool:
+        """Is the prompt being prefilled in chunks waiting for its restore from the host tier?"""
+        return s.prefilling is not None and self.kv.restore_pending(s.prefilling.seq.seq_id)
 
     def _decode_ahead(self, s: SchedulerState) -> StepAhead:
         """The step in flight's rows that decode on: still running, and not ended for sure by the token in

@@ -51,9 +51,29 @@ class Metrics:
                                    "(not prefilled again).", lab, registry=r)
         self.recomputed = Counter("burstserve:num_recomputed_tokens", "Tokens prefilled again to resume "
                                   "preempted sequences (those found in the prefix cache not counted).", lab, registry=r)
-        for counter in (self.prefix_queries, self.prefix_hits, self.recomputed):
+        # the KV host tier (--kv-offload-gb, engine/cache/host_pool.py)
+        self.host_hits = Counter("burstserve:prefix_cache_host_hits", "Prompt tokens restored from the KV host "
+                                 "tier (also counted in prefix_cache_hits).", lab, registry=r)
+        self.host_evicted = Counter("burstserve:kv_host_evicted_tokens", "Tokens evicted from the KV host tier.",
+                                    lab, registry=r)
+        self.offload_stored = Counter("burstserve:kv_offload_stored_bytes", "Bytes copied to the KV host tier "
+                                      "(worker 0's).", lab, registry=r)
+        self.offload_restored = Counter("burstserve:kv_offload_restored_bytes", "Bytes restored from the KV host "
+                                        "tier (worker 0's).", lab, registry=r)
+        self.restore_seconds = Histogram("burstserve:kv_offload_restore_seconds", "Per prompt restored from the KV "
+                                         "host tier: the copy's time (worker 0's).", lab, buckets=LATENCY_BUCKETS,
+                                         registry=r)
+        self.host_usage = Gauge("burstserve:kv_host_cache_usage_perc", "KV host tier usage per worker (0-1): tokens "
+                                "held over capacity.", lab + ["worker"], registry=r)
+        self.host_capacity = Gauge("burstserve:kv_host_cache_capacity_tokens", "KV host tier capacity per worker, "
+                                   "tokens (0: no tier).", lab, registry=r)
+        self._counters = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                          "num_recomputed_tokens": self.recomputed, "prefix_cache_host_hits": self.host_hits,
+                          "kv_host_evicted_tokens": self.host_evicted, "kv_offload_stored_bytes": self.offload_stored,
+                          "kv_offload_restored_bytes": self.offload_restored}
+        for counter in self._counters.values():
             counter.labels(self.model_name)
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_recomputed_tokens": 0}
+        self._seen = dict.fromkeys(self._counters, 0)
         self.kv_usage = Gauge("burstserve:kv_cache_usage_perc", "KV cache usage per worker (0-1).",
                               lab + ["worker"], registry=r)
 
@@ -71,6 +91,8 @@ class Metrics:
             self.ring_exchange.labels(m).observe(stats["exchange_seconds"])
             self.ring_exposed.labels(m).observe(stats["exposed_seconds"])
             self.ring_hidden.labels(m).observe(stats["hidden_fraction"])
+        if "restore_seconds" in stats:
+            self.restore_seconds.labels(m).observe(stats["restore_seconds"])
 
     def next_token(self, gap_seconds: float) -> None:
         self.tpot.labels(self.model_name).observe(gap_seconds)
@@ -92,8 +114,11 @@ class Metrics:
         if preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
             self.preemptions.labels(m).inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
-        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("num_recomputed_tokens", self.recomputed)):
+        host_capacity = engine_stats.get("kv_host_capacity_per_worker") or 0
+        self.host_capacity.labels(m).set(host_capacity)
+        for worker, tokens in enumerate(engine_stats.get("kv_host_tokens_per_worker", [])):
+            self.host_usage.labels(m, str(worker)).set(tokens / host_capacity if host_capacity else 0.0)
+        for key, counter in self._counters.items():
             value = engine_stats.get(key, 0)
             if value > self._seen[key]:        # worker 0 counts; the counters follow it
                 counter.labels(m).inc(value - self._seen[key])

@@ -15,7 +15,17 @@ def stats_line(engine: AsyncEngine, prompt_tps: float, generation_tps: float) ->
     usage = ", ".join(f"{100 * t / capacity:.1f}%" if capacity else "-" for t in stats.get("kv_tokens_per_worker", []))
     return (f"prompt throughput {prompt_tps:.1f} tokens/s, generation throughput {generation_tps:.1f} tokens/s, "
             f"running {stats.get('running', 0)} reqs, waiting {engine.waiting} reqs, KV usage per worker [{usage}]"
-            + (f", preemptions {stats['num_preemptions']}" if stats.get("num_preemptions") else ""))
+            + (f", preemptions {stats['num_preemptions']}" if stats.get("num_preemptions") else "")
+            + host_tier(stats))
+
+
+def host_tier(stats: dict) -> str:
+    """The KV host tier's part of the line (none without a tier): its usage per worker and tokens restored."""
+    capacity = stats.get("kv_host_capacity_per_worker") or 0
+    if not capacity:
+        return ""
+    usage = ", ".join(f"{100 * t / capacity:.1f}%" for t in stats.get("kv_host_tokens_per_worker", []))
+    return f", KV host tier per worker [{usage}], {stats.get('prefix_cache_host_hits', 0)} tokens restored"
 
 
 async def log_stats_while_busy(engine: AsyncEngine, interval: float) -> None:

@@ -11,12 +11,13 @@ GPU copy later costs no copy); `load` copies an entry's first pages into a new s
 restore). Every page is copied whole, so a restored page past the entry's last slot holds finite K/V as the
 GPU pool's own pages do.
 
-Order on CUDA: the copies run on one side stream in the order they are issued, so a load never reads host
-pages a store has not finished and a store never overwrites pages a load still reads. That stream first
-waits for the compute stream (the K/V a store copies out are written; the pages a load fills are no longer
-read); the compute stream waits for a load before it runs the restored sequence (`wait_loaded`), and for a
-store before the stored GPU pages are freed or truncated (`wait_stored`). On CPU the copies are plain and
-synchronous.
+Order on CUDA: stores run on one side stream and loads on another (a restore does not queue behind a
+large store of another entry). Each first waits for the compute stream (the K/V a store copies out are
+written; the pages a load fills are no longer read). A load of an entry waits for that entry's store; a
+store waits for the loads out of host pages freed since (it may take them). The compute stream waits for a
+load before it runs the restored sequence (`wait_loaded`; the scheduler lets other sequences decode until
+`load_pending` is False), and for a store before the stored GPU pages are freed or truncated
+(`wait_stored`). On CPU the copies are plain and synchronous.
 """
 import contextlib
 import time
@@ -56,11 +57,14 @@ class HostPool:
             for t in self.tensors:
                 pin(t)
                 self.pinned.append(t)
-            self.stream = torch.cuda.Stream(gpu.device)
+            self.store_stream, self.load_stream = torch.cuda.Stream(gpu.device), torch.cuda.Stream(gpu.device)
         self.page_bytes = sum(t[0, 0].numel() * t.element_size() for t in self.tensors) * gpu.k.shape[0]
         self._free = list(range(num_pages - 1, -1, -1))   # a stack: low page ids first, so entries get runs
         self.pages: dict[int, list[int]] = {}             # host_id -> its host pages, in token order
         self.stored: dict[int, torch.cuda.Event] = {}     # GPU seq_id -> its latest store's end (CUDA)
+        self.written: dict[int, torch.cuda.Event] = {}    # host_id -> its store's end (CUDA)
+        self.read: dict[int, torch.cuda.Event] = {}       # host_id -> its latest load's end (CUDA)
+        self.freed_reads: list[torch.cuda.Event] = []     # loads out of host pages freed since the last store
         self.loads: dict[int, tuple] = {}                 # GPU seq_id -> (start, end, bytes) of its restore
 
     @property
@@ -77,13 +81,14 @@ class HostPool:
             raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {len(self._free)} are free")
         self.pages[host_id] = [self._free.pop() for _ in range(n)]
         runs = page_runs(gpu.pages[seq_id][:n], self.pages[host_id])
-        with self._on_stream():
+        with self._on(self.store_stream if self.cuda else None, self.freed_reads):
             for host, dev in zip(self.tensors, gpu._tensors()):
                 for layer in range(host.shape[0]):
                     for d, h, length in runs:
                         host[layer, h:h + length].copy_(dev[layer, d:d + length], non_blocking=self.cuda)
         if self.cuda:
-            self.stored[seq_id] = self._record()
+            self.freed_reads = []
+            self.stored[seq_id] = self.written[host_id] = self._record(self.store_stream)
         return n * self.page_bytes
 
     def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
@@ -91,15 +96,29 @@ class HostPool:
         n = pages_for(num_tokens, self.block_size)
         runs = page_runs(self.pages[host_id][:n], gpu.pages[seq_id][:n])
         start = time.perf_counter()
-        with self._on_stream():
-            begun = self._record() if self.cuda else None
+        written = [self.written[host_id]] if host_id in self.written else []
+        with self._on(self.load_stream if self.cuda else None, written):
+            begun = self._record(self.load_stream) if self.cuda else None
             for host, dev in zip(self.tensors, gpu._tensors()):
                 for layer in range(host.shape[0]):
                     for h, d, length in runs:
                         dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
-        ended = self._record() if self.cuda else time.perf_counter() - start
+        ended = self._record(self.load_stream) if self.cuda else time.perf_counter() - start
+        if self.cuda:
+            self.read[host_id] = ended
         self.loads[seq_id] = (begun, ended, n * self.page_bytes)
         return n * self.page_bytes
+
+    def load_pending(self, seq_id: int) -> bool:
+        """Is the sequence's restore still copying (worker 0's view; CPU: never)?"""
+        load = self.loads.get(seq_id)
+        return self.cuda and load is not None and not load[1].query()
+
+    def wait_load(self, seq_id: int) -> None:
+        """The host waits for the sequence's restore to end (worker 0, when nothing else can run)."""
+        load = self.loads.get(seq_id)
+        if self.cuda and load is not None:
+            load[1].synchronize()
 
     def wait_loaded(self, seq_id: int) -> "tuple[float, int] | None":
         """The compute stream waits for the sequence's restore (if one is pending) -> (its seconds, bytes),
@@ -124,17 +143,15 @@ class HostPool:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-    def truncate(self, host_id: int, num_tokens: int) -> None:
-        """The entry keeps its first num_tokens slots."""
-        pages = self.pages[host_id]
-        keep = pages_for(num_tokens, self.block_size)
-        self._free.extend(reversed(pages[keep:]))
-        del pages[keep:]
-
     def free(self, host_id: int) -> None:
+        """The entry's pages go back (the next store waits for the loads out of them)."""
         pages = self.pages.pop(host_id, None)
         if pages is not None:
             self._free.extend(reversed(pages))
+        self.written.pop(host_id, None)
+        read = self.read.pop(host_id, None)
+        if read is not None:
+            self.freed_reads.append(read)
 
     def release(self) -> None:
         """Unpins the tier's memory (at shutdown: the kernel unpinning it at exit can stall for seconds)."""
@@ -144,15 +161,20 @@ class HostPool:
             unpin(t)
         self.pinned = []
 
-    def _record(self) -> "torch.cuda.Event":
+    @staticmethod
+    def _record(stream) -> "torch.cuda.Event":
         event = torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
+        event.record(stream)
         return event
 
-    def _on_stream(self):
-        """On CUDA: the side stream, after the compute stream's work so far; on CPU: nothing."""
-        if not self.cuda:
+    @staticmethod
+    def _on(stream, after: list):
+        """On CUDA: the side stream, after the compute stream's work so far and the events `after`; on CPU
+        (stream None): nothing."""
+        if stream is None:
             return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.stream)
+        stream.wait_stream(torch.cuda.current_stream())
+        for event in after:
+            stream.wait_event(event)
+        return torch.cuda.stream(stream)
 

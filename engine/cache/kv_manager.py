@@ -47,9 +47,9 @@ class Hit:
 
 class KVManager:
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
-                 host_ledger: KVLedger | None = None):
+                 host_ledger: KVLedger | None = None, host_pool=None):
         """call(message): sends one engine/calls.py message to every worker; host_ledger: the host tier's (None:
-        no tier)."""
+        no tier); host_pool: worker 0's HostPool, asked whether a restore is still copying."""
         self.ledger, self.pages, self.call = ledger, pages, call
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.host = host_ledger if prefix_caching else None
@@ -58,6 +58,7 @@ class KVManager:
         self.host_hits = 0                    # prompt tokens restored from the host tier
         self.host_evicted_tokens = 0
         self.stored_bytes = self.restored_bytes = 0    # worker 0's copies to and from the host tier
+        self.host_pool = host_pool
         self.watermark = max(1, ledger.num_pages // 100)   # pages kept free for running sequences to grow
         self.capacity_per_worker = ledger.num_pages * ledger.block_size
 
@@ -141,6 +142,15 @@ class KVManager:
         if host is None or host[1] - in_pool < max(BLOCK, host[1] // RESTORE_GAIN):
             return None
         return Hit(*host, on_host=True)
+
+    def restore_pending(self, seq_id: int) -> bool:
+        """Is the sequence's restore from the host tier still copying (on worker 0)? Until it is done the
+        sequence waits and the others decode; the other workers' copies are waited for on their GPUs."""
+        return self.host_pool is not None and self.host_pool.load_pending(seq_id)
+
+    def wait_restore(self, seq_id: int) -> None:
+        """Worker 0 waits for the sequence's restore (nothing else to run)."""
+        self.host_pool.wait_load(seq_id)
 
     def hit_pages(self, hit: Hit, rest: int, chunk: int | None) -> list[int]:
         """Pages per worker to copy the hit (from the pool or the host tier) and extend it by `rest` tokens."""

@@ -36,7 +36,7 @@ from engine.options import BY_NAME, Option, add_arguments, from_args
 # max_model_len (the longest request) and max_num_seqs (from --batch).
 OFFLINE_OPTIONS = ("devices", "context_parallel_size", "dtype", "quantization", "kv_cache_dtype", "sp_strategy",
                    "attention_backend", "overlap", "async_scheduling", "enable_chunked_prefill",
-                   "max_num_batched_tokens", "zero_sliced_max_tokens")
+                   "max_num_batched_tokens", "zero_sliced_max_tokens", "kv_cache_tokens", "kv_offload_gb")
 ADDED_TO_SERVE = ("devices", "context_parallel_size")     # _device_args
 # `bench sweep --sp-strategy` takes these too, beside the engine's strategies: transformers' model run as a
 # user would, the engine not started (clients/hf_baseline.py, clients/torch_cp.py)
@@ -83,6 +83,12 @@ def add_parser(sub) -> None:
                         help="new tokens of each question (multi-turn: of each turn)")
     shared.add_argument("--questions", type=_at_least(2), default=4,
                         help="questions on each document: the first is cold, the others warm")
+    shared.add_argument("--documents", type=_positive_int, default=1, metavar="D",
+                        help="1 (default): document mode; D >= 2: many-documents mode, D documents each prefilled once, "
+                             "then --rounds rounds of a question per document round robin; TTFT by where the prefix "
+                             "came from (the GPU's KV pool, the KV host tier, none)")
+    shared.add_argument("--rounds", type=_positive_int, default=3, metavar="R",
+                        help="many-documents mode: rounds of questions after the documents' first")
     shared.add_argument("--turns", type=_turns, default=0, metavar="T",
                         help="0 (default): document mode; T >= 2: a conversation of T turns, each turn's prompt the "
                              "previous prompt, its answer and --question-len new tokens")

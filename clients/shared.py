@@ -6,7 +6,12 @@ whole prompt is prefilled. The others are warm: the document's K/V should come f
 only the question is prefilled. Multi-turn mode (`turns` > 0): a conversation whose first turn is
 `doc_len` + `question_len` random ids and whose turn t is turn t-1's prompt, its answer (`output_len`
 generated tokens, exactly: ignore_eos) and `question_len` new ids; turn 1 is cold, the others warm.
-Each repeat takes a fresh document (conversation); `warmup` unmeasured ones come first.
+Many-documents mode (`documents` > 1): `documents` fresh documents, each prefilled once (cold), then
+`rounds` rounds of one question per document, round robin: with more documents than the GPU's KV pool
+holds, a question finds its document in the pool, in the KV host tier (--kv-offload-gb), or nowhere, and
+the table gives TTFT by where the prefix came from (offline from prefill_stats' host_cached_tokens, over
+HTTP from the server's prefix_cache_host_hits counter around each request).
+Each repeat takes a fresh document (conversation, set of documents); `warmup` unmeasured ones come first.
 
 Every request reports how many prompt tokens came from the prefix cache: offline the engine's
 prefill_stats["cached_tokens"], over HTTP the final usage chunk's prompt_tokens_details.cached_tokens
@@ -25,11 +30,14 @@ import httpx
 
 from clients.report import write_result_files
 from clients.stats import summarize
-from clients.sweep import (check_generated, config_fields, config_label, engine_timing, offline_llm, offline_llm_args,
-                           prefill_seconds_total, random_prompt, server_info)
+from clients.sweep import (check_generated, config_fields, config_label, engine_timing, metric_totals, offline_llm,
+                           offline_llm_args, random_prompt, server_info)
 from clients.ttft_probe import completion_body, stream_once
 
 MULTI_TURN_OUTPUT_LEN = 128     # --output-len's default in multi-turn mode (document mode: 1)
+PREFILL_SUM = "burstserve:request_prefill_time_seconds_sum"
+HOST_HITS = "burstserve:prefix_cache_host_hits_total"
+SOURCES = ("gpu", "host", "none")   # where a question's cached prefix came from
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Sample:
     adopt: float = 0.0          # offline: seconds finding the cached prefix and copying it (0 over HTTP)
     queued: float = 0.0         # offline: seconds from submitting it to the scheduler taking it up
     call: float = 0.0           # offline: seconds of the workers' prefill calls as the scheduler saw them
+    host_cached_tokens: int = 0  # of cached_tokens, restored from the KV host tier
 
 
 # ---- one request, offline or over HTTP -------------------------------------------------------------------
@@ -58,7 +67,8 @@ def offline_sender(llm, output_len: int):
         m = out.metrics
         return Sample(len(prompt), m.prefill_stats.get("cached_tokens", 0), engine_timing(m).ttft,
                       m.prefill_seconds or 0.0, answer, m.prefill_stats.get("adopt_seconds", 0.0),
-                      m.prefill_stats.get("queued_seconds", 0.0), m.prefill_stats.get("call_seconds", 0.0))
+                      m.prefill_stats.get("queued_seconds", 0.0), m.prefill_stats.get("call_seconds", 0.0),
+                      m.prefill_stats.get("host_cached_tokens", 0))
     return send
 
 
@@ -71,9 +81,9 @@ def http_sender(url: str, model: str, api_key: str | None, output_len: int):
         body = dict(completion_body(model, 0, 1, output_len), prompt=prompt)   # the sweep's request, this prompt
         if want_answer:
             body.update(logprobs=0, return_tokens_as_token_ids=True)
-        before = prefill_seconds_total(url)
+        before = metric_totals(url, PREFILL_SUM, HOST_HITS)
         timing, chunks = asyncio.run(_stream(url, body, headers))
-        prefill = prefill_seconds_total(url) - before
+        prefill, host_hits = (b - a for a, b in zip(before, metric_totals(url, PREFILL_SUM, HOST_HITS)))
         usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
         if usage is None:
             raise RuntimeError("the stream carried no usage chunk (stream_options.include_usage)")
@@ -84,7 +94,7 @@ def http_sender(url: str, model: str, api_key: str | None, output_len: int):
                   for name in (choice.get("logprobs") or {}).get("tokens", [])] if want_answer else []
         if want_answer and len(answer) != output_len:
             raise RuntimeError(f"{output_len} tokens generated, {len(answer)} token ids in the stream's logprobs")
-        return Sample(len(prompt), cached, timing.ttft, prefill, answer)
+        return Sample(len(prompt), cached, timing.ttft, prefill, answer, host_cached_tokens=int(host_hits))
     return send
 
 
@@ -148,10 +158,45 @@ def conversation_run(send, vocab: int, doc_len: int, question_len: int, turns: i
     return records
 
 
+def documents_run(send, vocab: int, doc_len: int, question_len: int, documents: int, rounds: int, rng,
+                  progress) -> list[dict]:
+    """Many documents: each prefilled once with a first question (cold), then `rounds` rounds of a question per
+    document, round robin -> one record per request, the cold ones first, each with its round, its document
+    and where its prefix came from."""
+    docs = [random_prompt(vocab, doc_len, rng) for _ in range(documents)]
+    records = []
+    for r in range(rounds + 1):
+        for d, document in enumerate(docs):
+            s = send(document + random_prompt(vocab, question_len, rng), False)
+            records.append(dict(_record(len(records) + 1, s, doc_len if r else 0), round=r, document=d + 1,
+                                warm=r > 0))
+            progress.update(1)
+    return records
+
+
+def source(record: dict) -> str:
+    """Where the request's cached prefix came from: the GPU's pool, the KV host tier, or nowhere."""
+    return "host" if record.get("host_cached_tokens") else "gpu" if record["cached_tokens"] else "none"
+
+
+def by_source(runs: list[list[dict]]) -> dict:
+    """Many-documents mode: the cold requests' TTFT (round 0), and the warm ones' by where their prefix came
+    from (ms statistics and the count of each)."""
+    cold = [x["ttft_ms"] / 1e3 for run in runs for x in run if not x["warm"]]
+    out = {"cold": {"count": len(cold), **summarize("ttft", cold), "max_ttft_ms": max(cold) * 1e3} if cold else
+           {"count": 0}}
+    for name in SOURCES:
+        ttft = [x["ttft_ms"] / 1e3 for run in runs for x in run if x["warm"] and source(x) == name]
+        out[name] = {"count": len(ttft), **summarize("ttft", ttft), "max_ttft_ms": max(ttft) * 1e3} if ttft else \
+            {"count": 0}
+    return out
+
+
 def _record(index: int, s: Sample, expected: int) -> dict:
     return {"index": index, "warm": index > 1, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-            "expected_cached_tokens": expected, "ttft_ms": s.ttft * 1e3, "server_prefill_ms": s.server_prefill * 1e3,
-            "adopt_ms": s.adopt * 1e3, "queued_ms": s.queued * 1e3, "call_ms": s.call * 1e3}
+            "host_cached_tokens": s.host_cached_tokens, "expected_cached_tokens": expected, "ttft_ms": s.ttft * 1e3,
+            "server_prefill_ms": s.server_prefill * 1e3, "adopt_ms": s.adopt * 1e3, "queued_ms": s.queued * 1e3,
+            "call_ms": s.call * 1e3}
 
 
 # ---- summaries -------------------------------------------------------------------------------------------
@@ -207,8 +252,37 @@ def _span(values: list[int]) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
+def documents_table(result: dict) -> str:
+    """results.md of many-documents mode: TTFT by where the prefix came from."""
+    lines = [f"Many documents, {result['label']}: {result['documents']} documents of {result['doc_len']} tokens, "
+             f"each prefilled once with a question (cold), then {result['rounds']} round(s) of a "
+             f"{result['question_len']}-token question per document, round robin; {result['output_len']} output "
+             "token(s). Time to first token in seconds, by where the question's cached prefix came from "
+             "(gpu: the KV pool; host: the KV host tier; none: prefilled whole).", "",
+             "| prefix from | requests | TTFT s mean | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+    groups = by_source(result["runs"]) if result["runs"] else {}
+    for name in ("cold",) + SOURCES:
+        g = groups.get(name, {"count": 0})
+        if not g["count"]:
+            lines.append(f"| {name} | 0 | - | - | - | - |")
+            continue
+        lines.append(f"| {name} | {g['count']} | {_seconds(g['mean_ttft_ms'])} | {_seconds(g['median_ttft_ms'])} | "
+                     f"{_seconds(g['p99_ttft_ms'])} | {_seconds(g['max_ttft_ms'])} |")
+    lines += ["", "| round | " + " | ".join(f"doc {d}" for d in range(1, result["documents"] + 1)) + " |",
+              "|---|" + "---|" * result["documents"]]
+    for r in range(result["rounds"] + 1):
+        cells = [f"{x['ttft_ms'] / 1e3:.3f} ({source(x) if x['warm'] else 'cold'})"
+                 for run in result["runs"][:1] for x in run if x["round"] == r]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    if result.get("error"):
+        lines += ["", f"**Error** (the run stopped): {result['error']}"]
+    return "\n".join(lines) + "\n"
+
+
 def table(result: dict) -> str:
     """results.md: a line per repeat and one over all of them; in multi-turn mode also a line per turn."""
+    if result["kind"] == "documents":
+        return documents_table(result)
     multi = result["kind"] == "multi-turn"
     if multi:
         head = (f"Multi-turn, {result['label']}: {result['turns']} turns, the first {result['doc_len']} + "
@@ -244,8 +318,8 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_COLUMNS = ["repeat", "index", "warm", "prompt_tokens", "cached_tokens", "expected_cached_tokens", "ttft_ms",
-               "server_prefill_ms", "adopt_ms", "queued_ms", "call_ms"]
+CSV_COLUMNS = ["repeat", "index", "round", "document", "warm", "prompt_tokens", "cached_tokens", "host_cached_tokens",
+               "expected_cached_tokens", "ttft_ms", "server_prefill_ms", "adopt_ms", "queued_ms", "call_ms"]
 
 
 def write_results(output_dir: str, result: dict) -> None:
@@ -261,9 +335,9 @@ def run_shared(args, url: str | None, meta: dict) -> dict:
     results after each one, prints the table and the warnings -> the result. An error ends the run: what was
     measured is written and the run exits with status 1."""
     from tqdm import tqdm
-    multi = args.turns > 0
+    multi, many = args.turns > 0, args.documents > 1
     output_len = args.output_len or (MULTI_TURN_OUTPUT_LEN if multi else 1)
-    per_run = args.turns if multi else args.questions
+    per_run = args.turns if multi else args.documents * (args.rounds + 1) if many else args.questions
     with contextlib.ExitStack() as stack:
         if args.offline:
             longest = args.doc_len + (args.turns * (args.question_len + output_len) if multi
@@ -275,7 +349,8 @@ def run_shared(args, url: str | None, meta: dict) -> dict:
             server = server_info(url, args.api_key)
             fields, vocab = config_fields(server), server.get("vocab_size", 1000)
             send = http_sender(url, server["id"], args.api_key, output_len)
-        result = {"mode": "shared", **meta, "kind": "multi-turn" if multi else "document",
+        result = {"mode": "shared", **meta, "kind": "multi-turn" if multi else "documents" if many else "document",
+                  "documents": args.documents, "rounds": args.rounds,
                   "label": args.label or config_label(fields, args.offline), **fields, "doc_len": args.doc_len,
                   "question_len": args.question_len, "questions": None if multi else args.questions,
                   "turns": args.turns, "output_len": output_len, "repeats": args.repeats, "warmup": args.warmup,
@@ -286,6 +361,9 @@ def run_shared(args, url: str | None, meta: dict) -> dict:
         def one_run(progress) -> list[dict]:
             if multi:
                 return conversation_run(send, vocab, args.doc_len, args.question_len, args.turns, rng, progress)
+            if many:
+                return documents_run(send, vocab, args.doc_len, args.question_len, args.documents, args.rounds, rng,
+                                     progress)
             return document_run(send, vocab, args.doc_len, args.question_len, args.questions, rng, progress)
 
         with tqdm(total=(args.warmup + args.repeats) * per_run, desc="shared", file=sys.stderr) as bar:
@@ -310,6 +388,9 @@ def run_shared(args, url: str | None, meta: dict) -> dict:
 
 def _finish(result: dict, multi: bool) -> None:
     runs = result["runs"]
+    if result["kind"] == "documents":
+        result["summary"] = by_source(runs) if runs else None
+        return
     result["summary"] = summary(runs) if runs else None
     result["per_turn"] = per_turn(runs) if multi and runs else None
     result["warnings"] = cache_warnings(runs)

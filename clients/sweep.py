@@ -27,12 +27,15 @@ def server_info(url: str, api_key: str | None) -> dict:
 
 
 def prefill_seconds_total(url: str) -> float:
+    return metric_totals(url, "burstserve:request_prefill_time_seconds_sum")[0]
+
+
+def metric_totals(url: str, *names: str) -> list[float]:
+    """The server's /metrics samples of these names (0 for one it does not export)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "burstserve:request_prefill_time_seconds_sum":
-                return sample.value
-    return 0.0
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name in names}
+    return [values.get(name, 0.0) for name in names]
 
 
 def config_fields(info: dict) -> dict:

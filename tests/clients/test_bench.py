@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from clients.server_process import ROOT, RemoteServer
+from clients.shared import SOURCES, source
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -338,6 +339,49 @@ def test_shared_over_http_hits_the_servers_prefix_cache(tmp_path):
     assert run[1]["cached_tokens"] >= 46 + 5 - 1 and run[2]["cached_tokens"] >= 57 + 5 - 1
 
 
+def check_documents(out_dir, documents: int, rounds: int) -> dict:
+    """Many-documents mode's results: each document cold once, then a question per document each round; the
+    summary's counts and means by source are the records'."""
+    data = json.load(open(os.path.join(out_dir, "results.json")))
+    assert data["kind"] == "documents" and not data["error"]
+    run = data["runs"][0]
+    assert [(x["round"], x["document"]) for x in run] == [(r, d) for r in range(rounds + 1)
+                                                         for d in range(1, documents + 1)]
+    assert all(x["cached_tokens"] == 0 for x in run[:documents]) and not any(x["warm"] for x in run[:documents])
+    s = data["summary"]
+    assert s["cold"]["count"] == documents and sum(s[k]["count"] for k in SOURCES) == documents * rounds
+    for name in SOURCES:
+        group = [x["ttft_ms"] for x in run[documents:] if source(x) == name]
+        if group:
+            assert s[name]["mean_ttft_ms"] == pytest.approx(statistics.fmean(group))
+    table = open(os.path.join(out_dir, "results.md")).read()
+    assert "| prefix from | requests | TTFT s mean | p50 | p99 | max |" in table
+    assert f"| cold | {documents} | " in table
+    return data
+
+
+def test_shared_many_documents_offline_reports_ttft_by_where_the_prefix_came_from(tmp_path):
+    """Five 200-token documents in a pool of 512 tokens with a host tier: each round's questions find their
+    document in the host tier (the pool holds two), and the table says so."""
+    bench("shared", "--offline", "--model", "tiny", "--devices", "cpu", "--doc-len", "200", "--question-len", "16",
+          "--documents", "5", "--rounds", "2", "--repeats", "1", "--warmup", "0", "--kv-cache-tokens", "512",
+          "--kv-offload-gb", "0.02", "--output-dir", str(tmp_path / "docs"))
+    data = check_documents(str(tmp_path / "docs"), 5, 2)
+    s = data["summary"]
+    assert s["host"]["count"] == 10 and s["none"]["count"] == 0, s
+    assert all(x["host_cached_tokens"] == 200 for x in data["runs"][0][5:])
+    with open(tmp_path / "docs" / "results.csv") as f:
+        assert [r["host_cached_tokens"] for r in csv.DictReader(f)][5:] == ["200"] * 10
+
+
+def test_shared_many_documents_over_http_counts_host_hits(tmp_path):
+    bench("shared", "--serve", "--model tiny --devices cpu --kv-cache-tokens 512 --kv-offload-gb 0.02",
+          "--doc-len", "200", "--question-len", "16", "--documents", "4", "--rounds", "1", "--repeats", "1",
+          "--warmup", "0", "--output-dir", str(tmp_path / "http"))
+    data = check_documents(str(tmp_path / "http"), 4, 1)
+    assert data["summary"]["host"]["count"] == 4, data["summary"]
+
+
 def test_shared_over_http_warns_without_a_prefix_cache(tmp_path):
     """A server run with --no-enable-prefix-caching: every warm request reports 0 cached tokens, loudly."""
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -362,7 +406,9 @@ def test_shared_flags():
     assert (a.doc_len, a.question_len, a.questions, a.turns, a.output_len, a.repeats, a.max_num_batched_tokens) == \
         (32768, 512, 4, 0, None, 2, None)
     assert shared("--turns", "5").turns == 5
-    for bad in (["--turns", "1"], ["--questions", "1"], ["--doc-len", "0"], ["--max-num-batched-tokens", "0"]):
+    assert (a.documents, a.rounds) == (1, 3) and shared("--documents", "12", "--rounds", "3").documents == 12
+    for bad in (["--turns", "1"], ["--questions", "1"], ["--doc-len", "0"], ["--max-num-batched-tokens", "0"],
+                ["--documents", "0"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             shared(*bad)
 

@@ -65,7 +65,7 @@ def test_the_defaults_reach_llm_as_before_by_keyword():
         assert llm_args == dict(model="tiny", devices=None, context_parallel_size=None, dtype=None, sp_strategy="burst",
                                 attention_backend="auto", overlap=True, max_model_len=4096, max_num_seqs=16,
                                 quantization="none", kv_cache_dtype="auto", zero_sliced_max_tokens=None,
-                                async_scheduling=True,
+                                async_scheduling=True, kv_cache_tokens=None, kv_offload_gb=None,
                                 max_num_batched_tokens=None, enable_chunked_prefill=True,
                                 enable_prefix_caching=True), mode      # no seed: shared's --seed is the prompts'
         values = check_options({k: v for k, v in llm_args.items() if k != "model"})
@@ -81,7 +81,7 @@ def test_every_flag_reaches_llm_by_keyword():
         kv_cache_dtype="fp8",
         sp_strategy="burst-zero", attention_backend="cudnn", overlap=False, async_scheduling=False,
         enable_chunked_prefill=False, max_num_batched_tokens=None, zero_sliced_max_tokens=0, max_model_len=100,
-        max_num_seqs=64)
+        max_num_seqs=64, kv_cache_tokens=None, kv_offload_gb=None)
     args = _parse("shared", "--offline", "--context-parallel-size", "4", "--quantization", "fp8",
                   "--max-num-batched-tokens", "8192", "--async-scheduling", "--enable-chunked-prefill")
     llm_args = offline_llm_args(args, 100)

@@ -336,6 +336,32 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
   fi
 }
 
+part_hosttier() {   # the KV host tier: GPU tests, copy GB/s, many documents (bench shared), decode gaps during restores
+  sel=${PARTS:-tests copy docs streams}
+  local off="--offline --model llama3-8b --devices cuda -cp 1" docs=${DOCS:-12} gib=${HOST_GIB:-100}
+  if has tests && [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
+        -k "host_tier" 2>&1 | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"
+  fi
+  if has copy; then
+    OUT=$out timeout 200 python3 scripts/gpu_host_tier.py copy 2>&1 | grep -v -i warn | tee "$out/copy.txt"
+  fi
+  if has docs; then         # DOCS documents of LONG tokens, round robin, FP8 pages (KV_TOKENS: the GPU pool)
+    _rows=12 bench "docs-${KV:-fp8}" "${DOCS_LIMIT:-560}" shared $off --kv-cache-dtype "${KV:-fp8}" \
+        --kv-offload-gb "$gib" ${KV_TOKENS:+--kv-cache-tokens $KV_TOKENS} --doc-len "${LONG:-131072}" \
+        --question-len 512 --documents "$docs" --rounds "${ROUNDS:-3}" --repeats 1 --warmup 0
+  fi
+  if has gpuhit; then       # one document: cold, then questions from the GPU pool
+    _rows=4 bench "gpuhit-${KV:-fp8}" 200 shared $off --kv-cache-dtype "${KV:-fp8}" --kv-offload-gb "$gib" \
+        --doc-len "${LONG:-131072}" --question-len 512 --questions 3 --repeats 1 --warmup 1
+  fi
+  if has streams; then
+    OUT=$out timeout "${STREAMS_LIMIT:-400}" python3 scripts/gpu_host_tier.py streams --kv-cache-dtype "${KV:-fp8}" \
+        --kv-offload-gb "$gib" --kv-cache-tokens "${STREAM_KV_TOKENS:-262144}" --documents "${STREAM_DOCS:-4}" \
+        2>&1 | grep -v -i warn | tail -40 | tee "$out/streams.txt"
+  fi
+}
+
 part_fp8attn() {   # FP8 prefill attention: its kernel's GPU tests, then scripts/gpu_fp8_prefill.py (fa3-fwd beside it if carried)
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
       tests/gpu/test_kernels_gpu.py -k "fp8_prefill" 2>&1 | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests_attn.log"

@@ -2,8 +2,10 @@
 
 Kernels against the fp32 reference, the NCCL ring against one-device attention, and the engine in
 bf16 on 2 GPUs against transformers on one GPU."""
+import contextlib
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -750,3 +752,58 @@ def test_fp8_kv_cache_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, s
                         break
     print(f"KV pool at gpu_memory_utilization 0.5: fp8 {capacity['fp8']} tokens, bf16 {capacity['auto']}")
     assert capacity["fp8"] >= 1.9 * capacity["auto"], capacity
+
+
+def _stream_tokens(llm, request_id: str) -> list[int]:
+    tokens = []
+    for out in llm.results(request_id):
+        tokens.append(out.token_id)
+        if out.finish_reason is not None:
+            return tokens
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_host_tier_restores_match_transformers_and_pool_hits_beside_decoding_streams(hf_bf16_checkpoint, kv):
+    """--kv-offload-gb on one GPU (pinned host memory, copies on side streams): four 3000-token documents in a
+    pool of two; a question about the first comes back from the host tier while four streams decode (the
+    restore beside their steps). Its greedy tokens match transformers (bf16 noise; FP8 pages: K/V rounded
+    alike), and its tokens and logprobs equal those of the same question answered from the GPU pool in a
+    pool large enough for all; so do the streams' tokens."""
+    from hf_reference import kv_rounded
+    from engine import LLM, SamplingParams
+    from kernels import kv_quant
+    path, model = hf_bf16_checkpoint
+    docs = [[random.randrange(2000) for _ in range(3000)] for _ in range(4)]
+    question = docs[0] + [random.randrange(2000) for _ in range(200)]
+    streams = [[random.randrange(2000) for _ in range(500)] for _ in range(4)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = {}
+    for tier, pool in ((1.0, 8192), (0, None)):
+        with LLM(path, devices="cuda:0", dtype="bfloat16", kv_cache_dtype=kv, kv_offload_gb=tier,
+                 kv_cache_tokens=pool, max_num_batched_tokens=2048) as llm:
+            for doc in docs:
+                llm.generate(doc, one)
+            ids = [llm.submit(s, long) for s in streams]
+            time.sleep(0.2)
+            got = llm.generate(question, greedy)[0]
+            outs[tier] = got, [_stream_tokens(llm, i) for i in ids]
+            if tier:
+                stats = got.metrics.prefill_stats
+                print(f"kv {kv}: host tier hit {stats.get('host_cached_tokens')}, restore {stats.get('restore_seconds')}")
+                assert stats["host_cached_tokens"] == len(docs[0]), stats
+                assert llm.stats["kv_offload_stored_bytes"] > 0
+    (with_tier, tier_streams), (pool_hit, pool_streams) = outs[1.0], outs[0]
+    assert pool_hit.metrics.prefill_stats["cached_tokens"] == len(docs[0])
+    assert with_tier.outputs[0].token_ids == pool_hit.outputs[0].token_ids
+    for a, b in zip(with_tier.outputs[0].logprobs, pool_hit.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-3 for t in a), (a, b)
+    assert tier_streams == pool_streams
+    context = kv_rounded(model, kv_quant.round_kv) if kv == "fp8" else contextlib.nullcontext()
+    with context:
+        _, ref_tokens, margins, scales = _hf_greedy(model, question, 16, with_scales=True)
+    for i, (a, b) in enumerate(zip(with_tier.outputs[0].token_ids, ref_tokens)):
+        if a != b:
+            assert margins[i] < tie_tolerance(scales[i]), (i, margins[i], scales[i])
+            break

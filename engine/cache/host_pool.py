@@ -29,6 +29,10 @@ from engine.cache.page_pool import OutOfPagesError, PagePool, page_runs
 from engine.errors import DeviceSpecError
 
 
+DIRECT_RUNS = 16          # a copy of more runs of GPU pages goes through a staging buffer (HostPool._copy)
+STAGE_BYTES = 64 << 20    # the largest staging block
+
+
 class HostMemoryError(DeviceSpecError):
     """The host tier's memory could not be allocated or pinned."""
 
@@ -47,9 +51,10 @@ def unpin(t: torch.Tensor) -> None:
 
 
 class HostPool:
-    def __init__(self, gpu: PagePool, num_pages: int):
-        """Host pages shaped like the GPU pool's; num_pages per worker (the same on every worker)."""
-        self.num_pages, self.block_size = num_pages, gpu.block_size
+    def __init__(self, gpu: PagePool, num_pages: int, direct_runs: int = DIRECT_RUNS):
+        """Host pages shaped like the GPU pool's; num_pages per worker (the same on every worker); direct_runs:
+        the most runs of GPU pages copied run by run (more go through a staging buffer)."""
+        self.num_pages, self.block_size, self.direct_runs = num_pages, gpu.block_size, direct_runs
         self.cuda = gpu.device.type == "cuda"
         self.tensors = [torch.empty((t.shape[0], num_pages, *t.shape[2:]), dtype=t.dtype) for t in gpu._tensors()]
         self.pinned = []
@@ -80,12 +85,8 @@ class HostPool:
         if n > len(self._free):
             raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {len(self._free)} are free")
         self.pages[host_id] = [self._free.pop() for _ in range(n)]
-        runs = page_runs(gpu.pages[seq_id][:n], self.pages[host_id])
         with self._on(self.store_stream if self.cuda else None, self.freed_reads):
-            for host, dev in zip(self.tensors, gpu._tensors()):
-                for layer in range(host.shape[0]):
-                    for d, h, length in runs:
-                        host[layer, h:h + length].copy_(dev[layer, d:d + length], non_blocking=self.cuda)
+            self._copy(gpu, self.pages[host_id], gpu.pages[seq_id][:n], out=True)
         if self.cuda:
             self.freed_reads = []
             self.stored[seq_id] = self.written[host_id] = self._record(self.store_stream)
@@ -94,20 +95,52 @@ class HostPool:
     def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
         """The GPU sequence's first num_tokens slots (its pages already taken) <- the entry's -> bytes copied."""
         n = pages_for(num_tokens, self.block_size)
-        runs = page_runs(self.pages[host_id][:n], gpu.pages[seq_id][:n])
         start = time.perf_counter()
         written = [self.written[host_id]] if host_id in self.written else []
         with self._on(self.load_stream if self.cuda else None, written):
             begun = self._record(self.load_stream) if self.cuda else None
-            for host, dev in zip(self.tensors, gpu._tensors()):
-                for layer in range(host.shape[0]):
-                    for h, d, length in runs:
-                        dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
+            self._copy(gpu, self.pages[host_id][:n], gpu.pages[seq_id][:n], out=False)
         ended = self._record(self.load_stream) if self.cuda else time.perf_counter() - start
         if self.cuda:
             self.read[host_id] = ended
         self.loads[seq_id] = (begun, ended, n * self.page_bytes)
         return n * self.page_bytes
+
+    def _copy(self, gpu: PagePool, host_pages: list[int], dev_pages: list[int], out: bool) -> None:
+        """Every tensor's pages host_pages[i] <-> dev_pages[i] (out: GPU to host), layer by layer: one DMA a run
+        where both sides go up one by one; where the GPU's pages are scattered (more than `direct_runs` runs),
+        one DMA a run of host pages through a staging buffer on the GPU (gathered before, scattered after), as
+        small copies run far below the link's rate (a page of FP8 scales is 32 KiB)."""
+        runs = page_runs(dev_pages, host_pages)
+        staged = len(runs) > self.direct_runs
+        index = torch.tensor(dev_pages, dtype=torch.long).to(gpu.device, non_blocking=True) if staged else None
+        for host, dev in zip(self.tensors, gpu._tensors()):
+            for layer in range(host.shape[0]):
+                if staged:
+                    self._staged(host[layer], dev[layer], host_pages, index, out)
+                    continue
+                for d, h, length in runs:
+                    if out:
+                        host[layer, h:h + length].copy_(dev[layer, d:d + length], non_blocking=self.cuda)
+                    else:
+                        dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
+
+    def _staged(self, host: torch.Tensor, dev: torch.Tensor, host_pages: list[int], index: torch.Tensor,
+                out: bool) -> None:
+        """One layer's pages through a staging buffer: host [pages, ...], dev [pages + 1, ...]; index [n] the
+        GPU pages of host_pages, on the device. A staged block is at most STAGE_BYTES."""
+        step = max(1, STAGE_BYTES // (dev[0].numel() * dev.element_size()))
+        start = 0
+        while start < len(host_pages):
+            end = start + 1
+            while end < len(host_pages) and end - start < step and host_pages[end] == host_pages[end - 1] + 1:
+                end += 1
+            h = host_pages[start]
+            if out:
+                host[h:h + end - start].copy_(dev.index_select(0, index[start:end]), non_blocking=self.cuda)
+            else:
+                dev.index_copy_(0, index[start:end], host[h:h + end - start].to(dev.device, non_blocking=self.cuda))
+            start = end
 
     def load_pending(self, seq_id: int) -> bool:
         """Is the sequence's restore still copying (worker 0's view; CPU: never)?"""

@@ -172,9 +172,11 @@ def test_a_preempted_sequence_comes_back_from_host_memory():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_store_and_load_copy_every_page_bit_exact(fp8):
+@pytest.mark.parametrize("direct_runs", [16, 0])
+def test_store_and_load_copy_every_page_bit_exact(fp8, direct_runs):
     """Pages scattered over the pool (runs and single pages) go to host memory and back into other pages,
-    every tensor (FP8: data and scales) equal bit for bit; a freed entry gives its pages back."""
+    run by run or through a staging buffer (direct_runs 0), every tensor (FP8: data and scales) equal bit for
+    bit; a freed entry gives its pages back."""
     pool = PagePool(3, 40, 4, 2, 8, torch.float32, torch.device("cpu"), max_seqs=4, max_pages_per_seq=40,
                     kv_cache_dtype="fp8" if fp8 else "auto")
     for t in pool._tensors():
@@ -185,7 +187,8 @@ def test_store_and_load_copy_every_page_bit_exact(fp8):
     pool.free(1)
     pool.add(3, 5)
     pool.extend(2, 6)                  # sequence 2: 10 pages in a run, then pages after sequence 3's
-    host = HostPool(pool, 16)
+    host = HostPool(pool, 16, direct_runs)
+    host._free = [15, 14, 13, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11][::-1]    # the entry's host pages in 2 runs
     stored = host.store(pool, 2, 2, 46)
     assert stored == 12 * host.page_bytes
     pool.add(4, 46)

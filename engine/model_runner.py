@@ -71,6 +71,22 @@ class PlacedExtend:
         return sum(s.length for s in self.shards)
 
 
+class AfterRestore:
+    """An extend's attention whose layer i first makes the compute stream wait for layer i's copies of a
+    restore from the host tier (engine/cache/host_pool.py): the copy of later layers hides under the compute
+    of earlier ones. Otherwise the attention it wraps (its attributes too)."""
+
+    def __init__(self, attend, layer_waits: list):
+        self.attend, self.layer_waits = attend, layer_waits
+
+    def __call__(self, layer: int, q, k, v):
+        torch.cuda.current_stream().wait_event(self.layer_waits[layer])
+        return self.attend(layer, q, k, v)
+
+    def __getattr__(self, name):
+        return getattr(self.attend, name)
+
+
 class ModelRunner:
     def __init__(self, engine: EngineConfig, cfg: ModelConfig, rank: int, device: torch.device, data_group=None,
                  max_model_len: int = 1 << 20):
@@ -214,15 +230,15 @@ class ModelRunner:
         seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
         self._sync()
         start_time = time.perf_counter()
-        if self.host is not None:
-            self.host.wait_loaded(seq_id)          # a restore from the host tier before it: on the GPU
+        waits = self.host.layer_waits(seq_id) if self.host is not None else None   # a restore still copying
         placed = self._place_extend(seq_id, token_ids.shape[0], start)
         if self._graphed_extend(placed):
+            self._wait_restore(waits)
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
             return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", placed.way,
                                                               graphed=True))
-        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed)
+        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed, waits)
         attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
         hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
         logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
@@ -241,11 +257,11 @@ class ModelRunner:
         seq_ids, decode_tokens, decode_positions = step.seq_ids, step.token_ids, step.positions
         self._sync()
         start_time = time.perf_counter()
-        if self.host is not None:
-            self.host.wait_loaded(seq_id)          # a restore from the host tier before it: on the GPU
+        waits = self.host.layer_waits(seq_id) if self.host is not None else None   # a restore still copying
         step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
         placed = self._place_extend(seq_id, token_ids.shape[0], start, step_pages)
         if self._graphed_extend(placed, len(seq_ids)):
+            self._wait_restore(waits)
             step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
@@ -254,7 +270,7 @@ class ModelRunner:
             if self.rank == 0:
                 result.decode = self._sampled(decode_logits, step)
             return result
-        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed)
+        last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
         step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
@@ -291,15 +307,19 @@ class ModelRunner:
         return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != "ring"
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
 
-    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: "PlacedExtend"):
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: "PlacedExtend",
+                      restore_waits: list | None = None):
         """An eager extend of the n new tokens `placed` put after the sequence's `start` cached ones ->
         ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
-        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention)."""
+        and positions [m] on the device (its shard; "whole": all n), its ExtendAttention). restore_waits: the
+        layer events of a restore from the host tier still copying, waited for layer by layer."""
         n = token_ids.shape[0]
         way, shards, positions = placed.way, placed.shards, placed.positions
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
                                  self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8)
+        if restore_waits:
+            attend = AfterRestore(attend, restore_waits)
         last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
@@ -477,6 +497,12 @@ class ModelRunner:
             self.pool.free(s)
             self.ledger.remove(s)
 
+    @staticmethod
+    def _wait_restore(waits: list | None) -> None:
+        """The compute stream waits for the whole of a restore still copying (a graph replays every layer)."""
+        if waits:
+            torch.cuda.current_stream().wait_event(waits[-1])
+
     def _pages_unused(self, seq_id: int) -> None:
         """Before the sequence's pages go back to the pool: the compute stream waits for the host tier's copies
         out of them or into them (whoever takes them next writes them)."""
@@ -484,6 +510,7 @@ class ModelRunner:
             self.host.wait_stored(seq_id)
             self.host.wait_loaded(seq_id)
             self.host.loads.pop(seq_id, None)
+            self.host.layers_loaded.pop(seq_id, None)
 
     def _restored(self, seq_id: int, result: PrefillResult) -> PrefillResult:
         """An extend's result, with the restore from the host tier that preceded it (its copy's seconds and bytes)."""

@@ -83,7 +83,6 @@ class Scheduler:
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
                            plans.ReadBack: lambda plan: self._drain(), plans.Preempt: self._preempt_newest,
                            plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: lambda plan: self._refuse_head(),
-                           plans.AwaitRestore: lambda plan: self.kv.wait_restore(self.state.prefilling.seq.seq_id),
                            plans.Idle: lambda plan: None}
 
     @property
@@ -156,10 +155,11 @@ class Scheduler:
 
     def _start_chunks(self, job: ChunkedPrefill) -> None:
         """The prompt is prefilled chunk by chunk, its first chunk in this turn (alone: not with a decode
-        step), the others in the turns the policy gives them; after a restore from the host tier that is still
-        copying, its first chunk waits for a later turn (the running sequences decode meanwhile)."""
+        step), the others in the turns the policy gives them. After a restore from the host tier that is still
+        copying, while others decode, its first chunk waits for a later turn (they decode meanwhile); alone, it
+        runs now, each layer waiting for its own copy (engine/model_runner.py AfterRestore)."""
         self.state.prefilling = job
-        if self.kv.restore_pending(job.seq.seq_id):
+        if self.state.running and self.kv.restore_pending(job.seq.seq_id):
             return
         plan = self.policy.next_chunk(self.state, mixed=False)
         if isinstance(plan, plans.GiveWay):

@@ -9,7 +9,8 @@ The rules, in order:
    it is read back, only when that is all that would run next; otherwise it is read back first.
 2. After a prompt or a chunk of one ran, the running sequences take a decode step.
 3. While the prompt being prefilled in chunks waits for its cached prefix to come back from the host tier,
-   the running sequences decode (with none, the scheduler waits for the copy). Then, a short waiting request (one chunk's worth) that fits beside
+   the running sequences decode (with none running, its chunk runs at once, each layer waiting for its
+   copy). Then, a short waiting request (one chunk's worth) that fits beside
    the pages the long one still needs goes first, every other turn; otherwise the next chunk runs (with the
    running sequences' decode step in the same call when that is one CUDA graph, or asked for).
 4. Otherwise, preempted sequences resume before any new request is admitted; requests are admitted first
@@ -85,11 +86,6 @@ class GiveWay:
 
 
 @dataclass(frozen=True)
-class AwaitRestore:
-    """Wait for the restore from the host tier of the prompt being prefilled in chunks (nothing else runs)."""
-
-
-@dataclass(frozen=True)
 class Stuck:
     """Nothing runs and the first waiting sequence does not fit in the empty cache (a bug: refused earlier)."""
 
@@ -115,8 +111,8 @@ class Policy:
         if s.decode_owed and s.running:
             return self._decode(s)
         if s.prefilling is not None:
-            if self._restoring(s):
-                return self._decode(s) if s.running else AwaitRestore()
+            if s.running and self._restoring(s):
+                return self._decode(s)
             short = None if s.short_went_first else self._short_beside(s)
             return short or self.next_chunk(s)
         if s.preempted:

@@ -15,8 +15,8 @@ Order on CUDA: stores run on one side stream and loads on another (a restore doe
 large store of another entry). Each first waits for the compute stream (the K/V a store copies out are
 written; the pages a load fills are no longer read). A load of an entry waits for that entry's store; a
 store waits for the loads out of host pages freed since (it may take them). The compute stream waits for a
-load before it runs the restored sequence (`wait_loaded`; the scheduler lets other sequences decode until
-`load_pending` is False), and for a store before the stored GPU pages are freed or truncated
+load before it runs the restored sequence: layer by layer when it comes at once (`layer_waits`), else the
+scheduler lets the running sequences decode until `load_pending` is False; and for a store before the stored GPU pages are freed or truncated
 (`wait_stored`). On CPU the copies are plain and synchronous.
 """
 import contextlib
@@ -71,6 +71,7 @@ class HostPool:
         self.read: dict[int, torch.cuda.Event] = {}       # host_id -> its latest load's end (CUDA)
         self.freed_reads: list[torch.cuda.Event] = []     # loads out of host pages freed since the last store
         self.loads: dict[int, tuple] = {}                 # GPU seq_id -> (start, end, bytes) of its restore
+        self.layers_loaded: dict[int, list] = {}          # GPU seq_id -> each layer's end of its restore (CUDA)
 
     @property
     def free_pages(self) -> int:
@@ -99,23 +100,26 @@ class HostPool:
         written = [self.written[host_id]] if host_id in self.written else []
         with self._on(self.load_stream if self.cuda else None, written):
             begun = self._record(self.load_stream) if self.cuda else None
-            self._copy(gpu, self.pages[host_id][:n], gpu.pages[seq_id][:n], out=False)
-        ended = self._record(self.load_stream) if self.cuda else time.perf_counter() - start
+            layers = self._copy(gpu, self.pages[host_id][:n], gpu.pages[seq_id][:n], out=False)
+        ended = layers[-1] if self.cuda else time.perf_counter() - start
         if self.cuda:
             self.read[host_id] = ended
+            self.layers_loaded[seq_id] = layers
         self.loads[seq_id] = (begun, ended, n * self.page_bytes)
         return n * self.page_bytes
 
-    def _copy(self, gpu: PagePool, host_pages: list[int], dev_pages: list[int], out: bool) -> None:
+    def _copy(self, gpu: PagePool, host_pages: list[int], dev_pages: list[int], out: bool) -> list:
         """Every tensor's pages host_pages[i] <-> dev_pages[i] (out: GPU to host), layer by layer: one DMA a run
         where both sides go up one by one; where the GPU's pages are scattered (more than `direct_runs` runs),
         one DMA a run of host pages through a staging buffer on the GPU (gathered before, scattered after), as
-        small copies run far below the link's rate (a page of FP8 scales is 32 KiB)."""
+        small copies run far below the link's rate (a page of FP8 scales is 32 KiB) -> on CUDA an event after
+        each layer's copies (on the current stream), else []."""
         runs = page_runs(dev_pages, host_pages)
         staged = len(runs) > self.direct_runs
         index = torch.tensor(dev_pages, dtype=torch.long).to(gpu.device, non_blocking=True) if staged else None
-        for host, dev in zip(self.tensors, gpu._tensors()):
-            for layer in range(host.shape[0]):
+        layers = []
+        for layer in range(self.tensors[0].shape[0]):
+            for host, dev in zip(self.tensors, gpu._tensors()):
                 if staged:
                     self._staged(host[layer], dev[layer], host_pages, index, out)
                     continue
@@ -124,6 +128,9 @@ class HostPool:
                         host[layer, h:h + length].copy_(dev[layer, d:d + length], non_blocking=self.cuda)
                     else:
                         dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
+            if self.cuda:
+                layers.append(self._record(torch.cuda.current_stream()))
+        return layers
 
     def _staged(self, host: torch.Tensor, dev: torch.Tensor, host_pages: list[int], index: torch.Tensor,
                 out: bool) -> None:
@@ -147,19 +154,18 @@ class HostPool:
         load = self.loads.get(seq_id)
         return self.cuda and load is not None and not load[1].query()
 
-    def wait_load(self, seq_id: int) -> None:
-        """The host waits for the sequence's restore to end (worker 0, when nothing else can run)."""
-        load = self.loads.get(seq_id)
-        if self.cuda and load is not None:
-            load[1].synchronize()
-
-    def wait_loaded(self, seq_id: int) -> "tuple[float, int] | None":
-        """The compute stream waits for the sequence's restore (if one is pending) -> (its seconds, bytes),
-        the seconds read once the compute stream has passed it (`restore_seconds`), or None."""
+    def wait_loaded(self, seq_id: int) -> None:
+        """The compute stream waits for the sequence's restore, if one is pending (its seconds are read once
+        the compute stream has passed it: `restore_seconds`)."""
         load = self.loads.get(seq_id)
         if load is not None and self.cuda:
             torch.cuda.current_stream().wait_event(load[1])
-        return load
+
+    def layer_waits(self, seq_id: int) -> "list | None":
+        """The events after each layer's copies of the sequence's pending restore (CUDA), given once: an extend
+        waits for layer i's before its layer i reads the cache, so the copy of later layers hides under the
+        compute of earlier ones. None: no restore pending."""
+        return self.layers_loaded.pop(seq_id, None)
 
     def restore_seconds(self, seq_id: int) -> "tuple[float, int] | None":
         """(seconds, bytes) of the sequence's restore, once it is done (read after a synchronize); forgets it."""

@@ -148,10 +148,6 @@ class KVManager:
         sequence waits and the others decode; the other workers' copies are waited for on their GPUs."""
         return self.host_pool is not None and self.host_pool.load_pending(seq_id)
 
-    def wait_restore(self, seq_id: int) -> None:
-        """Worker 0 waits for the sequence's restore (nothing else to run)."""
-        self.host_pool.wait_load(seq_id)
-
     def hit_pages(self, hit: Hit, rest: int, chunk: int | None) -> list[int]:
         """Pages per worker to copy the hit (from the pool or the host tier) and extend it by `rest` tokens."""
         return self.pages.adopt_pages(hit.entry, hit.length, rest, chunk, tier=self.host if hit.on_host else None)

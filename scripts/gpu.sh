@@ -338,7 +338,7 @@ part_fp8kv() {   # the FP8 KV cache: GPU tests, scripts/gpu_fp8_decode.py, decod
 
 part_hosttier() {   # the KV host tier: GPU tests, copy GB/s, many documents (bench shared), decode gaps during restores
   sel=${PARTS:-tests copy docs streams}
-  local off="--offline --model llama3-8b --devices cuda -cp 1" docs=${DOCS:-12} gib=${HOST_GIB:-100}
+  local off="--offline --model llama3-8b --devices cuda -cp ${CP:-1}" docs=${DOCS:-12} gib=${HOST_GIB:-100}
   if has tests && [ -z "${SKIP_TESTS:-}" ]; then
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_gpu.py \
         -k "host_tier" 2>&1 | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests.log"

@@ -762,15 +762,17 @@ def _stream_tokens(llm, request_id: str) -> list[int]:
             return tokens
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_checkpoint, kv):
+@pytest.mark.parametrize("kv,devices", [("auto", "cuda:0"), ("fp8", "cuda:0"), ("auto", "cuda:0,1")])
+def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_checkpoint, kv, devices):
     """--kv-offload-gb on one GPU (pinned host memory, copies on side streams): four 3000-token documents in a
     pool of two; a question about the first comes back from the host tier while four streams decode (the
     restore runs beside their steps). Its first-token logprobs equal those of the same question answered
     from the GPU pool (a pool large enough for all: the same K/V bytes, bf16 noise), and its greedy tokens
     and the streams' match transformers (bf16 noise; FP8 pages: K/V rounded alike). Greedy tokens are not
     compared across the two runs: the streams batch with the question differently, and bf16 GEMMs of other
-    batch sizes round differently."""
+    batch sizes round differently. On 2 GPUs each worker restores its own half."""
+    if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     from hf_reference import kv_rounded
     from engine import LLM, SamplingParams
     from kernels import kv_quant
@@ -783,8 +785,8 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     outs = {}
     for tier, pool in ((1.0, 8192), (0, None)):
-        with LLM(path, devices="cuda:0", dtype="bfloat16", kv_cache_dtype=kv, kv_offload_gb=tier,
-                 kv_cache_tokens=pool, max_num_batched_tokens=2048) as llm:
+        with LLM(path, devices=devices, dtype="bfloat16", kv_cache_dtype=kv, kv_offload_gb=tier,
+                 kv_cache_tokens=pool and pool // (devices.count(",") + 1), max_num_batched_tokens=2048) as llm:
             for doc in docs:
                 llm.generate(doc, one)
             ids = [llm.submit(s, long) for s in streams]

@@ -1,12 +1,13 @@
 """The scheduler's plan (engine/step_plan.py) is a question, not an action: every plan computed over a run
-that admits, chunks, preempts, resumes, evicts prefix-cache entries and decodes ahead leaves the KV
-manager, the worker's pages, the prefix cache and the scheduler's state exactly as they were, and calls no
-worker. The run's tokens are those of a pool large enough for every request (the plans carried out do what
+that admits, chunks, preempts, resumes, evicts prefix-cache entries, restores from the KV host tier and
+decodes ahead leaves the KV manager, the worker's pages, the prefix cache, the host tier and the scheduler's
+state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every request (the plans carried out do what
 the scheduler did before plans existed: tests/engine/test_recompute.py and test_async_scheduling.py)."""
 import copy
 import random
 
 from engine import step_plan as plans
+from engine.calls import Offload
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
@@ -26,7 +27,12 @@ def _snapshot(scheduler, runner) -> tuple:
               set(s.aborted), s.decode_owed, s.short_went_first, s.step_seconds,
               [(x.seq_id, list(x.generated), x.preemptions) for x in [*s.running, *s.preempted]])
     sizer = None if scheduler.sizer is None else list(scheduler.sizer.calls)
-    return ledger, pages, prefix, queues, sizer
+    host = None
+    if kv.host is not None:     # the KV host tier: its ledger, its pages, its index
+        h = kv.host_cache
+        host = (copy.deepcopy(kv.host.seqs), list(kv.host.pages_used), copy.deepcopy(runner.host.pages),
+                list(runner.host._free), copy.deepcopy(h.entries), list(h.entries), dict(h.used), kv.host_hits)
+    return ledger, pages, prefix, queues, sizer, host
 
 
 def test_every_plan_changes_nothing():
@@ -66,7 +72,8 @@ def test_every_plan_changes_nothing():
     engine = dict(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8,
                   max_num_batched_tokens=16, itl_target_ms=None, enable_prefix_caching=True)
     want, _, _ = serve_in_process(EngineConfig(**engine, kv_cache_tokens=4096), [batch])
-    got, _, scheduler = serve_in_process(EngineConfig(**engine, kv_cache_tokens=160), [batch], check_plans)
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, kv_cache_tokens=160, kv_offload_gb=0.01), [batch],
+                                             check_plans)
     assert {r: [o.token_id for o in outs] for r, outs in got.items()} == \
         {r: [o.token_id for o in outs] for r, outs in want.items()}
     assert not any(calls_during_plans)
@@ -75,3 +82,4 @@ def test_every_plan_changes_nothing():
             plans.Resume} <= kinds, kinds
     assert any(getattr(p, "evict", None) for p in seen), "no plan evicted a prefix-cache entry"
     assert scheduler.num_preemptions > 0, "the pool was large enough for every request at once"
+    assert any(isinstance(c, Offload) for c in calls), "nothing was written to the host tier"

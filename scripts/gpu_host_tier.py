@@ -18,7 +18,6 @@ under $OUT (or the working directory).
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -26,18 +25,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_gemm_shapes import timed  # noqa: E402
 
 
-def _median_seconds(fn, iters: int = 3) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def _median_seconds(fn) -> float:
+    """Median of 3 timed calls after one (scripts/gpu_gemm_shapes.py's CUDA-event timing)."""
+    return timed(fn, iters=3, warmup=1)
 
 
 def copy_table(tokens_list: list[int]) -> list[dict]:

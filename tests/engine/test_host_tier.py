@@ -50,12 +50,13 @@ def _exact(model, prompt: list[int], out, what) -> None:
     assert_same_logprobs(got, {t: want[t].item() for t in got}, 1e-4, what)
 
 
-def _documents_then_questions(llm, model, docs: list[list[int]], what: str) -> list:
-    """Every document, then a question about the first (evicted from the pool by the others) -> its output."""
+def _documents_then_questions(llm, model, docs: list[list[int]], what: str, question_len: int = 9) -> tuple:
+    """Every document, then a question about the first (evicted from the pool by the others), checked
+    against transformers -> (the question, its output)."""
     vocab = model.config.vocab_size
     for doc in docs:
         llm.generate(doc, _params())
-    question = docs[0] + [random.randrange(vocab) for _ in range(9)]
+    question = docs[0] + [random.randrange(vocab) for _ in range(question_len)]
     out = llm.generate(question, _params())[0]
     _exact(model, question, out, what)
     return question, out
@@ -87,12 +88,7 @@ def test_every_strategy_restores_its_own_shards(checkpoint, strategy):
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=16, sp_strategy=strategy,
              kv_cache_tokens=2 * POOL if strategy.startswith("tp") else POOL, kv_offload_gb=TIER,
              max_num_batched_tokens=32, itl_target_ms=None) as llm:
-        vocab = model.config.vocab_size
-        for doc in docs:
-            llm.generate(doc, _params())
-        question = docs[0] + [random.randrange(vocab) for _ in range(40)]
-        out = llm.generate(question, _params())[0]
-        _exact(model, question, out, strategy)
+        _, out = _documents_then_questions(llm, model, docs, strategy, question_len=40)
         stats = out.metrics.prefill_stats
         assert stats["host_cached_tokens"] == len(docs[0]) and stats["chunks"] == 2, stats
 

@@ -63,6 +63,7 @@ class ExtendAttention:
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
+        self.key_count = keys
         self.has_keys = keys > 0
         queries = sum(s.length for s in new_shards) if way != "local" else mine
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
@@ -93,7 +94,8 @@ class ExtendAttention:
         if not self.has_keys:                                                               # none of its keys here
             return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
         return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
-                               self.scale, causal=self.keeps_new, rows_see_keys=True)
+                               self.scale, causal=self.keeps_new, rows_see_keys=True,
+                               host_sizes=([0, q.shape[0]], [self.key_count]))
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
@@ -124,7 +126,8 @@ class ExtendAttention:
         everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, *self.pool.layer(layer), self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
-                                   rows_see_keys=self.has_keys)                               # my cached K/V
+                                   rows_see_keys=self.has_keys,
+                                   host_sizes=([0, everyone.shape[0]], [self.key_count]))     # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
         mine = lengths[self.rank]

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.arith import ceil_div, next_pow2
 from kernels.fp8 import below_fp8_capability
 from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
@@ -54,7 +55,14 @@ class Fp8Pages(NamedTuple):
         """The first n slots of these blocks [b] (in order) -> [n, Hkv, D] in dtype, as dequantize_kv gives
         them, through tensors of dtype only (a 1M-token context is 1 GiB of bytes a layer: no fp32 copy).
         The same values: an e4m3 value and a bf16 scale are exact in dtype (bf16, fp16 within range, fp32)
-        and their product is rounded once, as dequantize_kv rounds its exact fp32 product."""
+        and their product is rounded once, as dequantize_kv rounds its exact fp32 product. On CUDA one
+        Triton kernel reads the pages and writes the values (the torch ops take six passes)."""
+        kern = _triton.kernels(self.data.device)
+        if kern is not None and dtype in (torch.bfloat16, torch.float32) and _pages_ok(self):
+            try:
+                return _gather_triton(kern["gather"], self, blocks, n, dtype)
+            except Exception as e:  # compile or launch failure: torch from now on
+                _triton.failed(e)
         if dtype not in (torch.bfloat16, torch.float32):
             return dequantize_kv(self.data[blocks].flatten(0, 1)[:n], self.scale[blocks].flatten(0, 1)[:n], dtype)
         values = self.data[blocks].flatten(0, 1)[:n].view(FP8).to(dtype)                   # [n, Hkv, D]
@@ -141,6 +149,27 @@ def _rows_ok(k, v) -> bool:
             and k.dtype in (torch.bfloat16, torch.float32))
 
 
+def _pages_ok(pages: "Fp8Pages") -> bool:
+    """Pages the gather kernel reads: contiguous data and scales."""
+    return pages.data.is_contiguous() and pages.scale.is_contiguous()
+
+
+GATHER_TOKENS = 16     # tokens a program of the gather kernel dequantizes
+
+
+def _gather_triton(kernel, pages: "Fp8Pages", blocks: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Fp8Pages.gather in one kernel -> [n, Hkv, D] in dtype (bf16 or fp32)."""
+    _, bs, hkv, d = pages.data.shape
+    out = torch.empty(n, hkv, d, dtype=dtype, device=pages.data.device)
+    if n == 0:
+        return out
+    hd = hkv * d
+    kernel[(ceil_div(n, GATHER_TOKENS),)](
+        pages.data, pages.scale.view(torch.int16), blocks, out.view(torch.int16) if dtype == torch.bfloat16 else out,
+        n, BS=bs, D=d, HD=hd, HDPAD=next_pow2(hd), T=GATHER_TOKENS, OUT_BF16=dtype == torch.bfloat16)
+    return out
+
+
 def _quantize_triton(kernel, k, v, k_data, k_scale, v_data, v_scale, slots, write_back):
     n, hkv, d = k.shape
     if not write_back:
@@ -197,7 +226,32 @@ def _build() -> dict:
             tl.store(data_ptr + slot * (HKV * D) + at, q8.to(tl.uint8, bitcast=True), mask=ok)
             tl.store(scale_ptr + slot * HKV + heads, scale.to(tl.bfloat16), mask=heads < HKV)
 
-    return {"quantize": triton.jit(quantize_kernel, do_not_specialize=["k_row", "v_row"])}
+    def gather_kernel(data_ptr, scale_ptr, blocks_ptr, out_ptr, n, BS: tl.constexpr, D: tl.constexpr,
+                      HD: tl.constexpr, HDPAD: tl.constexpr, T: tl.constexpr, OUT_BF16: tl.constexpr):
+        """Program p: tokens p*T .. p*T + T - 1 of the blocks' slots (block t // BS, slot t % BS), each token's
+        Hkv rows of D e4m3 bytes times its rows' bf16 scales -> out [n, HD] (bf16 as its bits, or fp32). The
+        scales are read as bits and widened by a shift, and bf16 is rounded by bits (to nearest, ties to
+        even): exact, and the same under the Triton interpreter, which loads bf16 as raw bits."""
+        t = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)                       # [T]
+        cols = tl.arange(0, HDPAD)                                                    # [HDPAD]
+        live = t < n
+        ok = live[:, None] & (cols[None, :] < HD)
+        page = tl.load(blocks_ptr + t // BS, mask=live, other=0).to(tl.int64)
+        row = page * BS + t % BS                                                      # [T]
+        q8 = tl.load(data_ptr + row[:, None] * HD + cols[None, :], mask=ok, other=0)
+        bits = tl.load(scale_ptr + row[:, None] * (HD // D) + cols[None, :] // D, mask=ok, other=0)
+        scale = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale                # exact: 4 x 8 bits
+        at = out_ptr + t[:, None] * HD + cols[None, :]
+        if OUT_BF16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            tl.store(at, b.to(tl.int16), mask=ok)
+        else:
+            tl.store(at, x, mask=ok)
+
+    return {"quantize": triton.jit(quantize_kernel, do_not_specialize=["k_row", "v_row"]),
+            "gather": triton.jit(gather_kernel, do_not_specialize=["n"])}
 
 
 _triton = LazyTriton(_build, "kv-quant")

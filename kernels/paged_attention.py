@@ -63,10 +63,13 @@ MAX_CHUNKS = 64
 
 def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale: float,
                     causal: bool = True, backend: str = "auto", num_chunks: int | None = None,
-                    max_seqlen_q: int | None = None, rows_see_keys: bool = False):
+                    max_seqlen_q: int | None = None, rows_see_keys: bool = False,
+                    host_sizes: tuple[list[int], list[int]] | None = None):
     """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
-    (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1))."""
+    (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1));
+    host_sizes: cu_seqlens_q and seq_lens_k as lists, where the caller has them (the gathered path then
+    does not read them back from the device, a wait for the queued work, every layer)."""
     fp8 = isinstance(k_cache, Fp8Pages)
     if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
         return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
@@ -84,17 +87,18 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     else:
         raise ValueError(f"unknown paged attention backend {backend!r}")
     return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn,
-                     max_seqlen_q)
+                     max_seqlen_q, host_sizes)
 
 
 # ---------------------------------------------------------------- gathered (reference, dense fallback)
 
-def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn, max_seqlen_q=None):
+def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn, max_seqlen_q=None,
+              host_sizes=None):
     total_q, h, d = q.shape
     bs = k_cache.shape[1]
     out = torch.zeros(total_q, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((total_q, h), float("-inf"), dtype=torch.float32, device=q.device)
-    cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    cu, lens = host_sizes or (cu_seqlens_q.tolist(), seq_lens_k.tolist())
     if max_seqlen_q is not None and any(b - a > max_seqlen_q for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"a sequence has more than max_seqlen_q={max_seqlen_q} new tokens: cu_seqlens_q {cu}")
     for b, n in enumerate(lens):

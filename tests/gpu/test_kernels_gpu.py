@@ -389,6 +389,23 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_pages_gather_kernel_equals_the_torch_ops(dtype):
+    """Fp8Pages.gather (one Triton kernel on CUDA) against dequantize_kv over the same pages: the same values
+    bit for bit, pages shuffled, a partial last page, llama3-8b's 8 KV heads of 128."""
+    from kernels import kv_quant
+    x = torch.randn(300, 128, 8, 128, device=DEV) * torch.exp(2 * torch.randn(300, 128, 8, 1, device=DEV))
+    x[..., 9] *= 30
+    data, scale = kv_quant.quantize_kv(x)
+    pages = kv_quant.Fp8Pages(data, scale)
+    blocks = torch.randperm(300, device=DEV)[:257]
+    for n in (1, 5000, 257 * 128 - 77):
+        want = kv_quant.dequantize_kv(data[blocks].flatten(0, 1)[:n], scale[blocks].flatten(0, 1)[:n], dtype)
+        got = pages.gather(blocks, n, dtype)
+        assert kv_quant._triton.enabled, "the Triton kernel failed and the torch ops served"
+        assert torch.equal(got, want), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
     """round_kv_ and store_kv_fp8 (one Triton kernel each) against quantize_kv/round_kv's torch ops: the
     same bytes, scales and values, bit for bit, from rows of a fused QKV output with an outlier channel.

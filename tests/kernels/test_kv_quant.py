@@ -103,7 +103,7 @@ def _fp16_safe(x):
 def _triton_interpreted_checks():
     """Run in a TRITON_INTERPRET=1 process (see test_fused_kernels_interpreted): the one-kernel round_kv_ and
     store_kv_fp8 give the torch ops' bytes, scales and values exactly (rows of a fused QKV output, binade
-    edges, zero rows, an outlier channel)."""
+    edges, zero rows, an outlier channel), and the gather kernel dequantize_kv's values bit for bit."""
     from kernels import kv_quant
     build = kv_quant._build()
     for dtype in (torch.float32, torch.float16):        # bf16: the interpreter loads its raw bits (GPU test)
@@ -129,6 +129,19 @@ def _triton_interpreted_checks():
             q8, s8 = quantize_kv(x[j])
             assert torch.equal(data[j].view(-1, hkv, d)[slots], q8), (dtype, j)
             assert torch.equal(scales[j].view(-1, hkv)[slots], s8), (dtype, j)
+    # the gather kernel: pages in a shuffled order, a partial last page, bf16 and fp32 out, tiny scales too
+    from kernels.kv_quant import Fp8Pages
+    x = _rows(30 * 8 * 2, 64).view(30, 8, 4, 64)[:, :, :3].contiguous()
+    x[4] *= 1e-37                                                                 # scales near MIN_SCALE
+    data, scale = quantize_kv(x)
+    pages = Fp8Pages(data, scale)
+    blocks = torch.randperm(30)[:17]
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 16, 131):
+            want = dequantize_kv(data[blocks].flatten(0, 1)[:n], scale[blocks].flatten(0, 1)[:n], dtype)
+            got = kv_quant._gather_triton(build["gather"], pages, blocks, n, dtype)
+            assert torch.equal(got.view(torch.uint8) if dtype == torch.bfloat16 else got,
+                               want.view(torch.uint8) if dtype == torch.bfloat16 else want), (dtype, n)
 
 
 def test_pages_gather_in_the_compute_dtype_gives_dequantize_kvs_values():

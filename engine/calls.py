@@ -120,6 +120,12 @@ class HostFree:
 
 
 @dataclass
+class PumpStores:
+    """The engine is idle: the next slice of the stores to the host tier still queued is issued
+    (engine/cache/host_pool.py)."""
+
+
+@dataclass
 class Shutdown:
     """The workers leave their loop."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.cache.host_pool import HostPool
+from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
@@ -34,7 +34,7 @@ from engine.parallel.weight_layout import global_rank
 from engine.prompt_logprobs import as_entries
 from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
 from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, HostFree,
-                          Offload, Prefill, PrefillResult, Reinstate, Restore, Retire, Truncate)
+                          Offload, Prefill, PrefillResult, PumpStores, Reinstate, Restore, Retire, Truncate)
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
 from kernels.attention import select_backend
@@ -470,6 +470,15 @@ class ModelRunner:
         counts = self.ledger.add_prefix_of(call.host_id, call.seq_id, call.position, tier=self.host_ledger)
         self.pool.add(call.seq_id, counts[self.rank])
         return self.host.load(self.pool, call.host_id, call.seq_id, counts[self.rank])
+
+    def pump_stores(self) -> None:
+        """Issues the next STORE_IN_FLIGHT bytes of the host tier's queued stores (before every call)."""
+        if self.host is not None and self.host.queued:
+            self.host.pump(STORE_IN_FLIGHT)
+
+    def pump_idle(self, call: PumpStores) -> None:
+        """The engine is idle: the next slice of the queued stores (pump_stores, which every call runs first)."""
+        self.pump_stores()
 
     def host_free(self, call: HostFree) -> None:
         for h in call.host_ids:

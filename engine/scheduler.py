@@ -29,7 +29,7 @@ import torch
 
 from engine import step_plan as plans
 from engine.cache.kv_manager import KVManager
-from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
+from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.outputs import Request, StepOutput
 from engine.sampling import row_sampling, rows_logprobs, sample_rows
@@ -37,6 +37,7 @@ from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, St
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
 log = logging.getLogger(__name__)
+IDLE_PUMP_SECONDS = 0.002     # idle with host-tier stores queued: a slice is issued this often
 
 
 def mixed_batch_limit(runner) -> int | None:
@@ -92,7 +93,11 @@ class Scheduler:
     def run(self) -> None:
         while True:
             self._publish_stats()
-            if not self._poll(block=not self.state.busy()):
+            pumping = not self.state.busy() and self.kv.stores_queued()
+            if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
+                self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
+                time.sleep(IDLE_PUMP_SECONDS)
+            if not self._poll(block=not self.state.busy() and not pumping):
                 self._drain()
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it

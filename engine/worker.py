@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload, Prefill,
-                          Reinstate, Restore, Retire, Shutdown, Truncate)
+                          PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate)
 from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.model_runner import ModelRunner
@@ -123,7 +123,7 @@ HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndD
             Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, Fork: ModelRunner.fork,
             Adopt: ModelRunner.adopt, Truncate: ModelRunner.truncate, Retire: ModelRunner.retire,
             Reinstate: ModelRunner.reinstate, Free: ModelRunner.free, Offload: ModelRunner.offload,
-            Restore: ModelRunner.restore, HostFree: ModelRunner.host_free}
+            Restore: ModelRunner.restore, HostFree: ModelRunner.host_free, PumpStores: ModelRunner.pump_idle}
 
 
 def run_call(runner: ModelRunner, message):
@@ -138,6 +138,7 @@ def _make_call(runner: ModelRunner, control, world_size: int):
             control.send(message)
         if isinstance(message, Shutdown):
             return None
+        runner.pump_stores()              # the next part of the host tier's queued stores, before each call
         return run_call(runner, message)
     return call
 
@@ -145,6 +146,7 @@ def _make_call(runner: ModelRunner, control, world_size: int):
 def _follow(runner: ModelRunner, control) -> None:
     """Another worker: runs worker 0's calls in order until Shutdown."""
     while not isinstance(message := control.receive(), Shutdown):
+        runner.pump_stores()
         run_call(runner, message)
 
 

@@ -12,7 +12,9 @@ restore). Every page is copied whole, so a restored page past the entry's last s
 GPU pool's own pages do.
 
 Order on CUDA: stores run on one side stream and loads on another (a restore does not queue behind a
-large store of another entry). Each first waits for the compute stream (the K/V a store copies out are
+large store of another entry). A store is queued a layer at a time and issued by `pump`, at most
+STORE_IN_FLIGHT bytes ahead at each call of the worker (an idle engine sends calls for it): the copy engine
+serves one direction's copies in order, so a call's small readback waits behind at most that much. Each first waits for the compute stream (the K/V a store copies out are
 written; the pages a load fills are no longer read). A load of an entry waits for that entry's store; a
 store waits for the loads out of host pages freed since (it may take them). The compute stream waits for a
 load before it runs the restored sequence: layer by layer when it comes at once (`layer_waits`), else the
@@ -21,6 +23,7 @@ scheduler lets the running sequences decode until `load_pending` is False; and f
 """
 import contextlib
 import time
+from collections import deque
 
 import torch
 
@@ -30,6 +33,8 @@ from engine.errors import DeviceSpecError
 
 
 DIRECT_RUNS = 16          # a copy of more runs of GPU pages goes through a staging buffer (HostPool._copy)
+STORE_IN_FLIGHT = 256 << 20   # store bytes issued ahead at a call (~5 ms of the link): what a call's own
+                              # readback may wait behind
 STAGE_BYTES = 64 << 20    # the largest staging block
 
 
@@ -70,6 +75,11 @@ class HostPool:
         self.written: dict[int, torch.cuda.Event] = {}    # host_id -> its store's end (CUDA)
         self.read: dict[int, torch.cuda.Event] = {}       # host_id -> its latest load's end (CUDA)
         self.freed_reads: list[torch.cuda.Event] = []     # loads out of host pages freed since the last store
+        self.queued: deque = deque()                      # store layers not issued yet (CUDA; `pump`)
+        self.in_flight: deque = deque()                   # (end event, bytes) of store layers issued
+        self.in_flight_bytes = 0
+        self.storing: dict[int, int] = {}                 # GPU seq_id -> host_id of a store still queued
+        self.storing_hosts: dict[int, int] = {}           # ... and the other way
         self.loads: dict[int, tuple] = {}                 # GPU seq_id -> (start, end, bytes) of its restore
         self.layers_loaded: dict[int, list] = {}          # GPU seq_id -> each layer's end of its restore (CUDA)
 
@@ -81,22 +91,50 @@ class HostPool:
         return self.num_pages * self.page_bytes
 
     def store(self, gpu: PagePool, seq_id: int, host_id: int, num_tokens: int) -> int:
-        """A new entry host_id: a copy of the GPU sequence's first num_tokens slots -> bytes copied."""
+        """A new entry host_id: a copy of the GPU sequence's first num_tokens slots -> bytes copied. On CUDA
+        the copy is queued a layer at a time and issued by `pump`: the GPU's copy engine for this direction
+        serves its copies in order, so a 16 GiB store issued at once would hold a decode step's 16-byte
+        token readback for its 0.3 s (measured)."""
         n = pages_for(num_tokens, self.block_size)
         if n > len(self._free):
             raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {len(self._free)} are free")
-        self.pages[host_id] = [self._free.pop() for _ in range(n)]
-        with self._on(self.store_stream if self.cuda else None, self.freed_reads):
-            self._copy(gpu, self.pages[host_id], gpu.pages[seq_id][:n], out=True)
-        if self.cuda:
-            self.freed_reads = []
-            self.stored[seq_id] = self.written[host_id] = self._record(self.store_stream)
+        self.pages[host_id] = host_pages = [self._free.pop() for _ in range(n)]
+        dev_pages = gpu.pages[seq_id][:n]
+        if not self.cuda:
+            self._copy(gpu, host_pages, dev_pages, out=True)
+            return n * self.page_bytes
+        ready = self._record(torch.cuda.current_stream())             # its K/V are written
+        layers = self.tensors[0].shape[0]
+        for layer in range(layers):
+            last = (seq_id, host_id) if layer == layers - 1 else None
+            self.queued.append((ready, gpu, host_pages, dev_pages, layer, n * self.page_bytes // layers, last))
+        self.storing[seq_id], self.storing_hosts[host_id] = host_id, seq_id
         return n * self.page_bytes
+
+    def pump(self, limit: int | None = None) -> None:
+        """Issues queued store layers while fewer than `limit` bytes are in flight (None: every one)."""
+        while self.in_flight and self.in_flight[0][0].query():
+            self.in_flight_bytes -= self.in_flight.popleft()[1]
+        while self.queued and (limit is None or self.in_flight_bytes < limit):
+            ready, gpu, host_pages, dev_pages, layer, nbytes, last = self.queued.popleft()
+            with self._on(self.store_stream, [ready] + self.freed_reads):
+                self._copy(gpu, host_pages, dev_pages, out=True, layers=[layer])
+            self.freed_reads = []
+            event = self._record(self.store_stream)
+            self.in_flight.append((event, nbytes))
+            self.in_flight_bytes += nbytes
+            if last is not None:
+                seq_id, host_id = last
+                self.stored[seq_id] = self.written[host_id] = event
+                self.storing.pop(seq_id, None)
+                self.storing_hosts.pop(host_id, None)
 
     def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
         """The GPU sequence's first num_tokens slots (its pages already taken) <- the entry's -> bytes copied."""
         n = pages_for(num_tokens, self.block_size)
         start = time.perf_counter()
+        if host_id in self.storing_hosts:                             # its store still queued: issued now
+            self.pump()
         written = [self.written[host_id]] if host_id in self.written else []
         with self._on(self.load_stream if self.cuda else None, written):
             begun = self._record(self.load_stream) if self.cuda else None
@@ -108,17 +146,18 @@ class HostPool:
         self.loads[seq_id] = (begun, ended, n * self.page_bytes)
         return n * self.page_bytes
 
-    def _copy(self, gpu: PagePool, host_pages: list[int], dev_pages: list[int], out: bool) -> list:
+    def _copy(self, gpu: PagePool, host_pages: list[int], dev_pages: list[int], out: bool,
+              layers: list[int] | None = None) -> list:
         """Every tensor's pages host_pages[i] <-> dev_pages[i] (out: GPU to host), layer by layer: one DMA a run
         where both sides go up one by one; where the GPU's pages are scattered (more than `direct_runs` runs),
         one DMA a run of host pages through a staging buffer on the GPU (gathered before, scattered after), as
         small copies run far below the link's rate (a page of FP8 scales is 32 KiB) -> on CUDA an event after
-        each layer's copies (on the current stream), else []."""
+        each layer's copies (on the current stream), else []. layers: only these layers (default: all)."""
         runs = page_runs(dev_pages, host_pages)
         staged = len(runs) > self.direct_runs
         index = torch.tensor(dev_pages, dtype=torch.long).to(gpu.device, non_blocking=True) if staged else None
-        layers = []
-        for layer in range(self.tensors[0].shape[0]):
+        events = []
+        for layer in range(self.tensors[0].shape[0]) if layers is None else layers:
             for host, dev in zip(self.tensors, gpu._tensors()):
                 if staged:
                     self._staged(host[layer], dev[layer], host_pages, index, out)
@@ -129,8 +168,8 @@ class HostPool:
                     else:
                         dev[layer, d:d + length].copy_(host[layer, h:h + length], non_blocking=self.cuda)
             if self.cuda:
-                layers.append(self._record(torch.cuda.current_stream()))
-        return layers
+                events.append(self._record(torch.cuda.current_stream()))
+        return events
 
     def _staged(self, host: torch.Tensor, dev: torch.Tensor, host_pages: list[int], index: torch.Tensor,
                 out: bool) -> None:
@@ -178,12 +217,17 @@ class HostPool:
     def wait_stored(self, seq_id: int) -> None:
         """The compute stream waits for the latest store out of the sequence's GPU pages before they are
         freed or truncated (they would be written by whoever takes them next)."""
+        if seq_id in self.storing:                                    # still queued: issued now
+            self.pump()
         event = self.stored.pop(seq_id, None)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
     def free(self, host_id: int) -> None:
-        """The entry's pages go back (the next store waits for the loads out of them)."""
+        """The entry's pages go back (the next store waits for the loads out of them; its own store, if still
+        queued, is issued first: its events are what a later entry of the same id would wait for)."""
+        if host_id in self.storing_hosts:
+            self.pump()
         pages = self.pages.pop(host_id, None)
         if pages is not None:
             self._free.extend(reversed(pages))
@@ -195,6 +239,7 @@ class HostPool:
     def release(self) -> None:
         """Unpins the tier's memory (at shutdown: the kernel unpinning it at exit can stall for seconds)."""
         if self.cuda:
+            self.pump()
             torch.cuda.synchronize()
         for t in self.pinned:
             unpin(t)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
-from engine.cache.prefix_cache import BLOCK, PrefixCache
+from engine.cache.prefix_cache import BLOCK, Chain, PrefixCache
 from engine.calls import Adopt, Fork, Free, HostFree, Offload, Reinstate, Restore, Retire, Truncate
 
 OFFLOAD_GAIN = 8     # a retiring entry is copied to the host tier when at least 1/8 of it is not there yet
@@ -127,26 +127,38 @@ class KVManager:
         if self.prefix_cache is None:
             return []
         self.prefix_cache.queries += len(ids)
-        gpu = self.prefix_cache.longest(ids)
+        keys = Chain(ids, len(ids) - 1)                       # hashed once for both caches
+        gpu = self.prefix_cache.longest(ids, keys=keys)
         in_pool = Hit(*gpu) if gpu is not None else None
-        better = self.host_hit(ids, in_pool.length if in_pool else 0)
-        if better is not None:
-            return [better]
-        fallback = self.host_hit(ids, 0) if in_pool is not None else None
-        return [h for h in (in_pool, fallback) if h is not None]
+        host = self.host_cache.longest(ids, keys=keys) if self.host_cache is not None else None
+        if host is None:
+            return [in_pool] if in_pool is not None else []
+        host = Hit(*host, on_host=True)
+        if self._worth_restoring(host, in_pool.length if in_pool else 0):
+            return [host]
+        return [h for h in (in_pool, host) if h is not None]     # the host tier's when the copy does not fit
 
     def host_hit(self, ids: list[int], in_pool: int) -> Hit | None:
         """The host tier's longest prefix of ids, if it is worth restoring over the `in_pool` tokens the pool
-        holds: longer by at least a block and an eighth of it."""
+        holds."""
         host = self.host_cache.longest(ids) if self.host_cache is not None else None
-        if host is None or host[1] - in_pool < max(BLOCK, host[1] // RESTORE_GAIN):
+        if host is None or not self._worth_restoring(Hit(*host), in_pool):
             return None
         return Hit(*host, on_host=True)
+
+    @staticmethod
+    def _worth_restoring(host: Hit, in_pool: int) -> bool:
+        """Restored over `in_pool` tokens in the pool: longer by at least a block and an eighth of it."""
+        return host.length - in_pool >= max(BLOCK, host.length // RESTORE_GAIN)
 
     def restore_pending(self, seq_id: int) -> bool:
         """Is the sequence's restore from the host tier still copying (on worker 0)? Until it is done the
         sequence waits and the others decode; the other workers' copies are waited for on their GPUs."""
         return self.host_pool is not None and self.host_pool.load_pending(seq_id)
+
+    def stores_queued(self) -> bool:
+        """Are stores to the host tier still queued (worker 0's; every worker queues the same ones)?"""
+        return self.host_pool is not None and bool(self.host_pool.queued)
 
     def hit_pages(self, hit: Hit, rest: int, chunk: int | None) -> list[int]:
         """Pages per worker to copy the hit (from the pool or the host tier) and extend it by `rest` tokens."""
@@ -188,15 +200,16 @@ class KVManager:
         """The sequence's pages stay as a prefix-cache entry of the tokens whose K/V they hold (and are copied
         to the host tier, if it lacks enough of them)."""
         self.call(Retire([seq_id]))
-        self.prefix_cache.insert(seq_id, computed)
+        keys = Chain(computed)                               # hashed once for both caches
+        self.prefix_cache.insert(seq_id, computed, keys)
         if self.host_cache is not None:
-            self._offload(seq_id, computed)
+            self._offload(seq_id, computed, keys)
 
-    def _offload(self, seq_id: int, tokens: list[int]) -> None:
+    def _offload(self, seq_id: int, tokens: list[int], keys: Chain) -> None:
         """Copies the entry to the host tier unless it holds all but less than 1/OFFLOAD_GAIN of it already;
         the host entries it supersedes (its prefixes, its own older copy) go first, then the least recently
         used ones until it fits (a prefix of whole blocks, if the whole tier is too small)."""
-        have = self.host_cache.longest(tokens + [-1])        # [-1]: a match may cover every token
+        have = self.host_cache.longest(tokens, limit=len(tokens), keys=keys)     # a match may cover every token
         if len(tokens) - (have[1] if have else 0) < max(BLOCK, len(tokens) // OFFLOAD_GAIN):
             return
         stale = [e for e in self.host_cache.entries
@@ -206,7 +219,7 @@ class KVManager:
         if position < BLOCK:
             return
         self.stored_bytes += self.call(Offload(seq_id, position))
-        self.host_cache.insert(seq_id, tokens[:position])
+        self.host_cache.insert(seq_id, tokens[:position], keys if position == len(tokens) else None)
 
     def _host_room(self, seq_id: int, length: int) -> int:
         """Host pages for the sequence's first `length` tokens, made by evicting host entries least recently

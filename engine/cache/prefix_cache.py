@@ -30,6 +30,20 @@ def block_keys(tokens: list[int], limit: int | None = None) -> list[int]:
     return list(chain(tokens, limit))
 
 
+class Chain:
+    """The hash chain over the whole blocks of tokens[:limit], computed as far as it is read, once: one
+    prompt looked up in the pool's prefix cache and the host tier's hashes each block once."""
+
+    def __init__(self, tokens: list[int], limit: int | None = None):
+        self._next, self.keys = chain(tokens, limit), []
+
+    def __iter__(self) -> Iterator[int]:
+        yield from list(self.keys)
+        for key in self._next:
+            self.keys.append(key)
+            yield key
+
+
 class PrefixCache:
     def __init__(self):
         self.entries: OrderedDict[int, list[int]] = OrderedDict()   # seq_id -> tokens; least recently used first
@@ -48,10 +62,11 @@ class PrefixCache:
         self.tick += 1
         self.used[seq_id] = self.tick
 
-    def insert(self, seq_id: int, tokens: list[int]) -> None:
+    def insert(self, seq_id: int, tokens: list[int], keys: Chain | None = None) -> None:
+        """A new entry (keys: the Chain of its tokens, if the caller has one)."""
         self.entries[seq_id] = list(tokens)
         self.touch(seq_id)
-        for key in block_keys(tokens):
+        for key in keys if keys is not None else chain(tokens):
             self.index.setdefault(key, set()).add(seq_id)
 
     def remove(self, seq_id: int) -> None:
@@ -73,11 +88,11 @@ class PrefixCache:
                 if not holders:
                     del self.index[key]
 
-    def _indexed_keys(self, tokens: list[int], limit: int) -> list[int]:
-        """The hash chain over tokens[:limit]'s whole blocks as far as the index holds it: an entry that
-        shares a longer prefix holds every shorter one's key too, so a miss costs one block's hash, not
-        the whole prompt's."""
-        return list(itertools.takewhile(self.index.__contains__, chain(tokens, limit)))
+    def _indexed_keys(self, tokens: list[int], limit: int, keys: Chain | None = None) -> list[int]:
+        """The hash chain over tokens[:limit]'s whole blocks (`keys`, if given, is it) as far as the index
+        holds it: an entry that shares a longer prefix holds every shorter one's key too, so a miss costs
+        one block's hash, not the whole prompt's."""
+        return list(itertools.takewhile(self.index.__contains__, keys if keys is not None else chain(tokens, limit)))
 
     def lookup(self, prompt: list[int]) -> tuple[int, int] | None:
         """(entry, L): the entry sharing the longest prefix with the prompt and that prefix's length, at
@@ -90,11 +105,13 @@ class PrefixCache:
             self.hits += hit[1]
         return hit
 
-    def longest(self, prompt: list[int]) -> tuple[int, int] | None:
+    def longest(self, prompt: list[int], limit: int | None = None, keys: Chain | None = None) -> tuple[int, int] | None:
         """lookup's answer, without counting the query or touching the entry (for the scheduler's eviction
-        order: the entry a waiting prompt would copy from is evicted last)."""
+        order: the entry a waiting prompt would copy from is evicted last). limit: the longest prefix
+        wanted (default len(prompt) - 1); keys: the prompt's Chain to that limit, if the caller has one."""
         best = None
-        keys = self._indexed_keys(prompt, len(prompt) - 1)
+        limit = len(prompt) - 1 if limit is None else limit
+        keys = self._indexed_keys(prompt, limit, keys)
         for depth in range(len(keys), 0, -1):
             holders = sorted(self.index.get(keys[depth - 1], ()), key=self.used.__getitem__, reverse=True)
             for seq_id in holders:                          # most recently used first
@@ -106,7 +123,7 @@ class PrefixCache:
         if best is None:
             return None
         seq_id, matched = best
-        tokens, limit = self.entries[seq_id], min(len(self.entries[seq_id]), len(prompt) - 1)
+        tokens, limit = self.entries[seq_id], min(len(self.entries[seq_id]), limit)
         while matched < limit and tokens[matched] == prompt[matched]:
             matched += 1
         return seq_id, matched

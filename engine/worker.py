@@ -138,8 +138,10 @@ def _make_call(runner: ModelRunner, control, world_size: int):
             control.send(message)
         if isinstance(message, Shutdown):
             return None
-        runner.pump_stores()              # the next part of the host tier's queued stores, before each call
-        return run_call(runner, message)
+        runner.pump_stores()              # the next part of the host tier's queued stores, around each call
+        result = run_call(runner, message)
+        runner.pump_stores()
+        return result
     return call
 
 
@@ -148,6 +150,7 @@ def _follow(runner: ModelRunner, control) -> None:
     while not isinstance(message := control.receive(), Shutdown):
         runner.pump_stores()
         run_call(runner, message)
+        runner.pump_stores()
 
 
 def main(argv: list[str] | None = None) -> None:

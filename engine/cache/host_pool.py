@@ -111,11 +111,14 @@ class HostPool:
         self.storing[seq_id], self.storing_hosts[host_id] = host_id, seq_id
         return n * self.page_bytes
 
-    def pump(self, limit: int | None = None) -> None:
-        """Issues queued store layers while fewer than `limit` bytes are in flight (None: every one)."""
+    def pump(self, limit: int | None = None, until: int | None = None) -> None:
+        """Issues queued store layers while fewer than `limit` bytes are in flight (None: every one), or with
+        `until` (a GPU seq_id) up to that sequence's store's last layer, the ones queued before it first."""
         while self.in_flight and self.in_flight[0][0].query():
             self.in_flight_bytes -= self.in_flight.popleft()[1]
-        while self.queued and (limit is None or self.in_flight_bytes < limit):
+        if until is not None and until not in self.storing:
+            return
+        while self.queued and (until is not None or limit is None or self.in_flight_bytes < limit):
             ready, gpu, host_pages, dev_pages, layer, nbytes, last = self.queued.popleft()
             with self._on(self.store_stream, [ready] + self.freed_reads):
                 self._copy(gpu, host_pages, dev_pages, out=True, layers=[layer])
@@ -128,13 +131,23 @@ class HostPool:
                 self.stored[seq_id] = self.written[host_id] = event
                 self.storing.pop(seq_id, None)
                 self.storing_hosts.pop(host_id, None)
+                if seq_id == until:
+                    return
+
+    def store_pending(self, seq_id: int) -> bool:
+        """Is a store out of the sequence's GPU pages queued or still copying (CUDA)? Freeing those pages
+        would make the compute stream wait for it."""
+        if seq_id in self.storing:
+            return True
+        event = self.stored.get(seq_id)
+        return event is not None and not event.query()
 
     def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
         """The GPU sequence's first num_tokens slots (its pages already taken) <- the entry's -> bytes copied."""
         n = pages_for(num_tokens, self.block_size)
         start = time.perf_counter()
         if host_id in self.storing_hosts:                             # its store still queued: issued now
-            self.pump()
+            self.pump(until=self.storing_hosts[host_id])
         written = [self.written[host_id]] if host_id in self.written else []
         with self._on(self.load_stream if self.cuda else None, written):
             begun = self._record(self.load_stream) if self.cuda else None
@@ -217,8 +230,7 @@ class HostPool:
     def wait_stored(self, seq_id: int) -> None:
         """The compute stream waits for the latest store out of the sequence's GPU pages before they are
         freed or truncated (they would be written by whoever takes them next)."""
-        if seq_id in self.storing:                                    # still queued: issued now
-            self.pump()
+        self.pump(until=seq_id)                                       # still queued: issued now
         event = self.stored.pop(seq_id, None)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -227,7 +239,7 @@ class HostPool:
         """The entry's pages go back (the next store waits for the loads out of them; its own store, if still
         queued, is issued first: its events are what a later entry of the same id would wait for)."""
         if host_id in self.storing_hosts:
-            self.pump()
+            self.pump(until=self.storing_hosts[host_id])
         pages = self.pages.pop(host_id, None)
         if pages is not None:
             self._free.extend(reversed(pages))

@@ -8,7 +8,8 @@ retire a sequence into an entry, take one back, copy a prefix or a prompt, free.
 worker 0's, which every worker keeps identical (engine/cache/ledger.py).
 
 Eviction: least recently used entry first, from its tail (an entry gives back only the pages needed,
-keeping its longest prefix of whole hashed blocks); preempted sequences' entries after all others (they
+keeping its longest prefix of whole hashed blocks); entries still being copied to the host tier after the
+others (freeing their pages would wait for the copy); preempted sequences' entries after all others (they
 will be resumed), and the entry holding the longest prefix of the prompt being admitted last of all (it
 is about to be copied).
 
@@ -92,6 +93,8 @@ class KVManager:
         if self.prefix_cache is None:
             return []
         entries = [e for e in self.prefix_cache.entries if e != keep_entry]
+        copying = [e for e in entries if self._store_pending(e)]       # freeing them would wait for the copy
+        entries = [e for e in entries if e not in copying] + copying
         hit = self.prefix_cache.longest(prompt) if prompt else None
         if hit is not None and hit[0] in entries:
             entries.remove(hit[0])
@@ -155,6 +158,10 @@ class KVManager:
         """Is the sequence's restore from the host tier still copying (on worker 0)? Until it is done the
         sequence waits and the others decode; the other workers' copies are waited for on their GPUs."""
         return self.host_pool is not None and self.host_pool.load_pending(seq_id)
+
+    def _store_pending(self, seq_id: int) -> bool:
+        """Is the entry still being copied to the host tier (worker 0's view; every worker copies alike)?"""
+        return self.host_pool is not None and self.host_pool.store_pending(seq_id)
 
     def stores_queued(self) -> bool:
         """Are stores to the host tier still queued (worker 0's; every worker queues the same ones)?"""

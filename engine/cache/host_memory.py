@@ -35,7 +35,8 @@ def _read_int(path: str) -> int | None:
 
 def _cgroup_room(cgroup_dir: str) -> int | None:
     """What the cgroup's memory limit leaves (v2: memory.max - memory.current; v1: limit - usage), or None."""
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         cap, used = _read_int(os.path.join(cgroup_dir, limit)), _read_int(os.path.join(cgroup_dir, usage))
         if cap is not None and used is not None and cap < 1 << 60:    # v1 writes "no limit" as a huge number
             return max(0, cap - used)

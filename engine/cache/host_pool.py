@@ -12,13 +12,14 @@ restore). Every page is copied whole, so a restored page past the entry's last s
 GPU pool's own pages do.
 
 Order on CUDA: stores run on one side stream and loads on another (a restore does not queue behind a
-large store of another entry). A store is queued a layer at a time and issued by `pump`, at most
-STORE_IN_FLIGHT bytes ahead at each call of the worker (an idle engine sends calls for it): the copy engine
-serves one direction's copies in order, so a call's small readback waits behind at most that much. Each first waits for the compute stream (the K/V a store copies out are
-written; the pages a load fills are no longer read). A load of an entry waits for that entry's store; a
-store waits for the loads out of host pages freed since (it may take them). The compute stream waits for a
-load before it runs the restored sequence: layer by layer when it comes at once (`layer_waits`), else the
-scheduler lets the running sequences decode until `load_pending` is False; and for a store before the stored GPU pages are freed or truncated
+large store of another entry). Each first waits for the compute stream (the K/V a store copies out are
+written; the pages a load fills are no longer read). A store is queued a layer at a time and issued by
+`pump`, at most STORE_IN_FLIGHT bytes ahead around each call of the worker (an idle engine sends calls for
+it): the copy engine serves one direction's copies in order, so a call's small readback waits behind at most
+that much. A load of an entry waits for that entry's store; a store waits for the loads out of host pages
+freed since (it may take them). The compute stream waits for a load before it runs the restored sequence:
+layer by layer when it runs at once (`layer_waits`), else the scheduler lets the running sequences decode
+until `load_pending` is False; and for a store before the stored GPU pages are freed or truncated
 (`wait_stored`). On CPU the copies are plain and synchronous.
 """
 import contextlib

@@ -369,9 +369,10 @@ def test_shared_many_documents_offline_reports_ttft_by_where_the_prefix_came_fro
     data = check_documents(str(tmp_path / "docs"), 5, 2)
     s = data["summary"]
     assert s["host"]["count"] == 10 and s["none"]["count"] == 0, s
-    assert all(x["host_cached_tokens"] == 200 for x in data["runs"][0][5:])
+    # the document, and a token more where a question's first token is the first question's (1 in the vocabulary)
+    assert all(x["host_cached_tokens"] in (200, 201) for x in data["runs"][0][5:])
     with open(tmp_path / "docs" / "results.csv") as f:
-        assert [r["host_cached_tokens"] for r in csv.DictReader(f)][5:] == ["200"] * 10
+        assert all(r["host_cached_tokens"] in ("200", "201") for r in list(csv.DictReader(f))[5:])
 
 
 def test_shared_many_documents_over_http_counts_host_hits(tmp_path):

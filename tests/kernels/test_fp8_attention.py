@@ -71,7 +71,9 @@ def test_reference_tiles_change_only_the_rounding_of_p():
     a = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.125, True, block_n=16)
     b = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.125, True, block_n=8)
     assert torch.allclose(a[1], b[1], atol=1e-5)
-    assert 0 < _relative(a[0], b[0]) < 0.03
+    # each is within 0.04 of float64 (P in e4m3, test above), so they differ by at most 0.08; a tiling that masks
+    # or merges wrongly differs by O(1). Seen in CI: 0.038 on one draw.
+    assert 0 < _relative(a[0], b[0]) < 0.08
 
 
 def test_kernel_interpreted():

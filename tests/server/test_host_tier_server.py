@@ -40,9 +40,9 @@ def test_a_question_about_an_evicted_document_is_answered_from_host_memory(serve
     before = metrics(server)
     cached = _complete(server, docs[0] + [random.randrange(2, 320) for _ in range(9)])
     after = metrics(server)
-    assert cached == DOC
+    assert cached in (DOC, DOC + 1)        # one more where the question's first token is the document's answer
     hits = after["burstserve:prefix_cache_host_hits_total{}"] - before.get("burstserve:prefix_cache_host_hits_total{}", 0)
-    assert hits == DOC
+    assert hits == cached
     assert after["burstserve:kv_offload_restored_bytes_total{}"] > before["burstserve:kv_offload_restored_bytes_total{}"]
     assert after["burstserve:kv_offload_stored_bytes_total{}"] > 0
     assert after["burstserve:kv_offload_restore_seconds_count{}"] >= 1

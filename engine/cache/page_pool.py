@@ -22,6 +22,7 @@ from kernels.kv_quant import SCALE_DTYPE, Fp8Pages, is_fp8, store_kv_fp8
 
 COPY_BYTES = 1 << 28        # the largest temporary a prefix copy makes (it gathers pages, then scatters them)
 MAX_RUN_COPIES = 64         # a prefix copy in at most this many runs of consecutive pages copies run by run
+LAYERWISE_RUNS = 4          # ... and in at most this many, layer by layer (contiguous copies; more calls)
 
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -134,6 +135,12 @@ class PagePool:
             return
         src, dst = self.pages[source_id][:n], self.pages[seq_id]
         runs = page_runs(src, dst)
+        if len(runs) <= LAYERWISE_RUNS:        # a contiguous copy per run and layer: on GPUs about twice as fast
+            for s, d, length in runs:          # as the strided copy below (docs/results/log.md, "The host tier,
+                for cache in self._tensors():  # later the same session")
+                    for layer in cache:
+                        layer[d:d + length].copy_(layer[s:s + length])
+            return
         if len(runs) <= MAX_RUN_COPIES:        # a slice copy per run, every layer at once: one read, one write
             for s, d, length in runs:
                 for cache in self._tensors():

@@ -192,17 +192,18 @@ def test_cached_entries_count_as_free_in_the_usage_figures(checkpoint):
         assert all(free < llm.worker_info[0]["kv_pages_per_worker"] for free in llm.stats["kv_pages_free"])
 
 
-@pytest.mark.parametrize("max_runs", [0, 64])
-def test_a_prefix_copy_copies_every_page(monkeypatch, max_runs):
-    """PagePool.copy_prefix, run by run (pages in consecutive runs) or gathering at most COPY_BYTES at
-    a time (here 3 pages a batch): a 10-page prefix whose source pages are scattered in 4 runs (the last
-    page partly used) is copied exactly, every layer, K and V."""
+@pytest.mark.parametrize("max_runs,layerwise", [(0, 0), (64, 0), (64, 8)])
+def test_a_prefix_copy_copies_every_page(monkeypatch, max_runs, layerwise):
+    """PagePool.copy_prefix, run by run (every layer at once, or layer by layer) or gathering at most
+    COPY_BYTES at a time (here 3 pages a batch): a 10-page prefix whose source pages are scattered in 4 runs
+    (the last page partly used) is copied exactly, every layer, K and V."""
     import torch
     from engine.cache import page_pool
     pool = page_pool.PagePool(num_layers=3, num_pages=40, block_size=4, num_kv_heads=2, head_dim=8,
                               dtype=torch.float32, device=torch.device("cpu"), max_seqs=4, max_pages_per_seq=16)
     monkeypatch.setattr(page_pool, "COPY_BYTES", 3 * 4 * 2 * 8 * 4)       # 3 pages of one layer
     monkeypatch.setattr(page_pool, "MAX_RUN_COPIES", max_runs)
+    monkeypatch.setattr(page_pool, "LAYERWISE_RUNS", layerwise)
     pool.k.normal_()
     pool.v.normal_()
     scattered = [22, 21, 20, 11, 10, 9, 31, 30, 3, 2]                     # popped from the end: 2 3 30 31 9 ...

@@ -516,10 +516,7 @@ class ModelRunner:
         """Before the sequence's pages go back to the pool: the compute stream waits for the host tier's copies
         out of them or into them (whoever takes them next writes them)."""
         if self.host is not None:
-            self.host.wait_stored(seq_id)
-            self.host.wait_loaded(seq_id)
-            self.host.loads.pop(seq_id, None)
-            self.host.layers_loaded.pop(seq_id, None)
+            self.host.pages_unused(seq_id)
 
     def _restored(self, seq_id: int, result: PrefillResult) -> PrefillResult:
         """An extend's result, with the restore from the host tier that preceded it (its copy's seconds and bytes)."""

@@ -19,8 +19,8 @@ it): the copy engine serves one direction's copies in order, so a call's small r
 that much. A load of an entry waits for that entry's store; a store waits for the loads out of host pages
 freed since (it may take them). The compute stream waits for a load before it runs the restored sequence:
 layer by layer when it runs at once (`layer_waits`), else the scheduler lets the running sequences decode
-until `load_pending` is False; and for a store before the stored GPU pages are freed or truncated
-(`wait_stored`). On CPU the copies are plain and synchronous.
+until `load_pending` is False; and for both before the GPU pages they touch are freed or truncated
+(`pages_unused`). On CPU the copies are plain and synchronous.
 """
 import contextlib
 import time
@@ -207,10 +207,13 @@ class HostPool:
         load = self.loads.get(seq_id)
         return self.cuda and load is not None and not load[1].query()
 
-    def wait_loaded(self, seq_id: int) -> None:
-        """The compute stream waits for the sequence's restore, if one is pending (its seconds are read once
-        the compute stream has passed it: `restore_seconds`)."""
-        load = self.loads.get(seq_id)
+    def pages_unused(self, seq_id: int) -> None:
+        """Before the GPU sequence's pages go back to the pool (whoever takes them next writes them): the compute
+        stream waits for the tier's copies out of them (`wait_stored`) and into them (a restore never run), and
+        the restore is forgotten."""
+        self.wait_stored(seq_id)
+        load = self.loads.pop(seq_id, None)
+        self.layers_loaded.pop(seq_id, None)
         if load is not None and self.cuda:
             torch.cuda.current_stream().wait_event(load[1])
 

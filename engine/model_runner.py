@@ -3,6 +3,7 @@
 Every worker runs the same method with the same arguments (worker 0 broadcasts the call); the
 logits come back on worker 0 only.
 """
+import gc
 import logging
 import os
 import time
@@ -593,6 +594,10 @@ class ModelRunner:
         elif self.device.type != "cuda":
             tokens = pool_tokens_on_cpu(kv_per_token)
         else:
+            # the blocks freed while the weights were built (fused qkv and gate_up copied from their parts) go
+            # back to the device first: held in torch's cache they would count as in use and shrink the pool
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # less what the layout leaves free (burst-zero: the layers and the embedding gathered whole)
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free) - self.layout.reserve_bytes()
@@ -605,9 +610,10 @@ class ModelRunner:
                 budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
-            log.info("worker %d: %.1f of %.1f GiB in use after weights; KV pool of %d tokens (%.1f GiB) at "
-                     "gpu_memory_utilization %.2f, activations reserved for %d tokens in one call", self.rank,
-                     (total - free) / 2**30, total / 2**30, tokens, tokens * kv_per_token / 2**30,
+            log.info("worker %d: %.1f of %.1f GiB in use after weights (%.1f GiB of tensors); KV pool of %d tokens "
+                     "(%.1f GiB) at gpu_memory_utilization %.2f, activations reserved for %d tokens in one call",
+                     self.rank, (total - free) / 2**30, total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
+                     tokens, tokens * kv_per_token / 2**30,
                      self.engine.gpu_memory_utilization, self.prefill_rows_max)
         if tokens < self.block_size:
             raise ModelLoadError(f"worker {self.rank} ({self.device}) has no memory left for the KV cache "

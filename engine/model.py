@@ -53,6 +53,11 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# A prefill's MLP runs this many rows at a time (LlamaModel.mlp): large enough that its GEMMs run at full
+# rate, small enough that a 64K-token chunk's gate/up output (3.5 GiB for llama3-8b) is not held whole.
+MLP_PIECE_ROWS = 16384
+
+
 class LlamaModel:
     """Weights and the forward pass; replicated on every worker."""
 
@@ -148,7 +153,22 @@ class LlamaModel:
         return self.vocab.embed(token_ids, self.embed)
 
     def mlp(self, x: "torch.Tensor | fp8.Fp8Rows", layer: LayerWeights, rows: bool = False) -> torch.Tensor:
-        """rows: the down projection's input made as Fp8Rows (see fp8_rows)."""
+        """x [S, hidden] -> [S, hidden], MLP_PIECE_ROWS rows at a time: gate/up and silu*up ([rows, 3 I])
+        are a prefill's largest activations, and the KV pool is sized for one piece of them
+        (engine/cache/sizing.py). rows: the down projection's input made as Fp8Rows (see fp8_rows)."""
+        n = x.shape[0]
+        if n <= MLP_PIECE_ROWS:
+            return self._mlp(x, layer, rows)
+        out = None
+        for start in range(0, n, MLP_PIECE_ROWS):
+            stop = min(start + MLP_PIECE_ROWS, n)
+            piece = self._mlp(fp8.row_range(x, start, stop), layer, rows)                  # [stop - start, hidden]
+            if out is None:
+                out = piece.new_empty(n, piece.shape[1])
+            out[start:stop] = piece
+        return out
+
+    def _mlp(self, x: "torch.Tensor | fp8.Fp8Rows", layer: LayerWeights, rows: bool) -> torch.Tensor:
         act = fp8.silu_and_mul_rows if rows else fused.silu_and_mul
         return fp8.linear(act(fp8.linear(x, layer.gate_up)), layer.down)
 

@@ -16,8 +16,8 @@ from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, pool_tokens_on_cpu,
-                                 pool_tokens_on_gpu, prefill_rows_reserved)
+from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
+                                 pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
@@ -608,6 +608,7 @@ class ModelRunner:
             if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
                 gathered = min(share, FP8_GATHER_SEGMENT + self.engine.max_num_batched_tokens)
                 budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
+            budget -= mlp_piece_bytes(self.cfg, self.dtype.itemsize)
             tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
                                         self.prefill_rows_max)
             log.info("worker %d: %.1f of %.1f GiB in use after weights (%.1f GiB of tensors); KV pool of %d tokens "

@@ -44,6 +44,13 @@ class Fp8Rows:
         return self.values.shape
 
 
+def row_range(x: "torch.Tensor | Fp8Rows", start: int, stop: int) -> "torch.Tensor | Fp8Rows":
+    """Rows start..stop-1 of x [M, K], as a view (Fp8Rows: its values and scales)."""
+    if isinstance(x, Fp8Rows):
+        return Fp8Rows(x.values[start:stop], x.scale[start:stop], x.dtype)
+    return x[start:stop]
+
+
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """w [N, K] (bf16/fp32) -> its FP8 copy and scales."""
     scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)          # [N]

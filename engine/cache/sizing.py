@@ -7,15 +7,17 @@
 On a GPU the pool gets what is left of U x total memory after what is in use (weights, the CUDA
 context, other processes) and a reserve for the activations of the longest prefill a worker can
 run: a prefill of T tokens on one worker needs about T x `activation_bytes_per_token` besides its
-K/V (the estimate below is a little above a measured prefill's peak, so the reserve errs on the safe
-side: docs/results/log.md, Prefill: time to first token, `llama3-8b` preset, every strategy on 4 GPUs
-(bf16, batch 1), its peak GiB/GPU column). The longest prefill is the prompt a worker's pool could hold,
+K/V, and one piece of its MLP's intermediates (`mlp_piece_bytes`). The estimate sums every tensor a
+layer holds, so it errs on the safe side (before the MLP ran in pieces it was a little above a measured
+prefill's peak: docs/results/log.md, Prefill: time to first token, `llama3-8b` preset, every strategy on
+4 GPUs (bf16, batch 1), its peak GiB/GPU column). The longest prefill is the prompt a worker's pool could hold,
 or max_model_len's share when that is shorter; with chunked prefill (--max-num-batched-tokens) on
 flash-attn-4, one chunk's tokens (prefill_rows_reserved): the KV pool then takes nearly all the memory,
 and a prompt several times longer fits (tests/engine/test_sizing.py's arithmetic; docs/benchmarks.md,
 Capacity: the longest prompt on one GPU).
 """
 from engine.config import ModelConfig
+from engine.model import MLP_PIECE_ROWS
 from kernels.kv_quant import SCALE_BYTES, is_fp8
 
 CPU_KV_TOKENS = 1 << 20       # a CPU worker's default (memory is touched only as pages are used)
@@ -32,10 +34,17 @@ def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int, kv_ca
 
 def activation_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """One layer's live tensors during a prefill, per token: residual, norm, qkv, rotated q/k, the
-    K/V message and ring buffers, attention out (fp32 accumulators), gate/up, silu*up."""
-    h, hkv, d, hid, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    activations = 4 * hid + 2 * (h + 2 * hkv) * d + 3 * inter
+    K/V message and ring buffers, attention out (fp32 accumulators), the MLP's in and out. Its gate/up
+    and silu*up are held for MLP_PIECE_ROWS rows at most (mlp_piece_bytes)."""
+    h, hkv, d, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    activations = 4 * hid + 2 * (h + 2 * hkv) * d
     return itemsize * activations + 4 * (h * d + h)
+
+
+def mlp_piece_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """The MLP's gate/up [rows, 2 I] and silu*up [rows, I] for the rows it runs at once (engine/model.py,
+    LlamaModel.mlp: MLP_PIECE_ROWS; fewer in a shorter call, so this is a bound)."""
+    return itemsize * 3 * cfg.intermediate_size * MLP_PIECE_ROWS
 
 
 def pool_tokens_on_gpu(budget_bytes: int, kv_per_token: int, act_per_token: int, prefill_tokens_max: int) -> int:

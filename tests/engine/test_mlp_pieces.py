@@ -1,0 +1,48 @@
+"""A prefill's MLP runs MLP_PIECE_ROWS rows at a time (engine/model.py, LlamaModel.mlp), so the KV pool is
+sized for one piece of its intermediates (engine/cache/sizing.py). With pieces of a few rows the model's
+logits equal transformers' (fp32) and the unpieced model's, in bf16 and with FP8 linears (rows quantized per
+token either way)."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.model
+from engine.config import load_model_config
+from engine.model import LlamaModel
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from hf_reference import save_checkpoint
+    path = str(tmp_path_factory.mktemp("llama3-gqa-mlp"))
+    return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
+
+
+def _causal(layer, q, k, v):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype, quantization", [(torch.float32, "none"), (torch.bfloat16, "fp8")])
+def test_the_mlp_in_row_pieces_gives_the_same_logits(checkpoint, monkeypatch, dtype, quantization):
+    path, hf = checkpoint
+    cfg = load_model_config(path)
+    n = random.randrange(40, 90)
+    ids = torch.randint(0, cfg.vocab_size, (n,))
+    logits = {}
+    for piece in (1 << 20, random.choice([1, 7, 16])):
+        monkeypatch.setattr(engine.model, "MLP_PIECE_ROWS", piece)
+        weights = {name: t.to(dtype) for name, t in hf.state_dict().items()}
+        model = LlamaModel(cfg, weights, torch.device("cpu"), quantization=quantization)
+        logits[piece > n] = model.logits(model.forward(ids, torch.arange(n), _causal))
+    whole, pieces = logits[True], logits[False]
+    assert torch.allclose(pieces, whole, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2), \
+        (pieces - whole).abs().max()
+    if quantization == "none":
+        ref = hf(ids[None]).logits[0].float()
+        assert torch.allclose(pieces, ref, rtol=1e-4, atol=1e-4), (pieces - ref).abs().max()

@@ -126,9 +126,13 @@ def streams_run(args) -> dict:
         questions.append({"document": d % args.documents, "ttft_s": first - arrived,
                           "cached_tokens": stats.get("cached_tokens", 0),
                           "host_cached_tokens": stats.get("host_cached_tokens", 0),
-                          "restore_seconds": stats.get("restore_seconds")})
+                          "restore_seconds": stats.get("restore_seconds"), "chunks": stats.get("chunks"),
+                          "mixed_chunks": stats.get("mixed_chunks"), "smallest_chunk": stats.get("smallest_chunk"),
+                          "largest_chunk": stats.get("largest_chunk")})
         print(f"question {d}: TTFT {first - arrived:.3f} s, cached {questions[-1]['cached_tokens']}, from host "
-              f"{questions[-1]['host_cached_tokens']}, restore {questions[-1]['restore_seconds']}", flush=True)
+              f"{questions[-1]['host_cached_tokens']}, restore {questions[-1]['restore_seconds']}, chunks "
+              f"{questions[-1]['chunks']} ({questions[-1]['mixed_chunks']} with a decode step, "
+              f"{questions[-1]['smallest_chunk']}-{questions[-1]['largest_chunk']} tokens)", flush=True)
         if left[0] == 0:
             break
         time.sleep(args.gap)
@@ -140,6 +144,8 @@ def streams_run(args) -> dict:
             gaps.append(b - a)
             if any(a < end and b > start for start, end in windows):
                 during.append(b - a)
+    longest = sorted(during, reverse=True)[:8]
+    print("longest gaps overlapping a question, ms: " + ", ".join(f"{g * 1e3:.1f}" for g in longest), flush=True)
     return {"kv_cache_dtype": args.kv_cache_dtype, "kv_offload_gb": args.kv_offload_gb,
             "kv_cache_tokens": args.kv_cache_tokens, "documents": args.documents, "doc_len": args.doc_len,
             "prefill_seconds": prefill_seconds, "questions": questions, "gaps_all": _ms(gaps),

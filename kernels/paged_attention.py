@@ -7,7 +7,8 @@
 q [total_q, H, D]: the new tokens of B sequences packed, sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
 k_cache, v_cache [num_blocks, block_size, Hkv, D] (H % Hkv == 0), or two kernels.kv_quant.Fp8Pages (an FP8
 cache: on CUDA a decode call reads them in place, kernels.fp8_paged_attention, graphable; any other call
-goes through the gathered backends, which dequantize the pages they gather); block_table [B, max_blocks] int32;
+gathers and dequantizes each sequence's pages, FP8_GATHER_SEGMENT keys at a time at most, and attends them
+with one flash-attn-4 call where it runs, else the dense backend); block_table [B, max_blocks] int32;
 seq_lens_k [B] int32: sequence b's keys are the first seq_lens_k[b] slots of its blocks, its new
 tokens' keys included. `causal` is aligned to the end: query i of a sequence with q_len new tokens
 sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and lse -inf.
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 tl = None   # triton.language, bound by _build (the prep kernel resolves it as a global)
 
 MIN_CHUNK_KEYS = 512      # a split chunk covers at least this many keys (fewer: launch-bound)
-FP8_GATHER_SEGMENT = 65536   # FP8 pages gathered for a chunk this many keys at a time (sizing.fp8_gather_bytes)
+FP8_GATHER_SEGMENT = 131072  # FP8 pages gathered for a chunk this many keys at a time (sizing.fp8_gather_bytes)
 MAX_CHUNKS = 64
 
 
@@ -74,7 +75,10 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
         return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
     if backend == "auto":
-        backend = "fa4" if fa4_available(q.device) and not fp8 else "dense"
+        if fp8 and fa4_available(q.device):     # a chunk over FP8 pages: gathered, then one flash-attn-4 call
+            return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
+                             FA4_END_ALIGNED, max_seqlen_q, host_sizes)
+        backend = "fa4" if fa4_available(q.device) else "dense"
     if backend == "fa4":
         if fp8:
             raise ValueError("flash-attn-4 does not read FP8 pages; use the dense or reference backend")
@@ -92,27 +96,46 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
 
 # ---------------------------------------------------------------- gathered (reference, dense fallback)
 
+def _fa4_end_aligned(q, k, v, causal, scale):
+    """q [m, H, D] against k, v [n, Hkv, D] (n >= m when causal) in one flash-attn-4 call, whose causal mask
+    is aligned to the end (query i sees keys 0 .. n - m + i), as the paged calls' -> (out, lse [m, H])."""
+    out, lse = fa4_forward(q[None], k[None], v[None], softmax_scale=scale, causal=causal)   # [1, m, H, D], [1, H, m]
+    return out[0], lse[0].transpose(0, 1)
+
+
+# the gathered path's attention over FP8 pages with flash-attn-4: its causal is already end-aligned
+FA4_END_ALIGNED = AttentionBackend("fa4-end-aligned", _fa4_end_aligned)
+
+
 def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn, max_seqlen_q=None,
               host_sizes=None):
     total_q, h, d = q.shape
-    bs = k_cache.shape[1]
-    out = torch.zeros(total_q, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.full((total_q, h), float("-inf"), dtype=torch.float32, device=q.device)
     cu, lens = host_sizes or (cu_seqlens_q.tolist(), seq_lens_k.tolist())
     if max_seqlen_q is not None and any(b - a > max_seqlen_q for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"a sequence has more than max_seqlen_q={max_seqlen_q} new tokens: cu_seqlens_q {cu}")
-    for b, n in enumerate(lens):
-        q0, q1 = cu[b], cu[b + 1]
-        if q1 == q0 or n == 0:
-            continue
-        blocks = block_table[b, :(n + bs - 1) // bs].long()
-        if isinstance(k_cache, Fp8Pages) and n - (q1 - q0 if causal else 0) > FP8_GATHER_SEGMENT:
-            out[q0:q1], lse[q0:q1] = _fp8_segments(q[q0:q1], k_cache, v_cache, blocks, n, causal, scale, attn)
-            continue
-        k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]
-        v = _gather(v_cache, blocks, n, q.dtype)
-        out[q0:q1], lse[q0:q1] = _end_aligned(q[q0:q1], k, v, causal, scale, attn)
+    parts = [(cu[b], cu[b + 1], *_sequence(q[cu[b]:cu[b + 1]], k_cache, v_cache, block_table[b], n, causal, scale,
+                                           attn))
+             for b, n in enumerate(lens) if cu[b + 1] > cu[b] and n > 0]
+    if len(parts) == 1 and parts[0][:2] == (0, total_q):          # one sequence, every row (a chunk): as it is
+        return parts[0][2], parts[0][3]
+    out = torch.zeros(total_q, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((total_q, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, q1, o, s in parts:
+        out[q0:q1], lse[q0:q1] = o, s
     return out, lse
+
+
+def _sequence(q, k_cache, v_cache, table_row, n, causal, scale, attn):
+    """One sequence's queries q [m, H, D] against the first n keys of its pages (table_row [max_blocks])."""
+    bs = k_cache.shape[1]
+    blocks = table_row[:(n + bs - 1) // bs].long()
+    if isinstance(k_cache, Fp8Pages) and n - (q.shape[0] if causal else 0) > FP8_GATHER_SEGMENT:
+        return _fp8_segments(q, k_cache, v_cache, blocks, n, causal, scale, attn)
+    k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]
+    v = _gather(v_cache, blocks, n, q.dtype)
+    if attn is FA4_END_ALIGNED and n >= q.shape[0]:
+        return attn(q, k, v, causal, scale)
+    return _end_aligned(q, k, v, causal, scale, attn)
 
 
 def _fp8_segments(q, k_pages, v_pages, blocks, n, causal, scale, attn):

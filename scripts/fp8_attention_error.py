@@ -10,6 +10,9 @@ probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8)
   (segment, KV head) (FA3's descales are [batch, kv_heads]), P in e4m3
 - per-token Q: Q with a scale per (token, head), the cache's per-token K/V scales applied to the scores'
   columns, P in e4m3 (what a kernel of our own can do; FA3 cannot)
+- FA3 fed from the model's K/V (one rounding, not the cache's twice: a prefill's own blocks), and the same
+  with K's channels scaled into Q first (q_c s_c . k_c / s_c, s_c = sqrt(max |k_c| / max |q_c|): SmoothQuant's
+  migration, exact before rounding)
 - each of these with a random-sign Hadamard rotation of the head dimension on Q and K before any rounding
   (q.k is unchanged; K is stored rotated; FlashAttention-3's "incoherent processing")
 
@@ -60,15 +63,26 @@ def hadamard(d, seed=1):
     return signs[:, None] * h / d ** 0.5
 
 
+def migrated(q, k):
+    """K's per-channel range moved halfway into Q: q [H, n, D] times s, k [n, D] over s (q.k unchanged)."""
+    s = (k.abs().amax(0) / q.abs().amax(dim=(0, 1)).clamp(min=1e-30)).sqrt().clamp(min=1e-6)
+    return q * s, k / s
+
+
 def ways(q, k, v, rotate):
     """The attention outputs of each way for fp32-precision q [H, n, D], k, v [n, D]."""
     if rotate is not None:
         q, k = q @ rotate, k @ rotate
     kc, vc = round_kv(k.float()).double(), round_kv(v.float()).double()          # the cache's values
+    qm, km = migrated(q, k)
     return {"cache only (bf16 Q)": causal_attention(q.bfloat16().double(), kc, vc),
             "FA3 as is (Q per block, K/V per segment, P e4m3)":
                 causal_attention(one_scale(q), one_scale(kc), one_scale(vc), fa3_p),
-            "per-token Q, cache's K/V scales, P e4m3": causal_attention(per_row(q), kc, vc, fa3_p)}
+            "per-token Q, cache's K/V scales, P e4m3": causal_attention(per_row(q), kc, vc, fa3_p),
+            "FA3 from the model's K/V (one rounding)":
+                causal_attention(one_scale(q), one_scale(k), one_scale(v), fa3_p),
+            "FA3 from the model's K/V, K's channels scaled into Q":
+                causal_attention(one_scale(qm), one_scale(km), one_scale(v), fa3_p)}
 
 
 def main(argv):

@@ -5,8 +5,8 @@ With a GPU pool of a few documents, later documents evict the first from the poo
 answered from the host tier (cached_tokens = the document, counted as a host hit), and its greedy tokens
 and first-token logprobs equal transformers' (a full forward pass, no KV cache) on 1 and 2 workers, every
 strategy, chunked prefill after the restore, FP8 pages and a tier smaller than one entry; a preempted
-sequence whose pages the pool took comes back from the host tier (1 and 2 workers); the copies are bit-exact; a tier larger
-than the host can give is refused at start with the figures, and 0 is no tier."""
+sequence whose pages the pool took comes back from the host tier (1 and 2 workers); the copies are
+bit-exact; a tier larger than the host can give is refused at start with the figures, and 0 is no tier."""
 import random
 
 import pytest
@@ -172,18 +172,26 @@ def test_a_preempted_sequence_comes_back_from_host_memory():
 def test_preempted_sequences_come_back_from_host_memory_on_two_workers(checkpoint):
     """The same on 2 workers through LLM: three prompts whose growth overfills a pool of 32 pages of 4 tokens
     a worker; sequences are preempted, and (no prompt sharing a prefix with another) every host hit is a
-    preempted sequence's K/V coming back; every request's greedy tokens equal transformers'."""
+    preempted sequence's K/V coming back; every request's greedy tokens, and its last token's logprobs (read
+    after any restore), equal transformers'."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(80)] for _ in range(3)]
     lengths = (140, 16, 60)
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", block_size=4, max_num_seqs=8,
              max_num_batched_tokens=32, itl_target_ms=None, kv_cache_tokens=128, kv_offload_gb=TIER) as llm:
-        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+                                      for n in lengths])
         stats = llm.stats
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_host_hits"] > 0, stats
     for prompt, n, out in zip(prompts, lengths, outs):
-        assert_same_greedy(model, prompt, out.outputs[0].token_ids, hf_greedy(model, prompt, n), "preempted, 2 workers")
+        tokens = out.outputs[0].token_ids
+        assert_same_greedy(model, prompt, tokens, hf_greedy(model, prompt, n), "preempted, 2 workers")
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens[:-1]]), use_cache=False).logits[0, -1].float()
+        want = torch.log_softmax(logits, -1)
+        got = out.outputs[0].logprobs[-1]
+        assert_same_logprobs(got, {t: want[t].item() for t in got}, 1e-4, "preempted, 2 workers, last token")
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -43,7 +43,7 @@ def test_llama3_8b_on_one_h200_holds_twice_the_tokens_with_chunked_prefill():
 def test_llama3_8b_with_fp8_pages_on_one_h200_holds_about_twice_the_tokens():
     """With --kv-cache-dtype fp8 (65 KiB a token) and chunks of 65536 the reserve is a chunk's activations
     plus one layer's K/V of a gather segment and a chunk in bf16 (3 bytes an element with the FP8 bytes:
-    ~0.8 GiB, whatever the context) and one piece of the MLP's: the pool holds ~1.65M tokens, twice bf16's;
+    ~1.1 GiB, whatever the context) and one piece of the MLP's: the pool holds ~1.64M tokens, twice bf16's;
     with chunks of 16384, more."""
     from kernels.paged_attention import FP8_GATHER_SEGMENT
     cfg = preset_config("llama3-8b")
@@ -53,7 +53,7 @@ def test_llama3_8b_with_fp8_pages_on_one_h200_holds_about_twice_the_tokens():
     pools = {}
     for chunk in (65536, 16384):
         gather = fp8_gather_bytes(FP8_GATHER_SEGMENT + chunk, cfg.num_kv_heads, cfg.head_dim, 2)
-        assert gather == (FP8_GATHER_SEGMENT + chunk) * 2 * 8 * (128 * 3 + 2) < GiB
+        assert gather == (FP8_GATHER_SEGMENT + chunk) * 2 * 8 * (128 * 3 + 2) < 1.2 * GiB
         pools[chunk] = pool_tokens_on_gpu(budget - gather, kv, act, prefill_rows_reserved(1 << 20, chunk, 64, 2048, False))
         assert pools[chunk] == (budget - gather - act * (chunk + 64)) // kv
     bf16 = pool_tokens_on_gpu(budget, 2 * 65536, act, prefill_rows_reserved(1 << 20, 65536, 64, 2048, False))

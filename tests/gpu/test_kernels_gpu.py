@@ -388,6 +388,34 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     assert cases._relative(out.cpu(), want64) < 0.06
 
 
+@needs_fa4
+@pytest.mark.parametrize("segment", [None, 1024])
+def test_chunks_over_fp8_pages_run_one_flash_attn_4_call_and_match_the_reference(monkeypatch, segment):
+    """A chunk over FP8 pages (no decode): the pages gathered into bf16, then one flash-attn-4 call whose
+    causal mask is aligned to the end, against the reference backend over the same pages; causal chunks after
+    a cached context, a chunk that is the whole sequence, a sequence without keys, not causal (pass-Q's
+    call); segment 1024: contexts past FP8_GATHER_SEGMENT gathered a segment at a time and merged."""
+    from kernels import kv_quant
+    if segment is not None:
+        monkeypatch.setattr(pa, "FP8_GATHER_SEGMENT", segment)
+    h, hkv, d, bs = 32, 8, 128, 128
+    blocks = 240
+    x = torch.randn(2, blocks, bs, hkv, d, device=DEV)
+    x[0, ..., 5] *= 20
+    pages = [kv_quant.Fp8Pages(*kv_quant.quantize_kv(x[i])) for i in range(2)]
+    for q_lens, k_lens, causal in (([300], [5000], True), ([257], [257], True), ([40, 0, 7], [3000, 0, 9000], True),
+                                   ([64, 64], [2000, 6000], False), ([1000], [9000], True)):
+        table = torch.randperm(blocks, device=DEV)[:len(q_lens) * 71].view(len(q_lens), 71).to(torch.int32)
+        cu = torch.tensor([0] + q_lens, device=DEV).cumsum(0).to(torch.int32)
+        lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+        q = torch.randn(sum(q_lens), h, d, device=DEV, dtype=torch.bfloat16)
+        args = (q, *pages, table, cu, lens, d ** -0.5)
+        out, lse = paged_attention(*args, causal=causal, host_sizes=(cu.tolist(), k_lens))
+        want, want_lse = paged_attention(*args, causal=causal, backend="reference")
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_pages_gather_kernel_equals_the_torch_ops(dtype):
     """Fp8Pages.gather (one Triton kernel on CUDA) against dequantize_kv over the same pages: the same values

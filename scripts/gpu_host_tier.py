@@ -89,7 +89,7 @@ def streams_run(args) -> dict:
     from engine import LLM, SamplingParams
     rng = random.Random(0)
     llm = LLM("llama3-8b", devices="cuda", kv_cache_dtype=args.kv_cache_dtype, kv_offload_gb=args.kv_offload_gb,
-              kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.doc_len + 4096)
+              kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.doc_len + 4096, mixed_batch=args.mixed_batch)
     vocab = llm.model_config.vocab_size
     docs = [[rng.randrange(vocab) for _ in range(args.doc_len)] for _ in range(args.documents)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -173,6 +173,8 @@ def main(argv):
     ap.add_argument("--stream-len", type=int, default=1500)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--gap", type=float, default=1.0)
+    ap.add_argument("--mixed-batch", action="store_true", default=None,
+                    help="streams: every chunk after a prompt's first runs with the decode step (eagerly)")
     args = ap.parse_args(argv)
     out = os.environ.get("OUT", ".")
     print(f"GPU: {torch.cuda.get_device_name(0)}")

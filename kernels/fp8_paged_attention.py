@@ -28,7 +28,8 @@ from kernels.kv_quant import Fp8Pages
 from kernels.merge import merge_partials
 from kernels.triton_setup import LazyTriton
 
-tl = None   # triton.language, bound by _build (the kernel resolves it as a global)
+tl = None             # triton.language, bound by _build (the kernel resolves it as a global)
+_tile_scales = None   # the kernel's helper, jitted by _build (resolved as a global too)
 
 MIN_SPLIT_KEYS = 512      # a split covers at least this many keys (fewer: the launch and the merge dominate)
 MAX_SPLITS = 64
@@ -50,7 +51,7 @@ def fp8_paged_decode(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, bloc
     return fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int, waves: int = 2) -> int:
+def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int, waves: int = 4) -> int:
     """Splits per (sequence, KV head) so that the programs about fill the SMs `waves` times over, each split
     at least MIN_SPLIT_KEYS of the table's capacity (host-known, so the choice holds under CUDA graphs)."""
     by_sms = waves * num_sms // max(batch * num_kv_heads, 1)
@@ -79,10 +80,10 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 # ---------------------------------------------------------------- Triton
 
-def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=4,
-                   num_stages=2, waves=2, block_keys=128):
-    """The launch's defaults are the fastest of scripts/gpu_fp8_decode.py --sweep on one H100 (docs/results/log.md,
-    "FP8 pages: a decode kernel")."""
+def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
+                   num_stages=3, waves=4, block_keys=64):
+    """The launch's defaults are the fastest of scripts/gpu_fp8_decode_variants.py on one H100 at 1 x 128K and
+    16 x 8K (docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead")."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv
@@ -107,6 +108,14 @@ def _build() -> dict:
     global tl
     import triton
     import triton.language as tl
+
+    def _tile_scales_fn(table_ptr, ks_ptr, vs_ptr, b, g, t, end, table_stride, HKV: tl.constexpr, BS: tl.constexpr,
+                        BN: tl.constexpr):
+        """Key tile t's K and V scales [BN] (fp32) when t < end, else page 0's (read, never used)."""
+        tiles = BS // BN
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles, mask=t < end, other=0).to(tl.int64)
+        row = (page * BS + (t % tiles) * BN + tl.arange(0, BN)) * HKV + g
+        return tl.load(ks_ptr + row).to(tl.float32), tl.load(vs_ptr + row).to(tl.float32)
 
     def decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
                       scale, table_stride, splits, q_stride_b, q_stride_h, batch,
@@ -138,15 +147,26 @@ def _build() -> dict:
         acc = tl.zeros([QPAD, D], tl.float32)
         slot = tl.arange(0, BN)
         tiles = BS // BN                                                           # key tiles a page
-        for t in tl.range(first * tiles, tl.minimum(last * tiles, (n + BN - 1) // BN), num_stages=STAGES):
+        start = first * tiles
+        end = tl.minimum(last * tiles, (n + BN - 1) // BN)
+        # the scales are 2-byte loads 8 bytes apart (one a slot and KV head), which Triton's pipeliner does not
+        # copy ahead like the K/V tiles: each tile's are asked for one iteration before it (a stall a tile
+        # otherwise: 179 -> 137 us a call at 1 x 128K on one H100, docs/results/log.md)
+        k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, start, end, table_stride,
+                                                  HKV, BS, BN)
+        for t in tl.range(start, end, num_stages=STAGES):
             page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
             row = (page * BS + (t % tiles) * BN + slot) * HKV + g                  # [BN]: (slot, head) rows
             valid = t * BN + slot < n                                              # a tile has a key
-            # K's and V's bytes and scales all asked for before any arithmetic: their latencies overlap
-            k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-            k_scale = tl.load(ks_ptr + row, mask=valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(vs_ptr + row, mask=valid, other=0.0).to(tl.float32)
+            # unmasked: the tile lies in a page of the sequence. Its slots past the length hold stale bytes
+            # (NaN patterns too), so the scores and V's values there are replaced, never multiplied by 0.
+            # (Masked, Triton reads V's bytes from shared memory one at a time for the second dot.)
+            k = tl.load(k_ptr + row[:, None] * D + cols[None, :])                 # [BN, D] e4m3 bits
+            v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
+            k_scale = tl.where(valid, k_scale_next, 0.0)
+            v_scale = tl.where(valid, v_scale_next, 0.0)
+            k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, end, table_stride,
+                                                      HKV, BS, BN)
             k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
             scores = tl.dot(q, tl.trans(k)) * (k_scale * scale)[None, :]         # [QPAD, BN] fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -154,7 +174,7 @@ def _build() -> dict:
             alpha = tl.exp(m - m_new)
             prob = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(prob, axis=1)
-            v = v.to(tl.float8e4nv, bitcast=True).to(dt)
+            v = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
             # V's scales on the probabilities' columns, relative to the page's largest (<= 1: no overflow in
             # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
             top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
@@ -169,6 +189,8 @@ def _build() -> dict:
         tl.store(lse_ptr + at, lse, mask=row_ok)
 
     nospec = ["table_stride", "splits", "q_stride_b", "q_stride_h", "batch"]
+    global _tile_scales
+    _tile_scales = triton.jit(_tile_scales_fn)
     return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec)}
 
 

@@ -16,13 +16,14 @@ from triton_interpreter import run_interpreted
 def fp8_pool(lens, hkv, d, bs, g, seed=None, spread=1.0):
     """Random K/V (an outlier channel in K, rows of random magnitude exp(spread N(0,1))) for sequences of
     these lengths, written into shuffled pages of an FP8 pool -> (k_pages, v_pages, table [B, P] int32, the
-    rounded K/V per sequence [2, n, Hkv, D] fp64)."""
+    rounded K/V per sequence [2, n, Hkv, D] fp64). The slots no sequence holds hold NaN patterns (bytes 0x7F,
+    NaN scales), as a page's slots past its sequence's length may: the kernels must never use them."""
     width = max(1, max(math.ceil(n / bs) for n in lens))
     num_blocks = 1 + sum(math.ceil(n / bs) for n in lens) + 3
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
-    data = [torch.zeros(num_blocks, bs, hkv, d, dtype=torch.uint8) for _ in range(2)]
-    scales = [torch.zeros(num_blocks, bs, hkv, dtype=torch.bfloat16) for _ in range(2)]
+    data = [torch.full((num_blocks, bs, hkv, d), 0x7F, dtype=torch.uint8) for _ in range(2)]    # e4m3 NaN
+    scales = [torch.full((num_blocks, bs, hkv), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
     table = torch.zeros(len(lens), width, dtype=torch.int32)
     rounded = []
     for b, n in enumerate(lens):
@@ -80,7 +81,8 @@ def test_reference_is_attention_over_the_rounded_kv_and_the_gathered_paged_path(
 
 
 def test_the_split_count_fills_the_sms_and_keeps_splits_long():
-    assert fpa.choose_splits(1, 8, 131072, 132) == 33                 # 1 x 128K: 8 heads x 33 ~ 2 waves
+    assert fpa.choose_splits(1, 8, 131072, 132) == 64                 # 1 x 128K: 8 heads x 66 ~ 4 waves, capped
+    assert fpa.choose_splits(16, 8, 8192, 132) == 4                   # 16 x 8K: 128 x 4 ~ 4 waves
     assert fpa.choose_splits(64, 8, 2048, 132) == 1
     assert fpa.choose_splits(1, 8, 1024, 132) == 2                    # at least 512 keys a split
     assert fpa.choose_splits(1, 1, 1 << 20, 1000) == fpa.MAX_SPLITS

@@ -1,0 +1,251 @@
+"""Where the FP8 paged decode kernel's time goes, and which reshaping of it reads its bytes faster: variants of
+kernels/fp8_paged_attention.py's loop, one layer with llama3-8b's attention shapes (32 query heads, 8 KV heads,
+d 128, pages of 128), each call replayed in a CUDA graph, beside the kernel as it is and flash-attn-4's bf16
+paged decode on the same values.
+
+Variants (one Triton kernel, chosen by constexprs):
+    loads        the loop's loads only, xor-ed into registers 4 bytes at a time: what the access pattern allows
+    stream       the loop's loads only (K, V bytes and their scales), summed: what the access pattern allows
+    stream_cvt   the loads and the FP8 -> fp16 conversions, summed: what the conversions cost
+    unmasked     the kernel's loop with its K/V loads unmasked (the stale slots of a sequence's last page
+                 replaced after the load): Triton then converts V to fp16 before its shared-memory copy,
+                 where with masked loads it reads V's bytes from shared memory one at a time
+    scales_hm    the scales read from a copy stored head-major within a page ([blocks, Hkv, block] bf16)
+    kt           the scores as K @ Q^T (K the MMA's M side: 128 keys a tile, the warp-group MMA's shape)
+    q8_kt        kt with Q rounded to e4m3, one scale a row: the scores an FP8 x FP8 warp-group MMA (no
+                 conversion of K)
+    vs           V's scales applied to V's rows (products rounded to fp16) instead of the probabilities
+    vt           V's pages stored transposed ([blocks, Hkv, D, block]) in a copy
+
+    python scripts/gpu_fp8_decode_variants.py [BATCHxCONTEXT ...]     default: 1x131072 16x8192
+
+Prints a table (time per call, KV bytes read per second, max abs difference from fp32 attention over the same
+rounded K/V); writes fp8_decode_variants.json under $OUT (or the working directory).
+"""
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import fp8_paged_attention as fpa
+from kernels.fp8_paged_attention import fp8_paged_decode_reference
+from kernels.kv_quant import SCALE_BYTES
+from kernels.merge import merge_partials
+from kernels.paged_attention import paged_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_fp8_decode import BS, D, HKV, make  # noqa: E402
+from gpu_kernel_timing import graph_us  # noqa: E402
+
+VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES)
+    "loads": (3, 0, 0, 0, 0, 0, 0),
+    "unmasked": (0, 0, 0, 0, 0, 0, 0),
+    "scales_unmasked": (0, 0, 0, 0, 0, 0, 1),
+    "scales_ahead": (0, 0, 0, 0, 0, 0, 2),
+    "scales_ahead_hm": (0, 0, 0, 1, 0, 0, 2),
+    "scales_ahead_vs": (0, 0, 0, 0, 0, 1, 2),
+}
+SETTINGS = [   # warps, stages, keys a tile, waves of programs (splits uncapped, at least 256 keys each)
+    (4, 2, 128, 2), (4, 3, 128, 2), (4, 2, 128, 8),
+    (2, 2, 64, 4), (2, 3, 64, 4), (2, 3, 64, 16), (2, 3, 32, 16),
+    (1, 2, 64, 8), (1, 3, 64, 8), (1, 3, 64, 32), (1, 3, 32, 32), (1, 4, 32, 32)]
+
+
+@triton.jit
+def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+                   scale, table_stride, splits, q_stride_b, q_stride_h, batch,
+                   HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                   STAGES: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KT: tl.constexpr,
+                   Q8: tl.constexpr, SCALES_HM: tl.constexpr, VT: tl.constexpr, VS: tl.constexpr,
+                   SCALES: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    pages = (n + BS - 1) // BS
+    per = (pages + splits - 1) // splits
+    first = s * per
+    last = tl.minimum(first + per, pages)
+    rows = tl.arange(0, QPAD)
+    head = g * QPK + rows
+    row_ok = rows < QPK
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + head[:, None] * q_stride_h + cols[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)                 # [QPAD, D]
+    if Q8:
+        q_scale = tl.maximum(tl.max(tl.abs(q), axis=1) / 448.0, 1e-30)         # [QPAD]
+        qd = (q / q_scale[:, None]).to(tl.float8e4nv)
+    else:
+        q_scale = tl.full([QPAD], 1.0, tl.float32)
+        qd = q.to(tl.float16)
+    m = tl.full([QPAD], float("-inf"), tl.float32)
+    l = tl.zeros([QPAD], tl.float32)
+    acc = tl.zeros([QPAD, D], tl.float32)
+    sink = tl.zeros([D], tl.float32)
+    cols4 = tl.arange(0, D // 4)
+    bits = tl.zeros([BN, D // 4], tl.int32)
+    slot = tl.arange(0, BN)
+    tiles = BS // BN
+    start = first * tiles
+    end = tl.minimum(last * tiles, (n + BN - 1) // BN)
+    # SCALES == 2: the next tile's scales asked for one iteration ahead (they are 2-byte loads 8 KV heads
+    # apart, which Triton's pipeliner does not copy asynchronously)
+    page0 = tl.load(table_ptr + b.to(tl.int64) * table_stride + start // tiles, mask=start < end, other=0).to(tl.int64)
+    if SCALES_HM:
+        srow0 = (page0 * HKV + g) * BS + (start % tiles) * BN + slot
+    else:
+        srow0 = (page0 * BS + (start % tiles) * BN + slot) * HKV + g
+    k_scale_next = tl.load(ks_ptr + srow0).to(tl.float32)
+    v_scale_next = tl.load(vs_ptr + srow0).to(tl.float32)
+    for t in tl.range(start, end, num_stages=STAGES):
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
+        inpage = (t % tiles) * BN + slot
+        row = (page * BS + inpage) * HKV + g
+        valid = t * BN + slot < n
+        # unmasked: the tile lies in a page of the sequence; slots past its length hold stale bytes (NaN
+        # patterns too), so the scores and V's values there are replaced, not multiplied by zero
+        if MODE != 3:
+            k = tl.load(k_ptr + row[:, None] * D + cols[None, :])
+        if MODE == 3:
+            pass
+        elif VT:   # V's page stored [Hkv, D, BS]: a head's tile is D rows of BS keys
+            v = tl.load(v_ptr + ((page * HKV + g) * D + cols[None, :]) * BS + inpage[:, None])
+        else:
+            v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
+        if SCALES_HM:
+            srow = (page * HKV + g) * BS + inpage
+        else:
+            srow = row
+        if SCALES == 2:
+            k_scale = k_scale_next
+            v_scale = v_scale_next
+            tn = t + 1
+            page_n = tl.load(table_ptr + b.to(tl.int64) * table_stride + tn // tiles, mask=tn < end,
+                             other=0).to(tl.int64)
+            if SCALES_HM:
+                srow_n = (page_n * HKV + g) * BS + (tn % tiles) * BN + slot
+            else:
+                srow_n = (page_n * BS + (tn % tiles) * BN + slot) * HKV + g
+            k_scale_next = tl.load(ks_ptr + srow_n).to(tl.float32)
+            v_scale_next = tl.load(vs_ptr + srow_n).to(tl.float32)
+        elif SCALES == 1:    # unmasked
+            k_scale = tl.load(ks_ptr + srow).to(tl.float32)
+            v_scale = tl.load(vs_ptr + srow).to(tl.float32)
+        else:
+            k_scale = tl.load(ks_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(vs_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+        k_scale = tl.where(valid, k_scale, 0.0)      # stale slots' scales may be NaN patterns
+        v_scale = tl.where(valid, v_scale, 0.0)
+        if MODE == 1:
+            sink += tl.sum(k.to(tl.float32), axis=0) + tl.sum(v.to(tl.float32), axis=0) + tl.sum(k_scale + v_scale)
+        elif MODE == 3:   # the loads alone: 4 bytes at a time, xor-ed into registers (no reduction in the loop)
+            w = (page * BS + inpage) * HKV + g
+            k4 = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + w[:, None] * (D // 4) + cols4[None, :])
+            v4 = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + w[:, None] * (D // 4) + cols4[None, :])
+            bits ^= k4 ^ v4 ^ (k_scale + v_scale).to(tl.int32)[:, None]
+        elif MODE == 2:
+            kh = k.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
+            vh = v.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
+            sink += tl.sum(kh, axis=0) + tl.sum(vh, axis=0) + tl.sum(k_scale + v_scale)
+        else:
+            k8 = k.to(tl.float8e4nv, bitcast=True)
+            if Q8:
+                kq = k8
+            else:
+                kq = k8.to(tl.float16)
+            if KT:
+                scores = tl.trans(tl.dot(kq, tl.trans(qd)))                   # [QPAD, BN] fp32
+            else:
+                scores = tl.dot(qd, tl.trans(kq))
+            scores = scores * (k_scale * scale)[None, :] * q_scale[:, None]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(prob, axis=1)
+            if VS:   # V's scales on V's rows, in fp16 (rounds the product to 11 bits)
+                vh = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale[:, None]).to(tl.float16)
+                vh = tl.where(valid[:, None], vh, 0.0)
+                acc = acc * alpha[:, None] + tl.dot(prob.to(tl.float16), vh)
+            else:
+                vh = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(tl.float16), 0.0)
+                top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                weights = (prob * (v_scale / top)[None, :]).to(tl.float16)
+                acc = acc * alpha[:, None] + tl.dot(weights, vh) * top
+            m = m_new
+    if MODE == 3:
+        sink += tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.float32)
+    if MODE != 0:
+        acc += sink[None, :]
+        l += 1.0
+        m = tl.zeros([QPAD], tl.float32)
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    at = (s * batch + b).to(tl.int64) * (HKV * QPK) + head
+    tl.store(out_ptr + at[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + at, lse, mask=row_ok)
+
+
+def launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, waves=2):
+    mode, kt, q8, shm, vt, vs_, scales = VARIANTS[variant]
+    b, h, d = q.shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = max(1, min(waves * sms // (b * HKV), table.shape[1] * BS // 256))
+    outs = torch.empty(splits, b, h, d, dtype=torch.float32, device=q.device)
+    lses = torch.empty(splits, b, h, dtype=torch.float32, device=q.device)
+    ks, vs = scales_hm if shm else (k8.scale, v8.scale)
+    variant_kernel[(b, HKV, splits)](
+        q, k8.data, v_t if vt else v8.data, ks, vs, table, lens, outs, lses, D ** -0.5, table.stride(0), splits,
+        q.stride(0), q.stride(1), b, HKV=HKV, QPK=h // HKV, QPAD=16, D=d, BS=BS, STAGES=stages, BN=bn,
+        MODE=mode, KT=kt, Q8=q8, SCALES_HM=shm, VT=vt, VS=vs_, SCALES=scales, num_warps=warps)
+    return merge_partials(outs, lses, q.dtype)
+
+
+def main(argv: list[str]) -> None:
+    shapes = [tuple(int(x) for x in a.split("x")) for a in (argv or ["1x131072", "16x8192"])]
+    rows = []
+    print("| variant | batch x context | warps | stages | keys a tile | waves | us | TB/s | max abs vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b, n in shapes:
+        q, ((k8, kb), (v8, vb)), table, lens = make(b, n)
+        scales_hm = tuple(x.scale.transpose(1, 2).contiguous() for x in (k8, v8))   # [blocks, Hkv, BS]
+        v_t = v8.data.permute(0, 2, 3, 1).contiguous()                                # [blocks, Hkv, D, BS]
+        ref, _ = fp8_paged_decode_reference(q, k8, v8, table, lens, D ** -0.5)
+        ref = ref.float()
+        kv_bytes = b * n * HKV * 2 * (D + SCALE_BYTES)
+
+        def show(name, warps, stages, bn, waves, fn, bytes_read=kv_bytes):
+            try:
+                us, (out, _) = graph_us(fn)
+                err = (out.float() - ref).abs().max().item()
+            except Exception as e:
+                print(f"| {name} | {b} x {n} | {warps} | {stages} | {bn} | {waves} | - | {type(e).__name__}: "
+                      f"{str(e)[:80]} | |", flush=True)
+                return
+            tbps = bytes_read / (us * 1e-6) / 1e12
+            rows.append({"variant": name, "batch": b, "context": n, "warps": warps, "stages": stages, "bn": bn,
+                         "waves": waves,
+                         "us": us, "TBps": tbps, "max_abs_vs_fp32": err})
+            print(f"| {name} | {b} x {n} | {warps} | {stages} | {bn} | {waves} | {us:.1f} | {tbps:.2f} | {err:.2e} |",
+                  flush=True)
+
+        show("kernel (as is)", 4, 2, 128, 2, lambda: fpa.fp8_paged_decode(q, k8, v8, table, lens, D ** -0.5))
+        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        show("flash-attn-4 bf16", "-", "-", "-", "-",
+             lambda: paged_attention(q, kb, vb, table, cu, lens, D ** -0.5, causal=False, max_seqlen_q=1),
+             bytes_read=b * n * HKV * 2 * D * 2)
+        for variant in VARIANTS:
+            for warps, stages, bn, waves in SETTINGS:
+                show(variant, warps, stages, bn, waves,
+                     lambda: launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, waves))
+        torch.cuda.empty_cache()
+    with open(os.path.join(os.environ.get("OUT", "."), "fp8_decode_variants.json"), "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

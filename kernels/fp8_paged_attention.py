@@ -51,7 +51,7 @@ def fp8_paged_decode(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, bloc
     return fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int, waves: int = 4) -> int:
+def choose_splits(batch: int, num_kv_heads: int, max_keys: int, num_sms: int, waves: int = 3) -> int:
     """Splits per (sequence, KV head) so that the programs about fill the SMs `waves` times over, each split
     at least MIN_SPLIT_KEYS of the table's capacity (host-known, so the choice holds under CUDA graphs)."""
     by_sms = waves * num_sms // max(batch * num_kv_heads, 1)
@@ -80,10 +80,11 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 # ---------------------------------------------------------------- Triton
 
-def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
-                   num_stages=3, waves=4, block_keys=64):
-    """The launch's defaults are the fastest of scripts/gpu_fp8_decode_variants.py on one H100 at 1 x 128K and
-    16 x 8K (docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead")."""
+def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=4,
+                   num_stages=3, waves=3, block_keys=128):
+    """The launch's defaults are the fastest of `scripts/gpu_fp8_decode.py --sweep` on one H100 at 1 x 128K and
+    16 x 8K (docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead"): 3 waves of
+    4-warp programs are the 3 that fit an SM at once (73 KB of shared memory each), so all run in one wave."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv

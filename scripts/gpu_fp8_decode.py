@@ -77,7 +77,7 @@ def run(batch: int, context: int) -> dict:
 
 
 SWEEP = {   # variant: (warps, stages, waves, keys a tile) to try
-    "decode": [(w, st, wv, bn) for w in (4, 8) for st in (1, 2, 3) for wv in (2, 8) for bn in (64, 128)],
+    "decode": [(w, st, wv, bn) for w in (2, 4) for st in (3, 4) for wv in (3, 4, 6) for bn in (64, 128)],
 }
 
 

@@ -81,8 +81,8 @@ def test_reference_is_attention_over_the_rounded_kv_and_the_gathered_paged_path(
 
 
 def test_the_split_count_fills_the_sms_and_keeps_splits_long():
-    assert fpa.choose_splits(1, 8, 131072, 132) == 64                 # 1 x 128K: 8 heads x 66 ~ 4 waves, capped
-    assert fpa.choose_splits(16, 8, 8192, 132) == 4                   # 16 x 8K: 128 x 4 ~ 4 waves
+    assert fpa.choose_splits(1, 8, 131072, 132) == 49                 # 1 x 128K: 8 heads x 49 ~ 3 waves
+    assert fpa.choose_splits(16, 8, 8192, 132) == 3                   # 16 x 8K: 128 x 3 ~ 3 waves
     assert fpa.choose_splits(64, 8, 2048, 132) == 1
     assert fpa.choose_splits(1, 8, 1024, 132) == 2                    # at least 512 keys a split
     assert fpa.choose_splits(1, 1, 1 << 20, 1000) == fpa.MAX_SPLITS

@@ -18,6 +18,10 @@ within 0.054 of fp64 where FlashAttention-3's one scale per (block, KV head) giv
   context), times v_scale[key] / max(v_scale over the tile), times 2^8, cast to e4m3, then P8 . v8 scaled
   back to the running maximum: V's per-token scales, exact;
 - the row sums in fp32 before any cast; merges and the output in fp32.
+`pv="fp16"` (a launch option, for measuring): the second dot in fp16 instead, V's e4m3 values turned into
+fp16 (exact) and P * 256 * v_scale / max rounded to fp16, not e4m3 (11 significant bits, not 4). FP8's MMA
+takes both operands K-major, so an FP8 second dot has V's tile transposed in shared memory a byte at a time;
+the fp16 one reads it as stored, at half FP8's rate for that dot.
 
 One program per (query tile, query head, sequence), heavy tiles first; keys in tiles of BN (a page or part
 of one): the tiles every query of the program sees without a mask, then the diagonal's, masked.
@@ -36,6 +40,7 @@ from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 tl = None      # triton.language, bound by _build (the kernels resolve it as a global)
 _tile = None   # the kernel's key-tile step (a jitted function), bound by _build
+_fp8 = None    # a loaded tile as float8e4nv (jitted), bound by _build
 _e4m3 = None   # the fp16 branch's e4m3 rounding (triton_setup.e4m3_by_arithmetic), bound by _build
 
 P_OFFSET = 256.0          # FlashAttention-3's 2^8: P in e4m3 as P * 256 (448 >= 256: no overflow at P = 1)
@@ -48,7 +53,7 @@ def fp8_prefill(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_tab
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float, causal: bool = True,
                 max_seqlen_q: int | None = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. max_seqlen_q: the longest sequence's queries (read from cu_seqlens_q on the
-    host when None). launch: the Triton launch's settings (block_m, block_n, num_warps, num_stages, dots)."""
+    host when None). launch: the Triton launch's settings (block_m, block_n, num_warps, num_stages, dots, pv)."""
     kern = _triton.kernels(q.device)
     if kern is not None:
         try:
@@ -56,16 +61,17 @@ def fp8_prefill(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_tab
                                    scale, causal, max_seqlen_q, **launch)
         except Exception as e:      # compile or launch failure: the torch ops from now on
             _triton.failed(e)
-    return fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal)
+    return fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
+                                 pv=launch.get("pv", "fp8"))
 
 
 # ---------------------------------------------------------------- torch (the reference, and off CUDA)
 
 def fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal=True,
-                          block_n=128):
+                          block_n=128, pv="fp8"):
     """The kernel's arithmetic in torch ops, tile by tile of block_n keys (its running maximum, its rounding
-    of Q and P) -> (out [total_q, H, D] in q's dtype, lse [total_q, H]): equal to the kernel's but for the
-    order of the dots' fp32 sums."""
+    of Q and P; pv: P rounded to e4m3 or to fp16, as the kernel's launch option) -> (out [total_q, H, D] in
+    q's dtype, lse [total_q, H]): equal to the kernel's but for the order of the dots' fp32 sums."""
     total_q, h, d = q.shape
     bn = min(block_n, k_pages.shape[1])
     out = torch.zeros(total_q, h, d, dtype=q.dtype, device=q.device)
@@ -75,12 +81,13 @@ def fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_le
         q0, q1 = cu[b], cu[b + 1]
         if q1 == q0 or n == 0:
             continue
-        out[q0:q1], lse[q0:q1] = _one_sequence(q[q0:q1], k_pages, v_pages, block_table[b], n, scale, causal, bn)
+        out[q0:q1], lse[q0:q1] = _one_sequence(q[q0:q1], k_pages, v_pages, block_table[b], n, scale, causal, bn,
+                                               torch.float16 if pv == "fp16" else FP8)
     return out, lse
 
 
-def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn):
-    """q [m, H, D] against the sequence's n keys -> (out [m, H, D], lse [m, H])."""
+def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype):
+    """q [m, H, D] against the sequence's n keys, P rounded to p_dtype -> (out [m, H, D], lse [m, H])."""
     m, h, _ = q.shape
     qpk = h // k_pages.shape[2]
     keys = ceil_div(n, bn) * bn                                           # whole tiles, as the kernel reads
@@ -108,7 +115,7 @@ def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn):
         total = total * alpha + p.sum(dim=-1) * beta
         vs = v_scale[t0:t0 + bn].t()                                                             # [H, bn]
         top = vs.amax(dim=-1).clamp(min=1e-30)                                                   # [H]
-        p8 = (p * (vs * (P_OFFSET / top[:, None]))[:, None, :]).to(FP8).float()
+        p8 = (p * (vs * (P_OFFSET / top[:, None]))[:, None, :]).to(p_dtype).float()
         pv = torch.einsum("hmn,nhd->hmd", p8, v8[t0:t0 + bn])
         acc = acc * alpha[..., None] + pv * ((top / P_OFFSET)[:, None] * beta)[..., None]
         run_max = new_max
@@ -130,7 +137,7 @@ def _tiles(pages: Fp8Pages, blocks, keys, n, qpk):
 # ---------------------------------------------------------------- Triton
 
 def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
-                    max_seqlen_q, block_m=128, block_n=128, num_warps=8, num_stages=2, dots="fp8"):
+                    max_seqlen_q, block_m=128, block_n=128, num_warps=8, num_stages=2, dots="fp8", pv="fp8"):
     total_q, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     if max_seqlen_q is None:
@@ -143,6 +150,10 @@ def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_
         return out, lse
     kd, ks, vd, vs = k_pages.data, k_pages.scale, v_pages.data, v_pages.scale
     assert kd.stride(3) == 1 and vd.stride(3) == 1 and ks.stride(2) == 1 and vs.stride(2) == 1
+    if dots == "fp8":
+        # typed FP8 pointers: the pipeliner then copies K's tiles into shared memory and the MMA reads them
+        # there (from uint8 ones it takes each tile through registers to bit-cast it)
+        kd, vd = kd.view(FP8), vd.view(FP8)
     batch = block_table.shape[0]
     tiles = ceil_div(max_seqlen_q, block_m)
     kernel[(h, tiles, batch)](
@@ -151,7 +162,7 @@ def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_
         ks.stride(0), ks.stride(1), vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), tiles,
         QPK=h // hkv, D=d, BS=bs, BM=block_m, BN=block_n, CAUSAL=causal, FP8_DOTS=dots == "fp8",
-        num_warps=num_warps, num_stages=num_stages)
+        PV16=pv == "fp16", num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
@@ -161,13 +172,14 @@ def _build() -> dict:
     import triton
     import triton.language as tl
 
-    global _tile, _e4m3
+    global _tile, _fp8, _e4m3
 
     _e4m3 = e4m3_by_arithmetic()
 
     def tile(acc, m, l, q8, q_scale, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, t, pos, n,
              k_tok, k_page, v_tok, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale,
-             D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FP8_DOTS: tl.constexpr):
+             D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FP8_DOTS: tl.constexpr,
+             PV16: tl.constexpr):
         """One key tile t (keys t * BN ...) absorbed into the running (acc [BM, D], m [BM], l [BM])."""
         tiles = BS // BN
         page = tl.load(table_ptr + t // tiles).to(tl.int64)
@@ -175,7 +187,7 @@ def _build() -> dict:
         key = t * BN + tl.arange(0, BN)
         cols = tl.arange(0, D)
         dt = tl.float8e4nv if FP8_DOTS else tl.float16
-        k = tl.load(kd_ptr + page * k_page + slot[:, None] * k_tok + cols[None, :]).to(tl.float8e4nv, bitcast=True)
+        k = _fp8(tl.load(kd_ptr + page * k_page + slot[:, None] * k_tok + cols[None, :]))
         k_scale = tl.load(ks_ptr + page * ks_page + slot * ks_tok).to(tl.float32)          # [BN]
         scores = tl.dot(q8, tl.trans(k.to(dt)))                                          # [BM, BN] fp32
         scores = scores * (q_scale * qk_scale)[:, None] * k_scale[None, :]               # log2 units
@@ -192,23 +204,34 @@ def _build() -> dict:
         beta = tl.where(empty, 0.0, tl.exp2(tile_max - m_safe))
         p = tl.exp2(scores - tl.where(empty, 0.0, tile_max)[:, None])
         l = l * alpha + tl.sum(p, axis=1) * beta
-        v = tl.load(vd_ptr + page * v_page + slot[:, None] * v_tok + cols[None, :]).to(tl.float8e4nv, bitcast=True)
+        v = _fp8(tl.load(vd_ptr + page * v_page + slot[:, None] * v_tok + cols[None, :]))
         v_scale = tl.load(vs_ptr + page * vs_page + slot * vs_tok).to(tl.float32)         # [BN]
         if MASK:
             v_scale = tl.where(key < n, v_scale, 0.0)                                     # the slots past n
         top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
         p8 = p * (v_scale * (256.0 / top))[None, :]                                      # P_OFFSET = 256
-        p8 = p8.to(tl.float8e4nv).to(dt) if FP8_DOTS else _e4m3(p8).to(dt)
-        acc = acc * alpha[:, None] + tl.dot(p8, v.to(dt)) * ((top / 256.0) * beta)[:, None]
+        if PV16:
+            pv = tl.dot(p8.to(tl.float16), v.to(tl.float16))
+        else:
+            p8 = p8.to(tl.float8e4nv).to(dt) if FP8_DOTS else _e4m3(p8).to(dt)
+            pv = tl.dot(p8, v.to(dt))
+        acc = acc * alpha[:, None] + pv * ((top / 256.0) * beta)[:, None]
         return acc, m_new, l
 
+    def fp8(x):
+        """A loaded K/V tile as float8e4nv: as is from float8 pages (the GPU's), bit-cast from uint8 ones."""
+        if x.dtype == tl.uint8:
+            x = x.to(tl.float8e4nv, bitcast=True)
+        return x
+
     _tile = triton.jit(tile)
+    _fp8 = triton.jit(fp8)
 
     def prefill_kernel(q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr, lse_ptr,
                        qk_scale, q_tok, q_head, k_page, k_tok, k_head, ks_page, ks_tok, v_page, v_tok, v_head,
                        vs_page, vs_tok, table_stride, o_tok, o_head, lse_tok, tiles_m,
                        QPK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       CAUSAL: tl.constexpr, FP8_DOTS: tl.constexpr):
+                       CAUSAL: tl.constexpr, FP8_DOTS: tl.constexpr, PV16: tl.constexpr):
         """Program (query head h, query tile, sequence b): out and lse of the tile's rows for head h."""
         h = tl.program_id(0)
         mt = tiles_m - 1 - tl.program_id(1)                                # the longest rows first
@@ -248,10 +271,10 @@ def _build() -> dict:
             end = n
         for t in range(0, free):
             acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, False, FP8_DOTS)
+                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, False, FP8_DOTS, PV16)
         for t in range(free, tl.cdiv(end, BN)):
             acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, True, FP8_DOTS)
+                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, True, FP8_DOTS, PV16)
         has = l > 0
         o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -259,9 +282,9 @@ def _build() -> dict:
                  mask=row_ok[:, None])
         tl.store(lse_ptr + tok * lse_tok + h, lse, mask=row_ok)
 
-    return {"prefill": triton.jit(prefill_kernel, do_not_specialize=[
-        "q_tok", "q_head", "k_page", "k_tok", "k_head", "ks_page", "ks_tok", "v_page", "v_tok", "v_head",
-        "vs_page", "vs_tok", "table_stride", "o_tok", "o_head", "lse_tok", "tiles_m"])}
+    # the tensors' strides are specialized (Triton notes which are multiples of 16): unspecialized, the K/V
+    # tiles' rows have no known alignment and are loaded a byte at a time, without asynchronous copies
+    return {"prefill": triton.jit(prefill_kernel, do_not_specialize=["table_stride", "lse_tok", "tiles_m"])}
 
 
 _triton = LazyTriton(_build, "fp8-attention")

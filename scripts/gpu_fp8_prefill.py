@@ -4,7 +4,8 @@ K/V, bf16 and FP8 with one descale per KV head) where it is installed: one layer
 attention shapes (32 query heads, 8 KV heads, d 128, pages of 128), causal aligned to the end.
 
 For each shape (QUERIESxKEYS): time per call (CUDA events, median of 5 after 2 warm-ups) and TFLOP/s
-(4 D H x the visible (query, key) pairs), for each kernel and each launch setting of ours; the error of
+(4 D H x the visible (query, key) pairs), for each kernel and each launch setting of ours, with P.V in FP8
+(the default) and in fp16 (`pv="fp16"`, `pv16` rows); the error of
 ours against float64 over the cache's values (last 256 queries, the first KV head's 4 query heads, K with
 an outlier channel), against its torch reference (kernels.fp8_attention.fp8_prefill_reference, the same
 rounding: must agree to the dots' fp32 order), and flash-attn-4's against float64 beside them.
@@ -97,10 +98,10 @@ def run(queries: int, keys: int, settings, f3) -> dict:
     scale = D ** -0.5
     row = {"queries": queries, "keys": keys, "gflop": flops(queries, keys) / 1e9}
 
-    def ours(s):
+    def ours(s, pv="fp8"):
         bm, bn, w, st = s
         return fa.fp8_prefill(q, k8, v8, table, cu, lens, scale, True, queries, block_m=bm, block_n=bn,
-                              num_warps=w, num_stages=st)
+                              num_warps=w, num_stages=st, pv=pv)
 
     # accuracy: ours (default setting) and flash-attn-4 against float64 over the same (rounded) values
     pages = table[0, :-(-keys // BS)].long()
@@ -108,13 +109,17 @@ def run(queries: int, keys: int, settings, f3) -> dict:
     want = float64_rows(q, k_flat, v_flat, keys, 256, scale)
     out, lse = ours(settings[0])
     row["err_ours"] = relative(out[-256:, :4], want)
+    out16, lse16 = ours(settings[0], "fp16")
+    row["err_ours_pv16"] = relative(out16[-256:, :4], want)
     bf16, _ = paged_attention(q, kb, vb, table, cu, lens, scale, causal=True, backend="fa4", max_seqlen_q=queries)
     row["err_fa4_bf16"] = relative(bf16[-256:, :4], want)
     if queries * keys <= 8192 * 8192:
         ref, ref_lse = fa.fp8_prefill_reference(q, k8, v8, table, cu, lens, scale, True, block_n=settings[0][1])
         row["vs_reference"] = relative(out, ref)
         row["lse_vs_reference"] = (lse - ref_lse).abs().max().item()
-    del bf16, out, lse
+        ref16, _ = fa.fp8_prefill_reference(q, k8, v8, table, cu, lens, scale, True, block_n=settings[0][1], pv="fp16")
+        row["pv16_vs_reference"] = relative(out16, ref16)
+    del bf16, out, lse, out16, lse16
     torch.cuda.empty_cache()
 
     row["fa4_bf16_s"] = seconds(lambda: paged_attention(q, kb, vb, table, cu, lens, scale, causal=True, backend="fa4",
@@ -125,6 +130,12 @@ def run(queries: int, keys: int, settings, f3) -> dict:
         except Exception as e:
             row[f"ours_{'_'.join(map(str, s))}_s"] = None
             print(f"  setting {s}: {type(e).__name__}: {str(e)[:200]}")
+    for s in settings:
+        try:
+            row[f"ours_pv16_{'_'.join(map(str, s))}_s"] = seconds(lambda: ours(s, "fp16"))
+        except Exception as e:
+            row[f"ours_pv16_{'_'.join(map(str, s))}_s"] = None
+            print(f"  setting {s}, pv fp16: {type(e).__name__}: {str(e)[:200]}")
     row["ours_fp16_dots_s"] = seconds(lambda: fa.fp8_prefill(q, k8, v8, table, cu, lens, scale, True, queries,
                                                              dots="fp16"))
     if f3 is not None and queries == keys:          # dense K/V: the prompt's own keys
@@ -148,10 +159,10 @@ def main(argv):
         r = rows[-1]
         timed = {k: v for k, v in r.items() if k.endswith("_s") and v}
         best = min((v, k) for k, v in timed.items() if k.startswith("ours_") and "fp16" not in k)
-        print(f"\n{m} x {n}: {r['gflop']:.0f} GFLOP; error vs float64: ours {r['err_ours']:.4f}, "
-              f"flash-attn-4 bf16 {r['err_fa4_bf16']:.4f}"
-              + (f"; ours vs its reference {r['vs_reference']:.2e} (lse {r['lse_vs_reference']:.1e})"
-                 if "vs_reference" in r else ""))
+        print(f"\n{m} x {n}: {r['gflop']:.0f} GFLOP; error vs float64: ours {r['err_ours']:.4f} "
+              f"(pv fp16: {r['err_ours_pv16']:.4f}), flash-attn-4 bf16 {r['err_fa4_bf16']:.4f}"
+              + (f"; ours vs its reference {r['vs_reference']:.2e} (lse {r['lse_vs_reference']:.1e}, pv fp16 "
+                 f"{r['pv16_vs_reference']:.2e})" if "vs_reference" in r else ""))
         print("| kernel | ms | TFLOP/s |\n|---|---|---|")
         for k, v in timed.items():
             print(f"| {k[:-2]}{' (best)' if k == best[1] else ''} | {v * 1e3:.2f} | {r['gflop'] / v / 1e3:.0f} |")

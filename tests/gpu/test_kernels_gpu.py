@@ -368,9 +368,11 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
 
 @pytest.mark.parametrize("queries,keys,h,hkv,causal", [([40, 16, 1000], [40, 3000, 1000], 32, 8, True),
                                                       ([300], [5000], 8, 8, False), ([1, 129], [129, 129], 32, 4, True)])
-def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, hkv, causal):
-    """The Triton FP8 prefill kernel (FP8 dots, pages of 128, K with an outlier channel) against its torch
-    reference (the same rounding of Q and P, tile by tile) and float64 attention over the cache's values."""
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, hkv, causal, pv):
+    """The Triton FP8 prefill kernel (FP8 dots, pages of 128, K with an outlier channel; P.V in FP8 or, pv
+    fp16, in fp16) against its torch reference (the same rounding of Q and P, tile by tile) and float64
+    attention over the cache's values."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
     import test_fp8_attention as cases
     from kernels import fp8_attention as fa
@@ -379,8 +381,8 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     q, table, cu, lens = q.to(DEV, torch.bfloat16), table.to(DEV), cu.to(DEV), lens.to(DEV)
     kp, vp = (type(p)(p.data.to(DEV), p.scale.to(DEV)) for p in (kp, vp))
     scale = 128 ** -0.5
-    want, want_lse = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal)
-    out, lse = fa.fp8_prefill(q, kp, vp, table, cu, lens, scale, causal)
+    want, want_lse = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal, pv=pv)
+    out, lse = fa.fp8_prefill(q, kp, vp, table, cu, lens, scale, causal, pv=pv)
     assert fa._triton.enabled, "the Triton kernel failed and the torch ops served"
     # Hopper's FP8 tensor cores sum in less than fp32 (scores of ~50 off by ~1e-3 relative: measured 0.057)
     torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=3e-3)

@@ -3,7 +3,8 @@ attention over the cache's values: its LSE equals that of float64 attention with
 rounding does not enter the LSE), its output is within P's rounding of it, and within the issue's 0.06 of
 unrounded attention with an outlier channel in K. The Triton kernel, in Triton's interpreter on the CPU
 (fp16 dots over the same e4m3 values), equals the reference: causal and not, extends (fewer queries
-than keys), several sequences, GQA and MHA, pages in any order, tiles smaller than a page."""
+than keys), several sequences, GQA and MHA, pages in any order, tiles smaller than a page, P rounded to
+e4m3 or (pv="fp16") to fp16."""
 import random
 
 import pytest
@@ -66,6 +67,18 @@ def test_reference_is_attention_with_q_and_p_in_e4m3(causal):
     assert _relative(out, plain_out) < 0.06                     # the issue's bound, with the outlier channel
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_with_p_in_fp16_is_attention_with_q_in_e4m3(causal):
+    """pv="fp16" (P rounded to fp16, not e4m3): within fp16's rounding of float64 with Q rounded alike."""
+    queries, keys = [40, 0, 16, 100], [40, 5, 64, 300]
+    q, kp, vp, table, cu, lens, rounded = _case(queries, keys)
+    scale = q.shape[-1] ** -0.5
+    out, lse = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal, block_n=16, pv="fp16")
+    want_out, want_lse = _float64(_rounded_q(q), rounded, cu, scale, causal)
+    assert torch.allclose(lse.double(), want_lse, atol=2e-4, rtol=0), (lse.double() - want_lse).abs().max()
+    assert _relative(out, want_out) < 2e-3, _relative(out, want_out)              # 2^-11 steps, not 2^-4
+
+
 def test_reference_tiles_change_only_the_rounding_of_p():
     q, kp, vp, table, cu, lens, _ = _case([64], [200])
     a = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.125, True, block_n=16)
@@ -88,13 +101,14 @@ def _triton_interpreted_checks():
              dict(queries=[1, 7], keys=[50, 7], h=4, hkv=1)]
     for c in cases:
         for causal in (True, False):
-            for bm, bn in ((16, 16), (32, 8)):
+            for bm, bn, pv in ((16, 16, "fp8"), (32, 8, "fp8"), (16, 8, "fp16")):
                 q, kp, vp, table, cu, lens, _ = _case(c["queries"], c["keys"], h=c["h"], hkv=c["hkv"], d=32)
                 got = fa._prefill_triton(build["prefill"], q, kp, vp, table, cu, lens, 0.2, causal, None,
-                                         block_m=bm, block_n=bn, num_warps=4, num_stages=1, dots="fp16")
-                want = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.2, causal, block_n=bn)
-                assert torch.allclose(got[1], want[1], atol=1e-5, rtol=0), (c, causal, bm, bn)
-                assert _relative(got[0], want[0]) < 1e-5, (c, causal, bm, bn, _relative(got[0], want[0]))
+                                         block_m=bm, block_n=bn, num_warps=4, num_stages=1, dots="fp16", pv=pv)
+                want = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.2, causal, block_n=bn, pv=pv)
+                assert torch.allclose(got[1], want[1], atol=1e-5, rtol=0), (c, causal, bm, bn, pv)
+                err = _relative(got[0], want[0])
+                assert err < 1e-5, (c, causal, bm, bn, pv, err)
 
 
 @pytest.mark.parametrize("causal", [True, False])

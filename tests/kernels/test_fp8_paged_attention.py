@@ -13,17 +13,19 @@ from kernels.paged_attention import paged_attention
 from triton_interpreter import run_interpreted
 
 
-def fp8_pool(lens, hkv, d, bs, g, seed=None, spread=1.0):
+def fp8_pool(lens, hkv, d, bs, g, seed=None, spread=1.0, stale_nan=False):
     """Random K/V (an outlier channel in K, rows of random magnitude exp(spread N(0,1))) for sequences of
     these lengths, written into shuffled pages of an FP8 pool -> (k_pages, v_pages, table [B, P] int32, the
-    rounded K/V per sequence [2, n, Hkv, D] fp64). The slots no sequence holds hold NaN patterns (bytes 0x7F,
-    NaN scales), as a page's slots past its sequence's length may: the kernels must never use them."""
+    rounded K/V per sequence [2, n, Hkv, D] fp64). The slots no sequence holds are 0, as in the engine's
+    pool (zeroed on GPUs); stale_nan: NaN patterns instead (bytes 0x7F, NaN scales), for kernels that must
+    not use those slots even as 0 x value."""
     width = max(1, max(math.ceil(n / bs) for n in lens))
     num_blocks = 1 + sum(math.ceil(n / bs) for n in lens) + 3
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
-    data = [torch.full((num_blocks, bs, hkv, d), 0x7F, dtype=torch.uint8) for _ in range(2)]    # e4m3 NaN
-    scales = [torch.full((num_blocks, bs, hkv), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    byte, scale = (0x7F, float("nan")) if stale_nan else (0, 0.0)                        # 0x7F: e4m3's NaN
+    data = [torch.full((num_blocks, bs, hkv, d), byte, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.full((num_blocks, bs, hkv), scale, dtype=torch.bfloat16) for _ in range(2)]
     table = torch.zeros(len(lens), width, dtype=torch.int32)
     rounded = []
     for b, n in enumerate(lens):
@@ -41,10 +43,11 @@ def fp8_pool(lens, hkv, d, bs, g, seed=None, spread=1.0):
 
 
 def _case(lens, h=8, hkv=2, d=64, bs=16, dtype=torch.float32, seed=None):
-    """Random sequences of these lengths in an FP8 pool (fp8_pool) and one query each: (q [B, H, D], k_pages,
+    """Random sequences of these lengths in an FP8 pool (fp8_pool, NaN patterns in the slots past each length:
+    the decode kernel loads whole tiles and must replace them) and one query each: (q [B, H, D], k_pages,
     v_pages, table [B, P] int32, lens [B] int32, the rounded K/V per sequence [2, n, Hkv, D] (fp64))."""
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
-    kp, vp, table, rounded = fp8_pool(lens, hkv, d, bs, g, seed)
+    kp, vp, table, rounded = fp8_pool(lens, hkv, d, bs, g, seed, stale_nan=True)
     q = (torch.randn(len(lens), h, d, generator=g)).to(dtype)
     return q, kp, vp, table, torch.tensor(lens, dtype=torch.int32), rounded
 

@@ -1,0 +1,96 @@
+"""What Triton makes of the FP8 attention kernels for a Hopper GPU (sm_90), compiled on this machine: no GPU
+needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and launch, the PTX
+instructions that decide its speed, counted over the whole kernel:
+
+    global loads   ld.global.* by width (b8: a byte at a time, what unaligned K/V tiles come to)
+    async copies   cp.async.* (the software pipeline's copies into shared memory)
+    shared memory  ld.shared / st.shared by width (b8 stores: a byte-wise transpose), ldmatrix
+    MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
+    conversions    cvt e4m3 <-> f16 / f32
+
+    python scripts/hopper_codegen.py [decode|prefill ...]     default: both; PTX written under $OUT (or .)
+
+The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
+and the integer arguments that are not in the kernel's do_not_specialize list divisible by 16 where the
+engine's values are (llama3-8b's shapes: 32 query heads, 8 KV heads, d 128, pages of 128). Triton's version
+matters: the GPU image's is in ../shared/gpu/README.md; this prints the one it ran with. Why it exists:
+docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead (issue 35)".
+"""
+import collections
+import os
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernels import fp8_attention as fa
+from kernels import fp8_paged_attention as fpa
+
+H, HKV, D, BS = 32, 8, 128, 128
+QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
+
+# name: (build, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
+DECODE_ARGS = [("q_ptr", "*bf16", None), ("k_ptr", "*u8", None), ("v_ptr", "*u8", None), ("ks_ptr", "*bf16", None),
+               ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None), ("lens_ptr", "*i32", None),
+               ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale", "fp32", None),
+               ("table_stride", "i32", 1025), ("splits", "i32", 49), ("q_stride_b", "i32", QKV_ROW),
+               ("q_stride_h", "i32", D), ("batch", "i32", 1)]
+PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr", "*bf16", None),
+                ("vd_ptr", "*fp8e4nv", None), ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None),
+                ("cu_ptr", "*i32", None), ("lens_ptr", "*i32", None), ("out_ptr", "*bf16", None),
+                ("lse_ptr", "*fp32", None), ("qk_scale", "fp32", None), ("q_tok", "i32", QKV_ROW),
+                ("q_head", "i32", D), ("k_page", "i32", BS * HKV * D), ("k_tok", "i32", HKV * D),
+                ("k_head", "i32", D), ("ks_page", "i32", BS * HKV), ("ks_tok", "i32", HKV),
+                ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D),
+                ("vs_page", "i32", BS * HKV), ("vs_tok", "i32", HKV), ("table_stride", "i32", 1025),
+                ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
+LAUNCHES = {
+    "decode": (fpa, "decode", DECODE_ARGS,
+               dict(HKV=HKV, QPK=H // HKV, QPAD=16, D=D, BS=BS, STAGES=3, BN=128), 4, 3),
+    "prefill": (fa, "prefill", PREFILL_ARGS,
+                dict(QPK=H // HKV, D=D, BS=BS, BM=128, BN=128, CAUSAL=True, FP8_DOTS=True, PV16=False), 8, 2),
+    "prefill-pv16": (fa, "prefill", PREFILL_ARGS,
+                     dict(QPK=H // HKV, D=D, BS=BS, BM=128, BN=128, CAUSAL=True, FP8_DOTS=True, PV16=True), 8, 2),
+}
+PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
+                     r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")
+
+
+def compile_for_hopper(name: str):
+    """One launch of LAUNCHES compiled for sm_90 -> Triton's compiled kernel (PTX in .asm["ptx"])."""
+    module, key, args, constexprs, warps, stages = LAUNCHES[name]
+    kernel = module._build()[key]
+    nospec = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
+    signature = {a: t for a, t, _ in args}
+    signature.update({c: "constexpr" for c in constexprs})
+    attrs = {}
+    for i, (a, t, value) in enumerate(args):
+        if t.startswith("*") or (value is not None and a not in nospec and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def summary(ptx: str) -> collections.Counter:
+    return collections.Counter(m.group(1) for m in PATTERN.finditer(ptx))
+
+
+def main(argv: list[str]) -> None:
+    names = argv or list(LAUNCHES)
+    out = os.environ.get("OUT", ".")
+    print(f"Triton {triton.__version__}, target sm_90")
+    for name in names:
+        compiled = compile_for_hopper(name)
+        ptx = compiled.asm["ptx"]
+        with open(os.path.join(out, f"{name}.ptx"), "w") as f:
+            f.write(ptx)
+        counts = summary(ptx)
+        print(f"\n{name}: shared memory {compiled.metadata.shared} bytes")
+        print("| instruction | count |\n|---|---|")
+        for instr, n in sorted(counts.items()):
+            print(f"| {instr} | {n} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -150,9 +150,9 @@ def _build() -> dict:
         tiles = BS // BN                                                           # key tiles a page
         start = first * tiles
         end = tl.minimum(last * tiles, (n + BN - 1) // BN)
-        # the scales are 2-byte loads 8 bytes apart (one a slot and KV head), which Triton's pipeliner does not
-        # copy ahead like the K/V tiles: each tile's are asked for one iteration before it (a stall a tile
-        # otherwise: 179 -> 137 us a call at 1 x 128K on one H100, docs/results/log.md)
+        # the scales are 2-byte loads 16 bytes apart (one a slot and KV head), which Triton's pipeliner does
+        # not copy ahead like the K/V tiles: each tile's are asked for one iteration before it (else every
+        # tile waits a memory round trip for them; docs/results/log.md)
         k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, start, end, table_stride,
                                                   HKV, BS, BN)
         for t in tl.range(start, end, num_stages=STAGES):

@@ -16,8 +16,13 @@ Variants (one Triton kernel, chosen by constexprs):
                  conversion of K)
     vs           V's scales applied to V's rows (products rounded to fp16) instead of the probabilities
     vt           V's pages stored transposed ([blocks, Hkv, D, block]) in a copy
+    scales_unmasked  unmasked, its scales loaded unmasked too (replaced after the load)
+    scales_ahead     unmasked, each tile's scales asked for one iteration ahead (the kernel's way since 20c833e)
+    scales_ahead_hm, scales_ahead_vs   scales_ahead with scales_hm's layout, with vs's arithmetic
+(folder 1-variants ran this script's first version: stream to vt, their K/V loads unmasked as here, their
+scales loaded with a mask as `unmasked`'s)
 
-    python scripts/gpu_fp8_decode_variants.py [BATCHxCONTEXT ...]     default: 1x131072 16x8192
+    [VARIANTS=a,b,...] python scripts/gpu_fp8_decode_variants.py [BATCHxCONTEXT ...]     default: 1x131072 16x8192
 
 Prints a table (time per call, KV bytes read per second, max abs difference from fp32 attention over the same
 rounded K/V); writes fp8_decode_variants.json under $OUT (or the working directory).
@@ -42,12 +47,21 @@ from gpu_kernel_timing import graph_us  # noqa: E402
 
 VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES)
     "loads": (3, 0, 0, 0, 0, 0, 0),
+    "stream": (1, 0, 0, 0, 0, 0, 0),
+    "stream_cvt": (2, 0, 0, 0, 0, 0, 0),
     "unmasked": (0, 0, 0, 0, 0, 0, 0),
+    "scales_hm": (0, 0, 0, 1, 0, 0, 0),
+    "kt": (0, 1, 0, 0, 0, 0, 0),
+    "q8_kt": (0, 1, 1, 0, 0, 0, 0),
+    "vs": (0, 0, 0, 0, 0, 1, 0),
+    "vt": (0, 0, 0, 0, 1, 0, 0),
     "scales_unmasked": (0, 0, 0, 0, 0, 0, 1),
     "scales_ahead": (0, 0, 0, 0, 0, 0, 2),
     "scales_ahead_hm": (0, 0, 0, 1, 0, 0, 2),
     "scales_ahead_vs": (0, 0, 0, 0, 0, 1, 2),
 }
+# the second run's (docs/results/2026-11-26-1xH100-fp8-decode-scales-ahead/2-variants); VARIANTS=a,b,... picks
+DEFAULT_VARIANTS = "loads,unmasked,scales_unmasked,scales_ahead,scales_ahead_hm,scales_ahead_vs"
 SETTINGS = [   # warps, stages, keys a tile, waves of programs (splits uncapped, at least 256 keys each)
     (4, 2, 128, 2), (4, 3, 128, 2), (4, 2, 128, 8),
     (2, 2, 64, 4), (2, 3, 64, 4), (2, 3, 64, 16), (2, 3, 32, 16),
@@ -238,7 +252,7 @@ def main(argv: list[str]) -> None:
         show("flash-attn-4 bf16", "-", "-", "-", "-",
              lambda: paged_attention(q, kb, vb, table, cu, lens, D ** -0.5, causal=False, max_seqlen_q=1),
              bytes_read=b * n * HKV * 2 * D * 2)
-        for variant in VARIANTS:
+        for variant in os.environ.get("VARIANTS", DEFAULT_VARIANTS).split(","):
             for warps, stages, bn, waves in SETTINGS:
                 show(variant, warps, stages, bn, waves,
                      lambda: launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, waves))

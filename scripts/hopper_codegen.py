@@ -17,6 +17,7 @@ matters: the GPU image's is in ../shared/gpu/README.md; this prints the one it r
 docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead (issue 35)".
 """
 import collections
+import inspect
 import os
 import re
 import sys
@@ -30,7 +31,6 @@ from kernels import fp8_paged_attention as fpa
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
 
-# name: (build, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 DECODE_ARGS = [("q_ptr", "*bf16", None), ("k_ptr", "*u8", None), ("v_ptr", "*u8", None), ("ks_ptr", "*bf16", None),
                ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None), ("lens_ptr", "*i32", None),
                ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale", "fp32", None),
@@ -45,13 +45,25 @@ PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr
                 ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D),
                 ("vs_page", "i32", BS * HKV), ("vs_tok", "i32", HKV), ("table_stride", "i32", 1025),
                 ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
+
+
+def _defaults(launcher) -> dict:
+    """A launcher's keyword defaults (the launch settings the engine uses), so this follows them."""
+    return {k: p.default for k, p in inspect.signature(launcher).parameters.items() if p.default is not p.empty}
+
+
+_DEC, _PRE = _defaults(fpa._decode_triton), _defaults(fa._prefill_triton)
+_PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
+                       FP8_DOTS=_PRE["dots"] == "fp8")
+# name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
-               dict(HKV=HKV, QPK=H // HKV, QPAD=16, D=D, BS=BS, STAGES=3, BN=128), 4, 3),
-    "prefill": (fa, "prefill", PREFILL_ARGS,
-                dict(QPK=H // HKV, D=D, BS=BS, BM=128, BN=128, CAUSAL=True, FP8_DOTS=True, PV16=False), 8, 2),
-    "prefill-pv16": (fa, "prefill", PREFILL_ARGS,
-                     dict(QPK=H // HKV, D=D, BS=BS, BM=128, BN=128, CAUSAL=True, FP8_DOTS=True, PV16=True), 8, 2),
+               dict(HKV=HKV, QPK=H // HKV, QPAD=fpa.QPAD_MIN, D=D, BS=BS, STAGES=_DEC["num_stages"],
+                    BN=min(_DEC["block_keys"], BS)), _DEC["num_warps"], _DEC["num_stages"]),
+    "prefill": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
+                _PRE["num_warps"], _PRE["num_stages"]),
+    "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
+                     _PRE["num_warps"], _PRE["num_stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

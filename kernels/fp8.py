@@ -1,7 +1,7 @@
 """FP8 linear layers (`--quantization fp8`, vLLM's meaning): weights quantized once at load to
 float8_e4m3fn with one scale per output channel, activations quantized on the fly with one scale per
 token, both scales applied by the GEMM itself (torch._scaled_mm's row-wise scaling, fp32 accumulate,
-bf16 out). Attention, norms, embeddings and the LM head stay in bf16.
+bf16 out; for a decode step's few rows the same product in kernels/fp8_small_gemm.py's Triton kernels). Attention, norms, embeddings and the LM head stay in bf16.
 
     w_fp8[n, k] = w[n, k] / s_w[n],   s_w[n] = max_k |w[n, k]| / 448
     x_fp8[m, k] = x[m, k] / s_x[m],   s_x[m] = max_k |x[m, k]| / 448
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import fused
+from kernels import fp8_small_gemm, fused
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
@@ -75,13 +75,23 @@ def linear(x: "torch.Tensor | Fp8Rows", w: "torch.Tensor | Fp8Weight", bias: tor
     """F.linear for a bf16 weight; for an Fp8Weight, x [..., K] quantized per token (Fp8Rows [M, K]: as they
     are) and one scaled GEMM -> [..., N] in x's dtype."""
     if isinstance(x, Fp8Rows):
-        return torch._scaled_mm(x.values, w.weight.t(), scale_a=x.scale, scale_b=w.scale, bias=bias, out_dtype=x.dtype)
+        return scaled_mm(x.values, x.scale, w, bias, x.dtype)
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1])                                              # [M, K]
     xq, xs = quantize_rows(rows)
-    out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=x.dtype)
+    out = scaled_mm(xq, xs, w, bias, x.dtype)
     return out.reshape(*x.shape[:-1], w.weight.shape[0])
+
+
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] = s_x s_w (xq @ w^T) (+ bias) in dtype: for a few rows (decode steps) the Triton kernels of
+    kernels/fp8_small_gemm.py, which read the weight at the memory's rate, else torch._scaled_mm."""
+    out = fp8_small_gemm.scaled_mm_few_rows(xq, xs, w, bias, dtype)
+    if out is not None:
+        return out
+    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=dtype)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

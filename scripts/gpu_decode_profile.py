@@ -1,6 +1,6 @@
 """Where a decode step's time goes on one GPU (llama3-8b preset, bf16, one 8K-token sequence):
 the whole step as the scheduler calls it (ModelRunner.decode), the CUDA graph's replay alone, and
-the replay's kernels by GPU time (torch.profiler). Usage: [MODEL=preset] [LAYERS=N] [CHUNK=N] python scripts/gpu_decode_profile.py [context]
+the replay's kernels by GPU time (torch.profiler). Usage: [MODEL=preset] [LAYERS=N] [CHUNK=N] [KV=fp8] [QUANT=fp8] python scripts/gpu_decode_profile.py [context]
 (LAYERS=N keeps the preset's first N layers: a proxy of a model larger than one GPU.)"""
 import dataclasses
 import os
@@ -17,7 +17,8 @@ from engine.calls import Decode, Extend, Prefill
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 CHUNK = int(os.environ.get("CHUNK", "0"))       # > 0: prefill in chunks of CHUNK (the pool sized for them): 512K fits
 engine = EngineConfig(model=os.environ.get("MODEL", "llama3-8b"), devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16,
-                      max_num_batched_tokens=CHUNK or None)
+                      max_num_batched_tokens=CHUNK or None, kv_cache_dtype=os.environ.get("KV", "auto"),
+                      quantization=os.environ.get("QUANT", "none"))
 cfg, max_model_len = resolve_model(engine)
 if int(os.environ.get("LAYERS", "0")):
     cfg = dataclasses.replace(cfg, num_layers=int(os.environ["LAYERS"]))

@@ -1,4 +1,4 @@
-"""What Triton makes of the FP8 attention kernels for a Hopper GPU (sm_90), compiled on this machine: no GPU
+"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM) for a Hopper GPU (sm_90), compiled on this machine: no GPU
 needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and launch, the PTX
 instructions that decide its speed, counted over the whole kernel:
 
@@ -8,7 +8,7 @@ instructions that decide its speed, counted over the whole kernel:
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill ...]     default: both; PTX written under $OUT (or .)
+    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm ...]     default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
 and the integer arguments that are not in the kernel's do_not_specialize list divisible by 16 where the
@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 
 from kernels import fp8_attention as fa
 from kernels import fp8_paged_attention as fpa
+from kernels import fp8_small_gemm as sg
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
@@ -45,6 +46,11 @@ PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr
                 ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D),
                 ("vs_page", "i32", BS * HKV), ("vs_tok", "i32", HKV), ("table_stride", "i32", 1025),
                 ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
+# the few-rows FP8 GEMM on llama3-8b's o projection (K 4096), 16 rows (a 16-sequence decode step)
+GEMM_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("w_ptr", "*u8", None), ("ws_ptr", "*fp32", None),
+             ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None), ("M", "i32", 16),
+             ("N", "i32", 4096), ("K", "i32", 4096), ("x_stride", "i32", 4096), ("w_stride", "i32", 4096),
+             ("k_per_run", "i32", 1024)]
 
 
 def _defaults(launcher) -> dict:
@@ -53,6 +59,7 @@ def _defaults(launcher) -> dict:
 
 
 _DEC, _PRE = _defaults(fpa._decode_triton), _defaults(fa._prefill_triton)
+_GEMM = _defaults(sg._launch)
 _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
                        FP8_DOTS=_PRE["dots"] == "fp8")
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
@@ -64,6 +71,9 @@ LAUNCHES = {
                 _PRE["num_warps"], _PRE["num_stages"]),
     "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
                      _PRE["num_warps"], _PRE["num_stages"]),
+    "small-gemm": (sg, "gemm", GEMM_ARGS, dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"],
+                                               BLOCK_K=_GEMM["block_k"], STAGES=_GEMM["stages"], FP8_DOT=True),
+                   _GEMM["warps"], _GEMM["stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -458,3 +458,37 @@ def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
     for j in range(2):
         assert torch.equal(pages[j].view(-1, hkv, d)[slots], want[2 + j][0])
         assert torch.equal(scales[j].view(-1, hkv)[slots], want[2 + j][1])
+
+
+@pytest.mark.parametrize("m,n,k,bias", [(1, 6144, 4096, False), (3, 4096, 4096, True), (16, 4096, 14336, False),
+                                        (16, 28672, 4096, False), (64, 1024, 4096, True), (37, 4096, 512, False)])
+def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bias):
+    """kernels/fp8_small_gemm.py (FP8 MMAs, K split or not) against torch._scaled_mm on the same FP8 operands
+    (fp32 sums in another order, one bf16 rounding), eagerly and replayed from a CUDA graph on new rows; and
+    fp8.linear takes it for these rows."""
+    from kernels import fp8
+    from kernels import fp8_small_gemm as sg
+    w = fp8.quantize_weight(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * torch.rand(m, 1, device=DEV) * 4
+    xq, xs = fp8.quantize_rows(x)
+
+    def cublas():
+        return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=b, out_dtype=torch.bfloat16)
+
+    out = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16)
+    assert sg._triton.enabled and out is not None, "the Triton kernel failed or declined"
+    want = cublas()
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=1e-2)
+    exact = (xq.double() @ w.weight.double().t()) * xs.double() * w.scale.double()
+    exact = exact if b is None else exact + b.double()
+    assert ((out.double() - exact).norm() / exact.norm()) < 4e-3            # bf16's rounding, no more
+    assert torch.equal(fp8.linear(fp8.Fp8Rows(xq, xs, torch.bfloat16), w, b), out)   # deterministic, and used
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16)
+    new_q, new_s = fp8.quantize_rows(torch.randn(m, k, device=DEV, dtype=torch.bfloat16))
+    xq.copy_(new_q)
+    xs.copy_(new_s)
+    g.replay()
+    torch.testing.assert_close(graphed.float(), cublas().float(), atol=2e-2, rtol=1e-2)

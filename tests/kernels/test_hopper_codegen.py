@@ -1,6 +1,7 @@
-"""The FP8 attention kernels as Triton compiles them for a Hopper GPU (sm_90), on this machine without one
-(scripts/hopper_codegen.py): their K/V tiles reach shared memory by asynchronous 16-byte copies, never a byte
-at a time from global memory, and the prefill's first dot runs on FP8 warp-group MMAs. An argument added to
+"""The FP8 kernels as Triton compiles them for a Hopper GPU (sm_90), on this machine without one
+(scripts/hopper_codegen.py): their tiles (K/V, the few-rows GEMM's weight) reach shared memory by asynchronous
+16-byte copies, never a byte at a time from global memory, and the prefill's first dot and the GEMM run on
+FP8 warp-group MMAs. An argument added to
 a kernel's do_not_specialize list that carries a tile's alignment (a page or token stride) fails this: the
 prefill kernel read its tiles byte by byte, at a quarter of flash-attn-4's rate, until 9666433."""
 import os
@@ -14,12 +15,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import hopper_codegen  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16"])
-def test_fp8_attention_tiles_are_copied_asynchronously_not_byte_by_byte(name):
+@pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16", "small-gemm"])
+def test_fp8_tiles_are_copied_asynchronously_not_byte_by_byte(name):
     counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
     assert counts["ld.global.b8"] == 0, counts                                   # byte-wise global loads
     assert counts["cp.async.cg.shared.global"] >= 16, counts                     # 16-byte async tile copies
-    if name.startswith("prefill"):
+    if name.startswith("prefill") or name == "small-gemm":
         assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in counts), counts
     if name == "prefill-pv16":
         assert counts["st.shared.b8"] == 0, counts                               # V read as stored

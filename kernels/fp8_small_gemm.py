@@ -57,7 +57,7 @@ def choose_split(n_tiles: int, k_tiles: int, num_sms: int, waves: int) -> int:
     return max(1, min(wanted, k_tiles // MIN_K_TILES, MAX_SPLIT))
 
 
-def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=4, warps=4, waves=2):
+def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3, warps=4, waves=3):
     """The launch's defaults: see docs/results/log.md, "FP8 weights at a decode step"."""
     m, k = xq.shape
     n = w.shape[0]

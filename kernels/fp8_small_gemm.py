@@ -13,7 +13,8 @@ H200 the FP8 weights streamed at 2.1 TB/s, slower than bf16's split-K GEMVs over
 How:
 - operands swapped: acc^T [BLOCK_N, BLOCK_M] = W tile [BLOCK_N, BLOCK_K] @ x tile^T, so the weight's rows
   are the warp-group MMA's 64-row side and x's few rows (padded to 16) its narrow side; both are read
-  K-major from shared memory as FP8 (no conversion; fp32 accumulate).
+  K-major from shared memory as FP8 (no conversion; fp32 accumulate, the MMAs' own sums moved into
+  fp32 every 128 products).
 - K cut into SPLIT runs when the outputs alone would not fill the SMs `waves` times; each run's fp32
   partial goes to part [SPLIT, M, N] and a second kernel sums them, applies the scales and the bias and
   casts (a fixed order: the same bits every call). Unsplit, the first kernel does that itself.
@@ -118,12 +119,16 @@ def _build() -> dict:
         w_at = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]        # [BN, BK]
         x_at = x_ptr + rows[:, None] * x_stride + ks[None, :]                      # [BM, BK]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                             # y^T
+        PROMOTE: tl.constexpr = min(128, BLOCK_K)
         start = r * k_per_run
         for k in tl.range(start, tl.minimum(start + k_per_run, K), BLOCK_K, num_stages=STAGES):
             wt = tl.load(w_at + k).to(tl.float8e4nv, bitcast=True)                 # [BN, BK]
             xt = tl.load(x_at + k, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)   # [BM, BK]
             if FP8_DOT:
-                acc = tl.dot(wt, tl.trans(xt), acc)
+                # Hopper's FP8 MMAs accumulate with fewer bits than fp32: the sum is moved into fp32
+                # registers every 128 products (torch._scaled_mm's default, use_fast_accum off, asks cuBLAS for
+                # fp32 sums too; Triton's own default on sm_90 never moves them: GPU test, docs/results/log.md)
+                acc = tl.dot(wt, tl.trans(xt), acc, max_num_imprecise_acc=PROMOTE)
             else:
                 acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc)
         at = rows[None, :] * N + cols[:, None]                                     # [BN, BM] in [M, N]

@@ -6,7 +6,7 @@ export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD
 out=${OUT:-.}
 { date -u; nvidia-smi -L; git log -1 --format="commit %h" 2>/dev/null; } > "$out/env.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu tests/gpu/test_kernels_gpu.py \
-    -k "few_rows" 2>&1 | tail -5 | tee "$out/tests.log"
+    -k "few_rows" 2>&1 | tail -40 | tee "$out/tests.log"
 OUT=$out timeout 150 python3 scripts/gpu_fp8_gemm.py ${GEMM_ROWS:-1 16} 2>&1 | grep -v -i warn | tee "$out/fp8_gemm.txt"
 KV=fp8 QUANT=fp8 timeout 100 python3 scripts/gpu_decode_profile.py 131072 2>&1 | grep -v -i "warn\|exe_args" | head -14 \
     | tee "$out/profile_fp8_fp8.txt"

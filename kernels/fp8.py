@@ -1,7 +1,8 @@
 """FP8 linear layers (`--quantization fp8`, vLLM's meaning): weights quantized once at load to
 float8_e4m3fn with one scale per output channel, activations quantized on the fly with one scale per
 token, both scales applied by the GEMM itself (torch._scaled_mm's row-wise scaling, fp32 accumulate,
-bf16 out; for a decode step's few rows the same product in kernels/fp8_small_gemm.py's Triton kernels). Attention, norms, embeddings and the LM head stay in bf16.
+bf16 out; for a decode step's few rows the same product in kernels/fp8_small_gemm.py's Triton kernels).
+Attention, norms, embeddings and the LM head stay in bf16.
 
     w_fp8[n, k] = w[n, k] / s_w[n],   s_w[n] = max_k |w[n, k]| / 448
     x_fp8[m, k] = x[m, k] / s_x[m],   s_x[m] = max_k |x[m, k]| / 448

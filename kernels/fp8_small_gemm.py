@@ -62,7 +62,8 @@ def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3,
     """The launch's defaults: see docs/results/log.md, "FP8 weights at a decode step"."""
     m, k = xq.shape
     n = w.shape[0]
-    if n % block_n or k % block_k or xq.stride(1) != 1 or w.stride(1) != 1:
+    unit_strides = (xq.stride(1), w.stride(1), xs.stride(0), ws.stride(-1)) + ((bias.stride(0),) if bias is not None else ())
+    if n % block_n or k % block_k or any(st != 1 for st in unit_strides):
         return None
     block_m = max(16, next_pow2(m))
     k_tiles = k // block_k
@@ -75,8 +76,8 @@ def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3,
     bias_arg = bias if has_bias else ws
     kern["gemm"][(n // block_n, split)](
         xq.view(torch.uint8), xs, w.view(torch.uint8), ws, bias_arg, out, part, m, n, k, xq.stride(0),
-        w.stride(0), per * block_k, HAS_BIAS=has_bias, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, FP8_DOT=not _interpreted(), num_warps=warps)
+        w.stride(0), per * block_k, HAS_BIAS=has_bias, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, FP8_DOT=not _interpreted(), num_warps=warps)
     if split > 1:
         block = min(1024, next_pow2(n))
         kern["reduce"][(m, ceil_div(n, block))](part, xs, ws, bias_arg, out, m, n, SPLIT=split, HAS_BIAS=has_bias,
@@ -88,6 +89,7 @@ _SMS: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
+    """The device's SM count (cached: the launch asks it every call)."""
     if device.type != "cuda":
         return 4                                        # the interpreter: any count
     i = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,6 +1,6 @@
-"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM) for a Hopper GPU (sm_90), compiled on this machine: no GPU
-needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and launch, the PTX
-instructions that decide its speed, counted over the whole kernel:
+"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM) for a Hopper GPU (sm_90), compiled on
+this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and
+launch, the PTX instructions that decide its speed, counted over the whole kernel:
 
     global loads   ld.global.* by width (b8: a byte at a time, what unaligned K/V tiles come to)
     async copies   cp.async.* (the software pipeline's copies into shared memory)
@@ -8,7 +8,8 @@ instructions that decide its speed, counted over the whole kernel:
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm ...]     default: all; PTX written under $OUT (or .)
+    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm ...]
+        default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
 and the integer arguments that are not in the kernel's do_not_specialize list divisible by 16 where the

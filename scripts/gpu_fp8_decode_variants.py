@@ -14,6 +14,9 @@ Variants (one Triton kernel, chosen by constexprs):
     kt           the scores as K @ Q^T (K the MMA's M side: 128 keys a tile, the warp-group MMA's shape)
     q8_kt        kt with Q rounded to e4m3, one scale a row: the scores an FP8 x FP8 warp-group MMA (no
                  conversion of K)
+    kt_ahead, q8_kt_ahead   kt, q8_kt with scales_ahead's scales (the loop as the kernel has it since 20c833e)
+    q8x2_kt_ahead    q8_kt_ahead with Q's rounding remainder as a second e4m3 operand (16x up): two FP8 MMAs
+                 for the scores, Q kept to ~8 significant bits (bf16's), K still not converted
     vs           V's scales applied to V's rows (products rounded to fp16) instead of the probabilities
     vt           V's pages stored transposed ([blocks, Hkv, D, block]) in a copy
     scales_unmasked  unmasked, its scales loaded unmasked too (replaced after the load)
@@ -59,6 +62,9 @@ VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES)
     "scales_ahead": (0, 0, 0, 0, 0, 0, 2),
     "scales_ahead_hm": (0, 0, 0, 1, 0, 0, 2),
     "scales_ahead_vs": (0, 0, 0, 0, 0, 1, 2),
+    "kt_ahead": (0, 1, 0, 0, 0, 0, 2),
+    "q8_kt_ahead": (0, 1, 1, 0, 0, 0, 2),
+    "q8x2_kt_ahead": (0, 1, 2, 0, 0, 0, 2),
 }
 # the second run's (docs/results/2026-11-26-1xH100-fp8-decode-scales-ahead/2-variants); VARIANTS=a,b,... picks
 DEFAULT_VARIANTS = "loads,unmasked,scales_unmasked,scales_ahead,scales_ahead_hm,scales_ahead_vs"
@@ -92,6 +98,8 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
     if Q8:
         q_scale = tl.maximum(tl.max(tl.abs(q), axis=1) / 448.0, 1e-30)         # [QPAD]
         qd = (q / q_scale[:, None]).to(tl.float8e4nv)
+        # Q8 == 2: the rounding's remainder as a second e4m3 operand, 16x up (Q to ~8 significant bits)
+        q_lo = (((q / q_scale[:, None]) - qd.to(tl.float32)) * 16.0).to(tl.float8e4nv)
     else:
         q_scale = tl.full([QPAD], 1.0, tl.float32)
         qd = q.to(tl.float16)
@@ -171,7 +179,10 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
             else:
                 kq = k8.to(tl.float16)
             if KT:
-                scores = tl.trans(tl.dot(kq, tl.trans(qd)))                   # [QPAD, BN] fp32
+                scores_t = tl.dot(kq, tl.trans(qd))                             # [BN, QPAD] fp32
+                if Q8 == 2:
+                    scores_t += tl.dot(kq, tl.trans(q_lo)) * 0.0625
+                scores = tl.trans(scores_t)
             else:
                 scores = tl.dot(qd, tl.trans(kq))
             scores = scores * (k_scale * scale)[None, :] * q_scale[:, None]

@@ -20,11 +20,9 @@ How:
   casts (a fixed order: the same bits every call). Unsplit, the first kernel does that itself.
 Shapes the kernels take: M <= 64, N a multiple of BLOCK_N, K of BLOCK_K (llama-family layers are).
 
-Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the dot runs in fp32 on the same FP8
-values, since the interpreter multiplies FP8 operands as raw bytes; on a GPU it is the FP8 MMA.
+Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on the CPU
+(tests/kernels/test_fp8_small_gemm.py), its FP8 dot in full precision.
 """
-import os
-
 import torch
 
 from kernels.arith import ceil_div, next_pow2
@@ -62,7 +60,7 @@ def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3,
     """The launch's defaults: see docs/results/log.md, "FP8 weights at a decode step"."""
     m, k = xq.shape
     n = w.shape[0]
-    unit_strides = (xq.stride(1), w.stride(1), xs.stride(0), ws.stride(-1)) + ((bias.stride(0),) if bias is not None else ())
+    unit_strides = [xq.stride(1), w.stride(1), xs.stride(0), ws.stride(-1)] + ([] if bias is None else [bias.stride(0)])
     if n % block_n or k % block_k or any(st != 1 for st in unit_strides):
         return None
     block_m = max(16, next_pow2(m))
@@ -77,7 +75,7 @@ def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3,
     kern["gemm"][(n // block_n, split)](
         xq.view(torch.uint8), xs, w.view(torch.uint8), ws, bias_arg, out, part, m, n, k, xq.stride(0),
         w.stride(0), per * block_k, HAS_BIAS=has_bias, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, FP8_DOT=not _interpreted(), num_warps=warps)
+        BLOCK_K=block_k, STAGES=stages, num_warps=warps)
     if split > 1:
         block = min(1024, next_pow2(n))
         kern["reduce"][(m, ceil_div(n, block))](part, xs, ws, bias_arg, out, m, n, SPLIT=split, HAS_BIAS=has_bias,
@@ -98,10 +96,6 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[i]
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _build() -> dict:
     """jit the two kernels. A fresh set each call: tests build interpreted ones (TRITON_INTERPRET=1)."""
     global tl
@@ -110,7 +104,7 @@ def _build() -> dict:
 
     def gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, x_stride, w_stride,
                     k_per_run, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, FP8_DOT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
         """Program (output tile j, K run r): outputs j*BLOCK_N.. over K run r. x, w as uint8 (e4m3 bits)."""
         j = tl.program_id(0)
         r = tl.program_id(1)
@@ -126,13 +120,10 @@ def _build() -> dict:
         for k in tl.range(start, tl.minimum(start + k_per_run, K), BLOCK_K, num_stages=STAGES):
             wt = tl.load(w_at + k).to(tl.float8e4nv, bitcast=True)                 # [BN, BK]
             xt = tl.load(x_at + k, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)   # [BM, BK]
-            if FP8_DOT:
-                # Hopper's FP8 MMAs accumulate with fewer bits than fp32: the sum is moved into fp32
-                # registers every 128 products (torch._scaled_mm's default, use_fast_accum off, asks cuBLAS for
-                # fp32 sums too; Triton's own default on sm_90 never moves them: GPU test, docs/results/log.md)
-                acc = tl.dot(wt, tl.trans(xt), acc, max_num_imprecise_acc=PROMOTE)
-            else:
-                acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc)
+            # Hopper's FP8 MMAs accumulate with fewer bits than fp32: the sum is moved into fp32 registers
+            # every 128 products (torch._scaled_mm's default, use_fast_accum off, asks cuBLAS for fp32 sums
+            # too; Triton's own default on sm_90 never moves them: GPU test, docs/results/log.md)
+            acc = tl.dot(wt, tl.trans(xt), acc, max_num_imprecise_acc=PROMOTE)
         at = rows[None, :] * N + cols[:, None]                                     # [BN, BM] in [M, N]
         if SPLIT:
             tl.store(part_ptr + r.to(tl.int64) * M * N + at, acc, mask=row_ok[None, :])

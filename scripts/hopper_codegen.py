@@ -73,7 +73,7 @@ LAUNCHES = {
     "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
                      _PRE["num_warps"], _PRE["num_stages"]),
     "small-gemm": (sg, "gemm", GEMM_ARGS, dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"],
-                                               BLOCK_K=_GEMM["block_k"], STAGES=_GEMM["stages"], FP8_DOT=True),
+                                               BLOCK_K=_GEMM["block_k"], STAGES=_GEMM["stages"]),
                    _GEMM["warps"], _GEMM["stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"

@@ -4,7 +4,8 @@ on llama3-8b's four linear shapes. Each weight is one of several copies (over 25
 copy in a CUDA graph, so no call finds its weight in L2; time per call = the graph's time / copies.
 
     python scripts/gpu_fp8_gemm.py [M ...]            default: 1 16 64
-    SETTINGS="64,256,4,4,2 128,256,3,8,2" python scripts/gpu_fp8_gemm.py    (block_n,block_k,stages,warps,waves)
+    SETTINGS="64,256,3,4,3 64,256,3,4,3,1" python scripts/gpu_fp8_gemm.py
+        (block_n,block_k,stages,warps,waves[,serial]: 1 = a split's partials summed by its last run)
 
 Prints a table per M (us a call and the weight's TB/s; the four summed, x 32 layers = a decode step's
 linears); writes fp8_gemm.json under $OUT (or the working directory).
@@ -24,7 +25,7 @@ from gpu_gemm_shapes import timed  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}   # (N, K)
 LAYERS = 32
-DEFAULT_SETTINGS = "64,256,4,4,2 64,128,4,4,2 64,256,3,4,3 64,256,4,4,4 128,256,3,8,2 128,128,4,4,2 32,256,4,4,2"
+DEFAULT_SETTINGS = "64,256,3,4,3 64,256,3,4,3,1 64,128,4,4,2 64,256,4,4,4 128,256,3,8,2 32,256,4,4,2"
 DEV = torch.device("cuda:0")
 
 
@@ -63,11 +64,12 @@ def main(argv: list[str]) -> None:
             runs = {"bf16 F.linear": [lambda w=w: F.linear(x, w) for w in bf16],
                     "fp8 torch._scaled_mm": [lambda w=w: torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale,
                                                                           out_dtype=torch.bfloat16) for w in q8]}
-            for bn, bk, st, wp, wv in settings():
-                runs[f"ours {bn},{bk},{st},{wp},{wv}"] = [
-                    lambda w=w, a=(bn, bk, st, wp, wv): sg._launch(sg._triton.kernels(DEV), xq, xs, w.weight, w.scale,
-                                                                   None, torch.bfloat16, block_n=a[0], block_k=a[1],
-                                                                   stages=a[2], warps=a[3], waves=a[4]) for w in q8]
+            for setting in settings():
+                bn, bk, st, wp, wv, serial = (setting + (0,))[:6]
+                runs[f"ours {','.join(map(str, setting))}"] = [
+                    lambda w=w, a=(bn, bk, st, wp, wv, serial): sg._launch(
+                        sg._triton.kernels(DEV), xq, xs, w.weight, w.scale, None, torch.bfloat16, block_n=a[0],
+                        block_k=a[1], stages=a[2], warps=a[3], waves=a[4], serial=bool(a[5])) for w in q8]
             want = torch._scaled_mm(xq, q8[0].weight.t(), scale_a=xs, scale_b=q8[0].scale, out_dtype=torch.bfloat16)
             for label, calls in runs.items():
                 if label.startswith("ours"):

@@ -8,7 +8,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm ...]
+    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm|small-gemm-serial ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -49,7 +49,8 @@ PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr
                 ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
 # the few-rows FP8 GEMM on llama3-8b's o projection (K 4096), 16 rows (a 16-sequence decode step)
 GEMM_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("w_ptr", "*u8", None), ("ws_ptr", "*fp32", None),
-             ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None), ("M", "i32", 16),
+             ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None),
+             ("count_ptr", "*i32", None), ("M", "i32", 16),
              ("N", "i32", 4096), ("K", "i32", 4096), ("x_stride", "i32", 4096), ("w_stride", "i32", 4096),
              ("k_per_run", "i32", 1024)]
 
@@ -61,6 +62,8 @@ def _defaults(launcher) -> dict:
 
 _DEC, _PRE = _defaults(fpa._decode_triton), _defaults(fa._prefill_triton)
 _GEMM = _defaults(sg._launch)
+_GEMM_CONSTS = dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"], BLOCK_K=_GEMM["block_k"],
+                    STAGES=_GEMM["stages"])
 _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
                        FP8_DOTS=_PRE["dots"] == "fp8")
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
@@ -72,9 +75,8 @@ LAUNCHES = {
                 _PRE["num_warps"], _PRE["num_stages"]),
     "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
                      _PRE["num_warps"], _PRE["num_stages"]),
-    "small-gemm": (sg, "gemm", GEMM_ARGS, dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"],
-                                               BLOCK_K=_GEMM["block_k"], STAGES=_GEMM["stages"]),
-                   _GEMM["warps"], _GEMM["stages"]),
+    "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
+    "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -109,8 +109,10 @@ def test_every_strategy_with_chunks_and_prefix_hits_on_fp8_pages(checkpoint, str
 @pytest.mark.parametrize("workers,kv_tokens,long", [(1, 120, 70), (2, 160, 200)])
 def test_preempted_sequences_resume_on_fp8_pages_with_their_solo_tokens(checkpoint, workers, kv_tokens, long):
     """A pool too small for the batch (the long prompt's chunks and the others' decode steps outgrow it):
-    the newest sequence is preempted and recomputed, and every one ends with the tokens it has alone,
-    which are the reference's."""
+    the newest sequence is preempted and recomputed, and every one ends with the reference's greedy tokens,
+    as it does alone (up to near-ties: in a batch, or recomputed in chunks, an element of K or V within fp32
+    noise of an FP8 rounding midpoint may round the other way, EXACT's note; a resume that lost pages or
+    scales moves the logits far past TIE)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -119,13 +121,13 @@ def test_preempted_sequences_resume_on_fp8_pages_with_their_solo_tokens(checkpoi
              kv_cache_tokens=kv_tokens, kv_cache_dtype="fp8", max_num_batched_tokens=8,
              enable_prefix_caching=False) as llm:
         solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
-        together = llm.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in together] == solo
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.stats["num_preemptions"] > 0, llm.stats
-    for prompt, tokens in zip(prompts, solo):
+    for prompt, alone, batched in zip(prompts, solo, together):
         with kv_rounded(model, round_kv):
-            _, ref = hf_next_logits_and_greedy(model, prompt, len(tokens))
-            assert_same_greedy(model, prompt, tokens, ref, len(prompt), TIE)
+            _, ref = hf_next_logits_and_greedy(model, prompt, len(alone))
+            assert_same_greedy(model, prompt, alone, ref, len(prompt), TIE)
+            assert_same_greedy(model, prompt, batched, ref, (len(prompt), "in the batch"), TIE)
 
 
 def test_pages_keep_what_was_written_and_copies_carry_the_scales(monkeypatch):

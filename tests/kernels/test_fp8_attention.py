@@ -108,7 +108,10 @@ def _triton_interpreted_checks():
                 want = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, 0.2, causal, block_n=bn, pv=pv)
                 assert torch.allclose(got[1], want[1], atol=1e-5, rtol=0), (c, causal, bm, bn, pv)
                 err = _relative(got[0], want[0])
-                assert err < 1e-5, (c, causal, bm, bn, pv, err)
+                # fp32 sums in another order; with P in e4m3 an element of P within that noise of a rounding
+                # midpoint may round the other way, one e4m3 step on one weight (seen in CI: 1.4e-5); a wrong
+                # mask, scale or merge is off by 1e-2 or more
+                assert err < (2e-4 if pv == "fp8" else 1e-5), (c, causal, bm, bn, pv, err)
 
 
 @pytest.mark.parametrize("causal", [True, False])

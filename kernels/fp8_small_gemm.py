@@ -105,17 +105,13 @@ def _run_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return _COUNTS[key] if tiles <= MAX_TILES else None
 
 
-_SMS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    """The device's SM count (cached: the launch asks it every call)."""
+    """The device's SM count (paged_attention.num_sms; imported here, as kernels.fp8 imports this module
+    and paged_attention imports kernels.fp8)."""
     if device.type != "cuda":
         return 4                                        # the interpreter: any count
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
+    from kernels.paged_attention import num_sms
+    return num_sms(device)
 
 
 def _build() -> dict:

@@ -12,7 +12,8 @@
 # runs (tag $SMOKE_BASE_TAG, remade when this machine's CA bundle changes), removes its container
 # and the wheel it linked into docker/wheels/ even on failure, and prints the seconds of each phase.
 # Environment: TORCH_WHEEL (the CPU torch wheel; default: found in pip's find-links or /opt/wheels),
-# DEBIAN_MIRROR, SMOKE_WORK (scratch folder), SMOKE_BASE_TAG, SMOKE_IMAGE_TAG.
+# DEBIAN_MIRROR, SMOKE_WORK (scratch folder), SMOKE_BASE_TAG, SMOKE_IMAGE_TAG, SMOKE_NEED_FREE_GIB (6: the
+# disk space below which it stops before building, naming the shortage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -26,6 +27,7 @@ IMAGE_TAG=${SMOKE_IMAGE_TAG:-burstserve:smoke}
 WORK=${SMOKE_WORK:-/var/tmp/burstserve-smoke}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+NEED_FREE_GIB=${SMOKE_NEED_FREE_GIB:-6}
 CONTAINER=burstserve-smoke-$$
 WHEEL_LINK=""
 CONSTRAINTS_COPY=""
@@ -104,6 +106,11 @@ if ! timeout 20 docker info >/dev/null 2>&1; then
     fi
 fi
 log "engine: $(docker version --format '{{.Server.Version}}' 2>/dev/null), client: $(docker version --format '{{.Client.Version}}' 2>/dev/null)"
+# The build unpacks torch, triton (xgrammar's) and the rest into a layer: about 3 GiB, with room to spare.
+root_dir=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+free_kib=$(df -Pk "$root_dir" | awk 'NR == 2 {print $4}')
+[ "$free_kib" -ge $((NEED_FREE_GIB * 1024 * 1024)) ] \
+    || die "$((free_kib / 1024)) MiB free on the disk of $root_dir; the build needs about $NEED_FREE_GIB GiB (free some, e.g. old virtual environments or \`docker system prune\`)"
 done_phase "dockerd"
 
 # --- the CPU torch wheel ----------------------------------------------------------------------

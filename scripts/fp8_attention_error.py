@@ -16,7 +16,10 @@ probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8)
 - each of these with a random-sign Hadamard rotation of the head dimension on Q and K before any rounding
   (q.k is unchanged; K is stored rotated; FlashAttention-3's "incoherent processing")
 
-    python scripts/fp8_attention_error.py [TOKENS]      (default 4096; prints a markdown table)
+    python scripts/fp8_attention_error.py [TOKENS] [--parts]      (default 4096; prints a markdown table)
+
+--parts: FA3's way from the model's K/V with one rounding at a time (Q, K, V or P alone; Q and K), the rest
+exact: which rounding its error comes from.
 """
 import sys
 
@@ -85,7 +88,20 @@ def ways(q, k, v, rotate):
                 causal_attention(one_scale(qm), one_scale(km), one_scale(v), fa3_p)}
 
 
+def parts(q, k, v, rotate):
+    """FA3's way from the model's K/V, one rounding at a time (the others exact): which one makes its error."""
+    if rotate is not None:
+        q, k = q @ rotate, k @ rotate
+    return {"FA3's rounding of Q alone (one scale per block)": causal_attention(one_scale(q), k, v),
+            "FA3's rounding of K alone (one scale per segment)": causal_attention(q, one_scale(k), v),
+            "FA3's rounding of V alone (one scale per segment)": causal_attention(q, k, one_scale(v)),
+            "FA3's rounding of P alone (e4m3, times 2^8)": causal_attention(q, k, v, fa3_p),
+            "FA3's rounding of Q and K (scores), P and V exact": causal_attention(one_scale(q), one_scale(k), v)}
+
+
 def main(argv):
+    split = "--parts" in argv
+    argv = [a for a in argv if a != "--parts"]
     n, h, d = int(argv[0]) if argv else 4096, 4, 128
     torch.manual_seed(0)
     rotation = hadamard(d)
@@ -95,7 +111,7 @@ def main(argv):
         for j, kk in enumerate((k, k * torch.where(torch.arange(d) == 7, 20.0, 1.0))):
             want = causal_attention(q, kk, v)
             for rotate, tag in ((None, ""), (rotation, ", Hadamard on Q, K")):
-                for name, got in ways(q, kk, v, rotate).items():
+                for name, got in (parts if split else ways)(q, kk, v, rotate).items():
                     row = rows.setdefault(name + tag, [0.0, 0.0])
                     row[j] = max(row[j], ((got - want).norm() / want.norm()).item())
     print(f"| way | rel. error, plain K | rel. error, K with an outlier channel |  ({n} tokens, 3 draws, max)")

@@ -5,7 +5,8 @@ head): the queries of one or more sequences against their paged keys, both dots 
         -> (out [total_q, H, D] in q's dtype, lse [total_q, H] fp32, natural log)
 
 q [total_q, H, D] (sequence b's queries at cu_seqlens_q[b]:cu_seqlens_q[b + 1]); k_pages, v_pages: Fp8Pages
-([num_blocks, block_size, Hkv, D] uint8 and [num_blocks, block_size, Hkv] bf16 scales, any strides);
+([num_blocks, block_size, Hkv, D] uint8 and [num_blocks, block_size, Hkv] bf16 scales, any strides; K's and
+the scales' last dimension contiguous);
 block_table [B, max_blocks] int32; seq_lens_k [B] int32: sequence b's keys, its queries the last ones
 (causal aligned to the end: query i of m sees keys 0 .. n - m + i).
 
@@ -21,7 +22,9 @@ within 0.054 of fp64 where FlashAttention-3's one scale per (block, KV head) giv
 `pv="fp16"` (a launch option, for measuring): the second dot in fp16 instead, V's e4m3 values turned into
 fp16 (exact) and P * 256 * v_scale / max rounded to fp16, not e4m3 (11 significant bits, not 4). FP8's MMA
 takes both operands K-major, so an FP8 second dot has V's tile transposed in shared memory a byte at a time;
-the fp16 one reads it as stored, at half FP8's rate for that dot.
+the fp16 one reads it as stored, at half FP8's rate for that dot. V's pages given transposed (a view with the
+page's keys contiguous, e.g. stored [blocks, Hkv, D, page]) are read K-major by the FP8 dot itself: no
+byte-wise transpose (scripts/hopper_codegen.py prefill-vt), the same values and result.
 
 One program per (query tile, query head, sequence), heavy tiles first; keys in tiles of BN (a page or part
 of one): the tiles every query of the program sees without a mask, then the diagonal's, masked.
@@ -149,7 +152,7 @@ def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_
     if total_q == 0:
         return out, lse
     kd, ks, vd, vs = k_pages.data, k_pages.scale, v_pages.data, v_pages.scale
-    assert kd.stride(3) == 1 and vd.stride(3) == 1 and ks.stride(2) == 1 and vs.stride(2) == 1
+    assert kd.stride(3) == 1 and ks.stride(2) == 1 and vs.stride(2) == 1
     if dots == "fp8":
         # typed FP8 pointers: the pipeliner then copies K's tiles into shared memory and the MMA reads them
         # there (from uint8 ones it takes each tile through registers to bit-cast it)
@@ -159,7 +162,7 @@ def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_
     kernel[(h, tiles, batch)](
         q, kd, ks, vd, vs, block_table, cu_seqlens_q.to(torch.int32), seq_lens_k.to(torch.int32), out, lse,
         scale * 1.4426950408889634, q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kd.stride(2),
-        ks.stride(0), ks.stride(1), vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1),
+        ks.stride(0), ks.stride(1), vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3), vs.stride(0), vs.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), tiles,
         QPK=h // hkv, D=d, BS=bs, BM=block_m, BN=block_n, CAUSAL=causal, FP8_DOTS=dots == "fp8",
         PV16=pv == "fp16", num_warps=num_warps, num_stages=num_stages)
@@ -177,7 +180,7 @@ def _build() -> dict:
     _e4m3 = e4m3_by_arithmetic()
 
     def tile(acc, m, l, q8, q_scale, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, t, pos, n,
-             k_tok, k_page, v_tok, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale,
+             k_tok, k_page, v_tok, v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale,
              D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FP8_DOTS: tl.constexpr,
              PV16: tl.constexpr):
         """One key tile t (keys t * BN ...) absorbed into the running (acc [BM, D], m [BM], l [BM])."""
@@ -204,7 +207,7 @@ def _build() -> dict:
         beta = tl.where(empty, 0.0, tl.exp2(tile_max - m_safe))
         p = tl.exp2(scores - tl.where(empty, 0.0, tile_max)[:, None])
         l = l * alpha + tl.sum(p, axis=1) * beta
-        v = _fp8(tl.load(vd_ptr + page * v_page + slot[:, None] * v_tok + cols[None, :]))
+        v = _fp8(tl.load(vd_ptr + page * v_page + slot[:, None] * v_tok + cols[None, :] * v_dim))
         v_scale = tl.load(vs_ptr + page * vs_page + slot * vs_tok).to(tl.float32)         # [BN]
         if MASK:
             v_scale = tl.where(key < n, v_scale, 0.0)                                     # the slots past n
@@ -228,7 +231,7 @@ def _build() -> dict:
     _fp8 = triton.jit(fp8)
 
     def prefill_kernel(q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr, lse_ptr,
-                       qk_scale, q_tok, q_head, k_page, k_tok, k_head, ks_page, ks_tok, v_page, v_tok, v_head,
+                       qk_scale, q_tok, q_head, k_page, k_tok, k_head, ks_page, ks_tok, v_page, v_tok, v_head, v_dim,
                        vs_page, vs_tok, table_stride, o_tok, o_head, lse_tok, tiles_m,
                        QPK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        CAUSAL: tl.constexpr, FP8_DOTS: tl.constexpr, PV16: tl.constexpr):
@@ -271,10 +274,10 @@ def _build() -> dict:
             end = n
         for t in range(0, free):
             acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, False, FP8_DOTS, PV16)
+                             v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, False, FP8_DOTS, PV16)
         for t in range(free, tl.cdiv(end, BN)):
             acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, True, FP8_DOTS, PV16)
+                             v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, True, FP8_DOTS, PV16)
         has = l > 0
         o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))

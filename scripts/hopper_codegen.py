@@ -8,7 +8,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|small-gemm|small-gemm-serial ...]
+    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|small-gemm|small-gemm-serial ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -44,9 +44,12 @@ PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr
                 ("lse_ptr", "*fp32", None), ("qk_scale", "fp32", None), ("q_tok", "i32", QKV_ROW),
                 ("q_head", "i32", D), ("k_page", "i32", BS * HKV * D), ("k_tok", "i32", HKV * D),
                 ("k_head", "i32", D), ("ks_page", "i32", BS * HKV), ("ks_tok", "i32", HKV),
-                ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D),
+                ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D), ("v_dim", "i32", 1),
                 ("vs_page", "i32", BS * HKV), ("vs_tok", "i32", HKV), ("table_stride", "i32", 1025),
                 ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
+# V's pages stored transposed, [blocks, KV heads, D, page]: a tile's keys contiguous (K-major for P . V)
+_VT = {"v_page": HKV * D * BS, "v_tok": 1, "v_head": D * BS, "v_dim": BS}
+PREFILL_VT_ARGS = [(a, t, _VT.get(a, v)) for a, t, v in PREFILL_ARGS]
 # the few-rows FP8 GEMM on llama3-8b's o projection (K 4096), 16 rows (a 16-sequence decode step)
 GEMM_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("w_ptr", "*u8", None), ("ws_ptr", "*fp32", None),
              ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None),
@@ -75,6 +78,8 @@ LAUNCHES = {
                 _PRE["num_warps"], _PRE["num_stages"]),
     "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
                      _PRE["num_warps"], _PRE["num_stages"]),
+    "prefill-vt": (fa, "prefill", PREFILL_VT_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
+                   _PRE["num_warps"], _PRE["num_stages"]),
     "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
     "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
 }
@@ -87,11 +92,14 @@ def compile_for_hopper(name: str):
     module, key, args, constexprs, warps, stages = LAUNCHES[name]
     kernel = module._build()[key]
     nospec = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
+    # an integer argument equal to 1 becomes a constant, as Triton's launcher specializes it
+    ones = {a: 1 for a, t, value in args if value == 1 and a not in nospec}
+    constexprs = dict(constexprs, **ones)
     signature = {a: t for a, t, _ in args}
     signature.update({c: "constexpr" for c in constexprs})
     attrs = {}
     for i, (a, t, value) in enumerate(args):
-        if t.startswith("*") or (value is not None and a not in nospec and value % 16 == 0):
+        if a not in ones and (t.startswith("*") or (value is not None and a not in nospec and value % 16 == 0)):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = triton.compiler.ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

@@ -4,7 +4,7 @@ rounding does not enter the LSE), its output is within P's rounding of it, and w
 unrounded attention with an outlier channel in K. The Triton kernel, in Triton's interpreter on the CPU
 (fp16 dots over the same e4m3 values), equals the reference: causal and not, extends (fewer queries
 than keys), several sequences, GQA and MHA, pages in any order, tiles smaller than a page, P rounded to
-e4m3 or (pv="fp16") to fp16."""
+e4m3 or (pv="fp16") to fp16, V's pages as stored or transposed (keys contiguous)."""
 import random
 
 import pytest
@@ -112,6 +112,12 @@ def _triton_interpreted_checks():
                 # midpoint may round the other way, one e4m3 step on one weight (seen in CI: 1.4e-5); a wrong
                 # mask, scale or merge is off by 1e-2 or more
                 assert err < (2e-4 if pv == "fp8" else 1e-5), (c, causal, bm, bn, pv, err)
+                # V's pages stored transposed ([blocks, KV heads, D, page], keys contiguous: what the FP8
+                # second dot reads without a transpose): the same values, so the same bits
+                vt = vp._replace(data=vp.data.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
+                got_t = fa._prefill_triton(build["prefill"], q, kp, vt, table, cu, lens, 0.2, causal, None,
+                                           block_m=bm, block_n=bn, num_warps=4, num_stages=1, dots="fp16", pv=pv)
+                assert torch.equal(got_t[0], got[0]) and torch.equal(got_t[1], got[1]), (c, causal, bm, bn, pv)
 
 
 @pytest.mark.parametrize("causal", [True, False])

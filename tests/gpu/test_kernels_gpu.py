@@ -372,7 +372,7 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
 def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, hkv, causal, pv):
     """The Triton FP8 prefill kernel (FP8 dots, pages of 128, K with an outlier channel; P.V in FP8 or, pv
     fp16, in fp16) against its torch reference (the same rounding of Q and P, tile by tile) and float64
-    attention over the cache's values."""
+    attention over the cache's values; with V's pages transposed, against itself with them as stored."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
     import test_fp8_attention as cases
     from kernels import fp8_attention as fa
@@ -388,6 +388,11 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=3e-3)
     assert cases._relative(out, want) < 2e-2          # the dots' fp32 order can flip a P rounding; bf16 out
     assert cases._relative(out.cpu(), want64) < 0.06
+    # V's pages transposed (keys contiguous): the FP8 second dot reads V as stored, the same arithmetic
+    vt = vp._replace(data=vp.data.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
+    out_t, lse_t = fa.fp8_prefill(q, kp, vt, table, cu, lens, scale, causal, pv=pv)
+    torch.testing.assert_close(lse_t, lse, atol=1e-5, rtol=0)
+    assert cases._relative(out_t, out) < 1e-3          # the MMA's order of sums may differ with the layout
 
 
 @needs_fa4

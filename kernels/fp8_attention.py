@@ -25,6 +25,10 @@ takes both operands K-major, so an FP8 second dot has V's tile transposed in sha
 the fp16 one reads it as stored, at half FP8's rate for that dot. V's pages given transposed (a view with the
 page's keys contiguous, e.g. stored [blocks, Hkv, D, page]) are read K-major by the FP8 dot itself: no
 byte-wise transpose (scripts/hopper_codegen.py prefill-vt), the same values and result.
+`q_split=True` (a launch option, for measuring): Q as two e4m3 parts, the second the first's rounding remainder
+with its own scale per (token, head), and Q . K as two FP8 dots. With an outlier channel in K, Q's rounding is
+most of this arithmetic's error (0.046 alone of 0.057 at 4K tokens); split, the whole is 0.036
+(`python scripts/fp8_attention_error.py 4096 --parts`), for twice the first dot's work.
 
 One program per (query tile, query head, sequence), heavy tiles first; keys in tiles of BN (a page or part
 of one): the tiles every query of the program sees without a mask, then the diagonal's, masked.
@@ -56,7 +60,8 @@ def fp8_prefill(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_tab
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float, causal: bool = True,
                 max_seqlen_q: int | None = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. max_seqlen_q: the longest sequence's queries (read from cu_seqlens_q on the
-    host when None). launch: the Triton launch's settings (block_m, block_n, num_warps, num_stages, dots, pv)."""
+    host when None). launch: the Triton launch's settings (block_m, block_n, num_warps, num_stages, dots, pv,
+    q_split)."""
     kern = _triton.kernels(q.device)
     if kern is not None:
         try:
@@ -65,16 +70,17 @@ def fp8_prefill(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_tab
         except Exception as e:      # compile or launch failure: the torch ops from now on
             _triton.failed(e)
     return fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
-                                 pv=launch.get("pv", "fp8"))
+                                 pv=launch.get("pv", "fp8"), q_split=launch.get("q_split", False))
 
 
 # ---------------------------------------------------------------- torch (the reference, and off CUDA)
 
 def fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal=True,
-                          block_n=128, pv="fp8"):
+                          block_n=128, pv="fp8", q_split=False):
     """The kernel's arithmetic in torch ops, tile by tile of block_n keys (its running maximum, its rounding
-    of Q and P; pv: P rounded to e4m3 or to fp16, as the kernel's launch option) -> (out [total_q, H, D] in
-    q's dtype, lse [total_q, H]): equal to the kernel's but for the order of the dots' fp32 sums."""
+    of Q and P; pv: P rounded to e4m3 or to fp16, q_split: Q as two e4m3 parts, as the kernel's launch
+    options) -> (out [total_q, H, D] in q's dtype, lse [total_q, H]): equal to the kernel's but for the order
+    of the dots' fp32 sums."""
     total_q, h, d = q.shape
     bn = min(block_n, k_pages.shape[1])
     out = torch.zeros(total_q, h, d, dtype=q.dtype, device=q.device)
@@ -85,11 +91,11 @@ def fp8_prefill_reference(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_le
         if q1 == q0 or n == 0:
             continue
         out[q0:q1], lse[q0:q1] = _one_sequence(q[q0:q1], k_pages, v_pages, block_table[b], n, scale, causal, bn,
-                                               torch.float16 if pv == "fp16" else FP8)
+                                               torch.float16 if pv == "fp16" else FP8, q_split)
     return out, lse
 
 
-def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype):
+def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype, q_split):
     """q [m, H, D] against the sequence's n keys, P rounded to p_dtype -> (out [m, H, D], lse [m, H])."""
     m, h, _ = q.shape
     qpk = h // k_pages.shape[2]
@@ -97,8 +103,9 @@ def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype):
     blocks = table[:ceil_div(keys, k_pages.shape[1])].long()
     k8, k_scale = _tiles(k_pages, blocks, keys, n, qpk)                   # [keys, H, D] e4m3 values, [keys, H]
     v8, v_scale = _tiles(v_pages, blocks, keys, n, qpk)
-    q_scale = (q.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_Q_SCALE)                  # [m, H]
-    q8 = (q.float() / q_scale[..., None]).to(FP8).float()
+    q_scale, q8 = _e4m3_rows(q.float())                                                     # [m, H], [m, H, D]
+    if q_split:                                                     # the remainder as a second e4m3 operand
+        rest_scale, rest8 = _e4m3_rows(q.float() - q8 * q_scale[..., None])
     pos = torch.arange(n - m, n, device=q.device) if causal else torch.full((m,), n - 1, device=q.device)
     run_max = torch.full((h, m), float("-inf"), device=q.device)
     total = torch.zeros(h, m, device=q.device)
@@ -106,7 +113,12 @@ def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype):
     for t0 in range(0, keys, bn):
         key = torch.arange(t0, t0 + bn, device=q.device)
         s = torch.einsum("mhd,nhd->hmn", q8, k8[t0:t0 + bn])
-        s = s * (q_scale.t() * (scale * LOG2E))[..., None] * k_scale[t0:t0 + bn].t()[:, None, :]
+        if q_split:
+            s = (s * q_scale.t()[..., None]
+                 + torch.einsum("mhd,nhd->hmn", rest8, k8[t0:t0 + bn]) * rest_scale.t()[..., None])
+            s = s * (scale * LOG2E) * k_scale[t0:t0 + bn].t()[:, None, :]
+        else:
+            s = s * (q_scale.t() * (scale * LOG2E))[..., None] * k_scale[t0:t0 + bn].t()[:, None, :]
         s = s.masked_fill((key[None, :] > pos[:, None]) | (key >= n)[None, :], float("-inf"))
         tile_max = s.amax(dim=-1)                                                                # [H, m]
         new_max = torch.maximum(run_max, tile_max)
@@ -128,6 +140,12 @@ def _one_sequence(q, k_pages, v_pages, table, n, scale, causal, bn, p_dtype):
     return o.transpose(0, 1).to(q.dtype), lse.t()
 
 
+def _e4m3_rows(x):
+    """x [..., D] fp32 -> (scale [...], e4m3 values [..., D] as fp32): a scale amax / 448 per row."""
+    s = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_Q_SCALE)
+    return s, (x / s[..., None]).to(FP8).float()
+
+
 def _tiles(pages: Fp8Pages, blocks, keys, n, qpk):
     """The first `keys` slots of these pages -> (e4m3 values [keys, H, D] fp32, scales [keys, H] fp32, 0
     past n) with each KV head repeated for its qpk query heads."""
@@ -140,7 +158,8 @@ def _tiles(pages: Fp8Pages, blocks, keys, n, qpk):
 # ---------------------------------------------------------------- Triton
 
 def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
-                    max_seqlen_q, block_m=128, block_n=128, num_warps=8, num_stages=2, dots="fp8", pv="fp8"):
+                    max_seqlen_q, block_m=128, block_n=128, num_warps=8, num_stages=2, dots="fp8", pv="fp8",
+                    q_split=False):
     total_q, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     if max_seqlen_q is None:
@@ -165,7 +184,7 @@ def _prefill_triton(kernel, q, k_pages, v_pages, block_table, cu_seqlens_q, seq_
         ks.stride(0), ks.stride(1), vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3), vs.stride(0), vs.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), tiles,
         QPK=h // hkv, D=d, BS=bs, BM=block_m, BN=block_n, CAUSAL=causal, FP8_DOTS=dots == "fp8",
-        PV16=pv == "fp16", num_warps=num_warps, num_stages=num_stages)
+        PV16=pv == "fp16", Q_SPLIT=q_split, num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
@@ -179,10 +198,10 @@ def _build() -> dict:
 
     _e4m3 = e4m3_by_arithmetic()
 
-    def tile(acc, m, l, q8, q_scale, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, t, pos, n,
+    def tile(acc, m, l, q8, q_scale, rest8, rest_scale, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_ptr, t, pos, n,
              k_tok, k_page, v_tok, v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale,
              D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, FP8_DOTS: tl.constexpr,
-             PV16: tl.constexpr):
+             PV16: tl.constexpr, Q_SPLIT: tl.constexpr):
         """One key tile t (keys t * BN ...) absorbed into the running (acc [BM, D], m [BM], l [BM])."""
         tiles = BS // BN
         page = tl.load(table_ptr + t // tiles).to(tl.int64)
@@ -192,8 +211,13 @@ def _build() -> dict:
         dt = tl.float8e4nv if FP8_DOTS else tl.float16
         k = _fp8(tl.load(kd_ptr + page * k_page + slot[:, None] * k_tok + cols[None, :]))
         k_scale = tl.load(ks_ptr + page * ks_page + slot * ks_tok).to(tl.float32)          # [BN]
-        scores = tl.dot(q8, tl.trans(k.to(dt)))                                          # [BM, BN] fp32
-        scores = scores * (q_scale * qk_scale)[:, None] * k_scale[None, :]               # log2 units
+        kt = tl.trans(k.to(dt))
+        if Q_SPLIT:                                             # Q's rounding remainder: a second FP8 dot
+            scores = tl.dot(q8, kt) * q_scale[:, None] + tl.dot(rest8, kt) * rest_scale[:, None]
+            scores = scores * qk_scale * k_scale[None, :]                                # log2 units
+        else:
+            scores = tl.dot(q8, kt)                                                      # [BM, BN] fp32
+            scores = scores * (q_scale * qk_scale)[:, None] * k_scale[None, :]           # log2 units
         if MASK:
             visible = (key[None, :] <= pos[:, None]) & (key[None, :] < n)
             scores = tl.where(visible, scores, float("-inf"))
@@ -234,7 +258,7 @@ def _build() -> dict:
                        qk_scale, q_tok, q_head, k_page, k_tok, k_head, ks_page, ks_tok, v_page, v_tok, v_head, v_dim,
                        vs_page, vs_tok, table_stride, o_tok, o_head, lse_tok, tiles_m,
                        QPK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       CAUSAL: tl.constexpr, FP8_DOTS: tl.constexpr, PV16: tl.constexpr):
+                       CAUSAL: tl.constexpr, FP8_DOTS: tl.constexpr, PV16: tl.constexpr, Q_SPLIT: tl.constexpr):
         """Program (query head h, query tile, sequence b): out and lse of the tile's rows for head h."""
         h = tl.program_id(0)
         mt = tiles_m - 1 - tl.program_id(1)                                # the longest rows first
@@ -255,6 +279,12 @@ def _build() -> dict:
         dt = tl.float8e4nv if FP8_DOTS else tl.float16
         q8 = q / q_scale[:, None]
         q8 = q8.to(tl.float8e4nv).to(dt) if FP8_DOTS else _e4m3(q8).to(dt)
+        rest8, rest_scale = q8, q_scale                                     # (unused without Q_SPLIT)
+        if Q_SPLIT:                                                         # the remainder, rounded alike
+            rest = q - q8.to(tl.float32) * q_scale[:, None]
+            rest_scale = tl.maximum(tl.max(tl.abs(rest), axis=1) / 448.0, 1.1754943508222875e-38)
+            rest8 = rest / rest_scale[:, None]
+            rest8 = rest8.to(tl.float8e4nv).to(dt) if FP8_DOTS else _e4m3(rest8).to(dt)
         if CAUSAL:
             pos = n - m_len + rows                                          # the rows' positions among the keys
         else:
@@ -273,11 +303,13 @@ def _build() -> dict:
             free = n // BN
             end = n
         for t in range(0, free):
-            acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, False, FP8_DOTS, PV16)
+            acc, m, l = _tile(acc, m, l, q8, q_scale, rest8, rest_scale, kd, ks, vd, vs, table, t, pos, n, k_tok,
+                             k_page, v_tok, v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN,
+                             False, FP8_DOTS, PV16, Q_SPLIT)
         for t in range(free, tl.cdiv(end, BN)):
-            acc, m, l = _tile(acc, m, l, q8, q_scale, kd, ks, vd, vs, table, t, pos, n, k_tok, k_page, v_tok,
-                             v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN, True, FP8_DOTS, PV16)
+            acc, m, l = _tile(acc, m, l, q8, q_scale, rest8, rest_scale, kd, ks, vd, vs, table, t, pos, n, k_tok,
+                             k_page, v_tok, v_dim, v_page, ks_tok, ks_page, vs_tok, vs_page, qk_scale, D, BS, BN,
+                             True, FP8_DOTS, PV16, Q_SPLIT)
         has = l > 0
         o = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))

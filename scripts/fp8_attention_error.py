@@ -18,8 +18,9 @@ probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8)
 
     python scripts/fp8_attention_error.py [TOKENS] [--parts]      (default 4096; prints a markdown table)
 
---parts: FA3's way from the model's K/V with one rounding at a time (Q, K, V or P alone; Q and K), the rest
-exact: which rounding its error comes from.
+--parts: FA3's way from the model's K/V, and the per-token way, with one rounding at a time (Q, K, V or P
+alone; Q and K), the rest exact: which rounding each way's error comes from; and the per-token way with Q
+as two e4m3 parts (the second its first's remainder: two FP8 dots for Q . K).
 """
 import sys
 
@@ -88,15 +89,28 @@ def ways(q, k, v, rotate):
                 causal_attention(one_scale(qm), one_scale(km), one_scale(v), fa3_p)}
 
 
+def split_row(x):
+    """x as two e4m3 parts with a scale per row each, the second its first's remainder (two FP8 dots)."""
+    hi = per_row(x)
+    return hi + per_row(x - hi)
+
+
 def parts(q, k, v, rotate):
-    """FA3's way from the model's K/V, one rounding at a time (the others exact): which one makes its error."""
+    """FA3's way from the model's K/V, then the per-token way (kernels/fp8_attention.py), one rounding at a
+    time (the others exact): which one makes each way's error; and Q split into two e4m3 parts."""
     if rotate is not None:
         q, k = q @ rotate, k @ rotate
+    kc, vc = round_kv(k.float()).double(), round_kv(v.float()).double()          # the cache's values
     return {"FA3's rounding of Q alone (one scale per block)": causal_attention(one_scale(q), k, v),
             "FA3's rounding of K alone (one scale per segment)": causal_attention(q, one_scale(k), v),
             "FA3's rounding of V alone (one scale per segment)": causal_attention(q, k, one_scale(v)),
             "FA3's rounding of P alone (e4m3, times 2^8)": causal_attention(q, k, v, fa3_p),
-            "FA3's rounding of Q and K (scores), P and V exact": causal_attention(one_scale(q), one_scale(k), v)}
+            "FA3's rounding of Q and K (scores), P and V exact": causal_attention(one_scale(q), one_scale(k), v),
+            "per-token way: Q alone (a scale per token and head)": causal_attention(per_row(q), k, v),
+            "per-token way: K alone (the cache's)": causal_attention(q, kc, v),
+            "per-token way: V alone (the cache's)": causal_attention(q, k, vc),
+            "per-token way, all (our kernel's)": causal_attention(per_row(q), kc, vc, fa3_p),
+            "per-token way, all, Q in two e4m3 parts": causal_attention(split_row(q), kc, vc, fa3_p)}
 
 
 def main(argv):

@@ -8,7 +8,8 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|small-gemm|small-gemm-serial ...]
+    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
+                                       small-gemm-serial ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -68,7 +69,7 @@ _GEMM = _defaults(sg._launch)
 _GEMM_CONSTS = dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"], BLOCK_K=_GEMM["block_k"],
                     STAGES=_GEMM["stages"])
 _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
-                       FP8_DOTS=_PRE["dots"] == "fp8")
+                       FP8_DOTS=_PRE["dots"] == "fp8", Q_SPLIT=_PRE["q_split"])
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -80,6 +81,9 @@ LAUNCHES = {
                      _PRE["num_warps"], _PRE["num_stages"]),
     "prefill-vt": (fa, "prefill", PREFILL_VT_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
                    _PRE["num_warps"], _PRE["num_stages"]),
+    "prefill-vt-qsplit": (fa, "prefill", PREFILL_VT_ARGS,
+                          dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16", Q_SPLIT=True),
+                          _PRE["num_warps"], _PRE["num_stages"]),
     "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
     "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
 }

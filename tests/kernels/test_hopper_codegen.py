@@ -15,13 +15,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import hopper_codegen  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16", "prefill-vt", "small-gemm",
-                                  "small-gemm-serial"])
+@pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16", "prefill-vt", "prefill-vt-qsplit",
+                                  "small-gemm", "small-gemm-serial"])
 def test_fp8_tiles_are_copied_asynchronously_not_byte_by_byte(name):
     counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
     assert counts["ld.global.b8"] == 0, counts                                   # byte-wise global loads
     assert counts["cp.async.cg.shared.global"] >= 16, counts                     # 16-byte async tile copies
     if name.startswith(("prefill", "small-gemm")):
         assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in counts), counts
-    if name in ("prefill-pv16", "prefill-vt"):
+    if name == "prefill-vt-qsplit":                      # Q . K as two FP8 dots: half as many MMAs again
+        plain = hopper_codegen.summary(hopper_codegen.compile_for_hopper("prefill-vt").asm["ptx"])
+        wgmma = [k for k in counts if k.startswith("wgmma")]
+        assert sum(counts[k] for k in wgmma) == 3 * sum(plain[k] for k in wgmma) // 2, (counts, plain)
+    if name in ("prefill-pv16", "prefill-vt", "prefill-vt-qsplit"):
         assert counts["st.shared.b8"] == 0, counts       # V read as stored (fp16 dot; FP8 dot, V transposed)

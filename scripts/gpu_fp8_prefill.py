@@ -6,7 +6,8 @@ attention shapes (32 query heads, 8 KV heads, d 128, pages of 128), causal align
 For each shape (QUERIESxKEYS): time per call (CUDA events, median of 5 after 2 warm-ups) and TFLOP/s
 (4 D H x the visible (query, key) pairs), for each kernel and each launch setting of ours, with P.V in FP8
 (the default) and in fp16 (`pv="fp16"`, `pv16` rows), and with V's pages transposed (`vt` rows: keys
-contiguous, so the FP8 second dot reads V's tile as stored; it must equal the stored way); the error of
+contiguous, so the FP8 second dot reads V's tile as stored; it must equal the stored way), and the same with
+Q as two e4m3 parts (`vt_qsplit` rows, launch option q_split: two FP8 dots for Q . K); the error of
 ours against float64 over the cache's values (last 256 queries, the first KV head's 4 query heads, K with
 an outlier channel), against its torch reference (kernels.fp8_attention.fp8_prefill_reference, the same
 rounding: must agree to the dots' fp32 order), and flash-attn-4's against float64 beside them.
@@ -103,10 +104,10 @@ def run(queries: int, keys: int, settings, f3) -> dict:
     # K-major as stored, without the byte-wise transpose in shared memory (scripts/hopper_codegen.py prefill-vt)
     v8t = v8._replace(data=v8.data.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
 
-    def ours(s, pv="fp8", v_pages=v8):
+    def ours(s, pv="fp8", v_pages=v8, q_split=False):
         bm, bn, w, st = s
         return fa.fp8_prefill(q, k8, v_pages, table, cu, lens, scale, True, queries, block_m=bm, block_n=bn,
-                              num_warps=w, num_stages=st, pv=pv)
+                              num_warps=w, num_stages=st, pv=pv, q_split=q_split)
 
     # accuracy: ours (default setting) and flash-attn-4 against float64 over the same (rounded) values
     pages = table[0, :-(-keys // BS)].long()
@@ -115,6 +116,7 @@ def run(queries: int, keys: int, settings, f3) -> dict:
     out, lse = ours(settings[0])
     row["err_ours"] = relative(out[-256:, :4], want)
     row["vt_vs_ours"] = relative(ours(settings[0], v_pages=v8t)[0], out)      # the same arithmetic
+    row["err_ours_qsplit"] = relative(ours(settings[0], v_pages=v8t, q_split=True)[0][-256:, :4], want)
     out16, lse16 = ours(settings[0], "fp16")
     row["err_ours_pv16"] = relative(out16[-256:, :4], want)
     bf16, _ = paged_attention(q, kb, vb, table, cu, lens, scale, causal=True, backend="fa4", max_seqlen_q=queries)
@@ -148,6 +150,12 @@ def run(queries: int, keys: int, settings, f3) -> dict:
         except Exception as e:
             row[f"ours_vt_{'_'.join(map(str, s))}_s"] = None
             print(f"  setting {s}, V transposed: {type(e).__name__}: {str(e)[:200]}")
+    for s in settings:
+        try:
+            row[f"ours_vt_qsplit_{'_'.join(map(str, s))}_s"] = seconds(lambda: ours(s, v_pages=v8t, q_split=True))
+        except Exception as e:
+            row[f"ours_vt_qsplit_{'_'.join(map(str, s))}_s"] = None
+            print(f"  setting {s}, V transposed, Q split: {type(e).__name__}: {str(e)[:200]}")
     row["ours_fp16_dots_s"] = seconds(lambda: fa.fp8_prefill(q, k8, v8, table, cu, lens, scale, True, queries,
                                                              dots="fp16"))
     if f3 is not None and queries == keys:          # dense K/V: the prompt's own keys
@@ -173,7 +181,7 @@ def main(argv):
         best = min((v, k) for k, v in timed.items() if k.startswith("ours_") and "fp16" not in k)
         print(f"\n{m} x {n}: {r['gflop']:.0f} GFLOP; error vs float64: ours {r['err_ours']:.4f} "
               f"(pv fp16: {r['err_ours_pv16']:.4f}), flash-attn-4 bf16 {r['err_fa4_bf16']:.4f}; "
-              f"V transposed vs stored {r['vt_vs_ours']:.1e}"
+              f"V transposed vs stored {r['vt_vs_ours']:.1e}; Q split (vt_qsplit) {r['err_ours_qsplit']:.4f}"
               + (f"; ours vs its reference {r['vs_reference']:.2e} (lse {r['lse_vs_reference']:.1e}, pv fp16 "
                  f"{r['pv16_vs_reference']:.2e})" if "vs_reference" in r else ""))
         print("| kernel | ms | TFLOP/s |\n|---|---|---|")

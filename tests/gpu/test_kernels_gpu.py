@@ -372,7 +372,8 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
 def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, hkv, causal, pv):
     """The Triton FP8 prefill kernel (FP8 dots, pages of 128, K with an outlier channel; P.V in FP8 or, pv
     fp16, in fp16) against its torch reference (the same rounding of Q and P, tile by tile) and float64
-    attention over the cache's values; with V's pages transposed, against itself with them as stored."""
+    attention over the cache's values; with V's pages transposed, against itself with them as stored; with Q
+    in two e4m3 parts (q_split), against its reference and float64."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
     import test_fp8_attention as cases
     from kernels import fp8_attention as fa
@@ -393,6 +394,12 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     out_t, lse_t = fa.fp8_prefill(q, kp, vt, table, cu, lens, scale, causal, pv=pv)
     torch.testing.assert_close(lse_t, lse, atol=1e-5, rtol=0)
     assert cases._relative(out_t, out) < 1e-3          # the MMA's order of sums may differ with the layout
+    # Q as two e4m3 parts (q_split), over the transposed V: against its reference and float64
+    out_s, lse_s = fa.fp8_prefill(q, kp, vt, table, cu, lens, scale, causal, pv=pv, q_split=True)
+    want_s, want_lse_s = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal, pv=pv, q_split=True)
+    torch.testing.assert_close(lse_s, want_lse_s, atol=1e-2, rtol=3e-3)
+    assert cases._relative(out_s, want_s) < 2e-2
+    assert cases._relative(out_s.cpu(), want64) < 0.06
 
 
 @needs_fa4

@@ -1,7 +1,8 @@
 """The FP8 kernels as Triton compiles them for a Hopper GPU (sm_90), on this machine without one
 (scripts/hopper_codegen.py): their tiles (K/V, the few-rows GEMM's weight) reach shared memory by asynchronous
 16-byte copies, never a byte at a time from global memory, and the prefill's first dot and the GEMM run on
-FP8 warp-group MMAs. An argument added to
+FP8 warp-group MMAs; over V's pages transposed the prefill's second dot reads V without a byte-wise
+transpose in shared memory, and with Q split (q_split) it runs half as many MMAs again. An argument added to
 a kernel's do_not_specialize list that carries a tile's alignment (a page or token stride) fails this: the
 prefill kernel read its tiles byte by byte, at a quarter of flash-attn-4's rate, until 9666433."""
 import os

@@ -80,11 +80,11 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 # ---------------------------------------------------------------- Triton
 
-def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=4,
-                   num_stages=3, waves=3, block_keys=128):
-    """The launch's defaults are the fastest of `scripts/gpu_fp8_decode.py --sweep` on one H100 at 1 x 128K and
-    16 x 8K (docs/results/log.md, "FP8 pages: the decode kernel's scales asked for a tile ahead"): 3 waves of
-    4-warp programs are the 3 that fit an SM at once (73 KB of shared memory each), so all run in one wave."""
+def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
+                   num_stages=3, waves=4, block_keys=64):
+    """The launch's defaults are the fastest of `scripts/gpu_fp8_decode_variants.py`'s 12 settings for the
+    scores as K @ Q^T (its `kt_ahead`) on one H100, at 1 x 128K and at 16 x 8K (docs/results/log.md, "FP8
+    decode: the scores as K @ Q^T"): 2-warp programs over tiles of 64 keys, 4 waves of them."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv
@@ -169,7 +169,8 @@ def _build() -> dict:
             k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, end, table_stride,
                                                       HKV, BS, BN)
             k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
-            scores = tl.dot(q, tl.trans(k)) * (k_scale * scale)[None, :]         # [QPAD, BN] fp32
+            # K @ Q^T: the tile's keys are the MMA's M side, its few query rows the narrow N side
+            scores = tl.trans(tl.dot(k, tl.trans(q))) * (k_scale * scale)[None, :]  # [QPAD, BN] fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))                          # a page has a key: finite
             alpha = tl.exp(m - m_new)

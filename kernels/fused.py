@@ -109,7 +109,7 @@ def quantize_fp8_rows(x: torch.Tensor):
         q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
         block = next_pow2(k)
-        kern["quantize_fp8"][(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+        kern["quantize_fp8"][(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=_row_warps(block))
         return q, scale
     except Exception as e:
         _triton.failed(e)
@@ -280,17 +280,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _row_warps(block: int) -> int:
+    """Warps for a program of one row of `block` values: 4 up to 4096, then one per 1024, at most 16. A row's
+    sum is taken in an order that depends on the warps, so kernels whose bits must agree use this alike."""
+    return min(16, max(4, block // 1024))
+
+
 def _rms_norm_triton(kernel, x, weight, eps, residual):
     x = _rows(x)
     s, n = x.shape
     out = torch.empty(s, n, dtype=x.dtype, device=x.device)
+    block = next_pow2(n)
+    warps = _row_warps(block)     # as rms_norm_fp8's: the same order of the row's sum, so the same bits
     if residual is None:
-        kernel[(s,)](x, x, weight, out, out, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=next_pow2(n))
+        kernel[(s,)](x, x, weight, out, out, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
         return out
     residual = _rows(residual)
     res_out = torch.empty_like(out)
     kernel[(s,)](x, residual, weight, out, res_out, n, x.stride(0), residual.stride(0), eps,
-                 HAS_RES=True, BLOCK=next_pow2(n))
+                 HAS_RES=True, BLOCK=block, num_warps=warps)
     return out, res_out
 
 
@@ -326,7 +334,7 @@ def _rms_norm_fp8_triton(kernel, x, weight, eps, residual):
     q = torch.empty(s, n, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(s, 1, dtype=torch.float32, device=x.device)
     block = next_pow2(n)
-    warps = min(16, max(4, block // 1024))
+    warps = _row_warps(block)
     if residual is None:
         kernel[(s,)](x, x, weight, q, scale, x, n, x.stride(0), 0, eps, HAS_RES=False, BLOCK=block, num_warps=warps)
         return q, scale
@@ -343,5 +351,5 @@ def _silu_and_mul_fp8_triton(kernel, gate_up):
     q = torch.empty(s, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(s, 1, dtype=torch.float32, device=gate_up.device)
     block = next_pow2(inter)
-    kernel[(s,)](gate_up, q, scale, inter, gate_up.stride(0), BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    kernel[(s,)](gate_up, q, scale, inter, gate_up.stride(0), BLOCK=block, num_warps=_row_warps(block))
     return q, scale

@@ -397,7 +397,8 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     # Q as two e4m3 parts (q_split), over the transposed V: against its reference and float64
     out_s, lse_s = fa.fp8_prefill(q, kp, vt, table, cu, lens, scale, causal, pv=pv, q_split=True)
     want_s, want_lse_s = fa.fp8_prefill_reference(q, kp, vp, table, cu, lens, scale, causal, pv=pv, q_split=True)
-    torch.testing.assert_close(lse_s, want_lse_s, atol=1e-2, rtol=3e-3)
+    # two FP8 dots a score, each summed in Hopper's narrower accumulator: twice the first check's rtol
+    torch.testing.assert_close(lse_s, want_lse_s, atol=1e-2, rtol=6e-3)
     assert cases._relative(out_s, want_s) < 2e-2
     assert cases._relative(out_s.cpu(), want64) < 0.06
 

@@ -22,14 +22,19 @@ Variants (one Triton kernel, chosen by constexprs):
     scales_unmasked  unmasked, its scales loaded unmasked too (replaced after the load)
     scales_ahead     unmasked, each tile's scales asked for one iteration ahead (the kernel's way since 20c833e)
     scales_ahead_hm, scales_ahead_vs   scales_ahead with scales_hm's layout, with vs's arithmetic
+    kt_fastcvt   kt_ahead with K and V made fp16 by byte permutes, a shift and a mask (FlashInfer's fast_dequant
+                 way: the byte becomes the fp16's high byte, so the value comes out / 256, folded into the
+                 scales) instead of the conversion instruction (cvt.rn.f16x2.e4m3x2)
 (folder 1-variants ran this script's first version: stream to vt, their K/V loads unmasked as here, their
 scales loaded with a mask as `unmasked`'s)
 
-    [VARIANTS=a,b,...] python scripts/gpu_fp8_decode_variants.py [BATCHxCONTEXT ...]     default: 1x131072 16x8192
+    [VARIANTS=a,b,...] [SETTINGS="w,s,bn,waves ..."] python scripts/gpu_fp8_decode_variants.py [BATCHxCONTEXT ...]
+    default: 1x131072 16x8192; SETTINGS (warps, stages, keys a tile, waves) replaces the 12 below
 
 Prints a table (time per call, KV bytes read per second, max abs difference from fp32 attention over the same
 rounded K/V); writes fp8_decode_variants.json under $OUT (or the working directory).
 """
+import inspect
 import json
 import os
 import sys
@@ -48,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_fp8_decode import BS, D, HKV, make  # noqa: E402
 from gpu_kernel_timing import graph_us  # noqa: E402
 
-VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES)
+VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES[, FASTCVT])
     "loads": (3, 0, 0, 0, 0, 0, 0),
     "stream": (1, 0, 0, 0, 0, 0, 0),
     "stream_cvt": (2, 0, 0, 0, 0, 0, 0),
@@ -65,6 +70,7 @@ VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES)
     "kt_ahead": (0, 1, 0, 0, 0, 0, 2),
     "q8_kt_ahead": (0, 1, 1, 0, 0, 0, 2),
     "q8x2_kt_ahead": (0, 1, 2, 0, 0, 0, 2),
+    "kt_fastcvt": (0, 1, 0, 0, 0, 0, 2, 1),
 }
 # the second run's (docs/results/2026-11-26-1xH100-fp8-decode-scales-ahead/2-variants); VARIANTS=a,b,... picks
 DEFAULT_VARIANTS = "loads,unmasked,scales_unmasked,scales_ahead,scales_ahead_hm,scales_ahead_vs"
@@ -72,6 +78,35 @@ SETTINGS = [   # warps, stages, keys a tile, waves of programs (splits uncapped,
     (4, 2, 128, 2), (4, 3, 128, 2), (4, 2, 128, 8),
     (2, 2, 64, 4), (2, 3, 64, 4), (2, 3, 64, 16), (2, 3, 32, 16),
     (1, 2, 64, 8), (1, 3, 64, 8), (1, 3, 64, 32), (1, 3, 32, 32), (1, 4, 32, 32)]
+# the kernel's own launch (its defaults), for its row's labels
+AS_IS = tuple(inspect.signature(fpa._decode_triton).parameters[k].default
+              for k in ("num_warps", "num_stages", "block_keys", "waves"))
+if os.environ.get("SETTINGS"):
+    SETTINGS = [tuple(int(v) for v in s.split(",")) for s in os.environ["SETTINGS"].split()]
+
+
+@triton.jit
+def e4m3_to_f16_over_256(x):
+    """e4m3 bytes (uint8, any shape) -> fp16 of the value / 256, without the conversion instruction: two byte
+    permutes put each byte in the high byte of a 16-bit lane (sign at bit 15), a shift right by one and a
+    mask move its exponent and mantissa under fp16's; fp16's exponent bias is 8 more than e4m3's, hence / 256
+    (exact, subnormals too). 0x7F / 0xFF (NaN in e4m3) become +-1.875: replaced by the caller like stale slots."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 z, lo, hi, s;
+        mov.b32 z, 0;
+        prmt.b32 lo, z, $2, 0x5140;
+        prmt.b32 hi, z, $2, 0x7362;
+        shr.b32 s, lo, 1;
+        and.b32 s, s, 0x3F803F80;
+        and.b32 lo, lo, 0x80008000;
+        or.b32 $0, s, lo;
+        shr.b32 s, hi, 1;
+        and.b32 s, s, 0x3F803F80;
+        and.b32 hi, hi, 0x80008000;
+        or.b32 $1, s, hi;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -80,7 +115,7 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                    HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    STAGES: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KT: tl.constexpr,
                    Q8: tl.constexpr, SCALES_HM: tl.constexpr, VT: tl.constexpr, VS: tl.constexpr,
-                   SCALES: tl.constexpr):
+                   SCALES: tl.constexpr, FASTCVT: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -176,6 +211,8 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
             k8 = k.to(tl.float8e4nv, bitcast=True)
             if Q8:
                 kq = k8
+            elif FASTCVT:
+                kq = e4m3_to_f16_over_256(k)                                    # K / 256
             else:
                 kq = k8.to(tl.float16)
             if KT:
@@ -185,7 +222,7 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                 scores = tl.trans(scores_t)
             else:
                 scores = tl.dot(qd, tl.trans(kq))
-            scores = scores * (k_scale * scale)[None, :] * q_scale[:, None]
+            scores = scores * (k_scale * scale * (256.0 if FASTCVT else 1.0))[None, :] * q_scale[:, None]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
@@ -196,10 +233,13 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                 vh = tl.where(valid[:, None], vh, 0.0)
                 acc = acc * alpha[:, None] + tl.dot(prob.to(tl.float16), vh)
             else:
-                vh = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(tl.float16), 0.0)
+                if FASTCVT:
+                    vh = tl.where(valid[:, None], e4m3_to_f16_over_256(v), 0.0)                # V / 256
+                else:
+                    vh = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(tl.float16), 0.0)
                 top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
                 weights = (prob * (v_scale / top)[None, :]).to(tl.float16)
-                acc = acc * alpha[:, None] + tl.dot(weights, vh) * top
+                acc = acc * alpha[:, None] + tl.dot(weights, vh) * (top * (256.0 if FASTCVT else 1.0))
             m = m_new
     if MODE == 3:
         sink += tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.float32)
@@ -216,7 +256,7 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
 
 
 def launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, waves=2):
-    mode, kt, q8, shm, vt, vs_, scales = VARIANTS[variant]
+    mode, kt, q8, shm, vt, vs_, scales, fastcvt = (VARIANTS[variant] + (0,))[:8]
     b, h, d = q.shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = max(1, min(waves * sms // (b * HKV), table.shape[1] * BS // 256))
@@ -226,7 +266,7 @@ def launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, w
     variant_kernel[(b, HKV, splits)](
         q, k8.data, v_t if vt else v8.data, ks, vs, table, lens, outs, lses, D ** -0.5, table.stride(0), splits,
         q.stride(0), q.stride(1), b, HKV=HKV, QPK=h // HKV, QPAD=16, D=d, BS=BS, STAGES=stages, BN=bn,
-        MODE=mode, KT=kt, Q8=q8, SCALES_HM=shm, VT=vt, VS=vs_, SCALES=scales, num_warps=warps)
+        MODE=mode, KT=kt, Q8=q8, SCALES_HM=shm, VT=vt, VS=vs_, SCALES=scales, FASTCVT=fastcvt, num_warps=warps)
     return merge_partials(outs, lses, q.dtype)
 
 
@@ -258,7 +298,7 @@ def main(argv: list[str]) -> None:
             print(f"| {name} | {b} x {n} | {warps} | {stages} | {bn} | {waves} | {us:.1f} | {tbps:.2f} | {err:.2e} |",
                   flush=True)
 
-        show("kernel (as is)", 4, 2, 128, 2, lambda: fpa.fp8_paged_decode(q, k8, v8, table, lens, D ** -0.5))
+        show("kernel (as is)", *AS_IS, lambda: fpa.fp8_paged_decode(q, k8, v8, table, lens, D ** -0.5))
         cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
         show("flash-attn-4 bf16", "-", "-", "-", "-",
              lambda: paged_attention(q, kb, vb, table, cu, lens, D ** -0.5, causal=False, max_seqlen_q=1),

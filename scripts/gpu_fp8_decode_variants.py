@@ -22,6 +22,9 @@ Variants (one Triton kernel, chosen by constexprs):
     scales_unmasked  unmasked, its scales loaded unmasked too (replaced after the load)
     scales_ahead     unmasked, each tile's scales asked for one iteration ahead (the kernel's way since 20c833e)
     scales_ahead_hm, scales_ahead_vs   scales_ahead with scales_hm's layout, with vs's arithmetic
+    ktt          kt_ahead with both dots transposed: P.V as V^T @ P^T, the softmax over the keys' axis of the
+                 [keys, query rows] scores, the output transposed once after the loop (no register
+                 transposes in the loop)
     kt_fastcvt   kt_ahead with K and V made fp16 by byte permutes, a shift and a mask (FlashInfer's fast_dequant
                  way: the byte becomes the fp16's high byte, so the value comes out / 256, folded into the
                  scales) instead of the conversion instruction (cvt.rn.f16x2.e4m3x2)
@@ -71,6 +74,7 @@ VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES[, FASTCVT])
     "q8_kt_ahead": (0, 1, 1, 0, 0, 0, 2),
     "q8x2_kt_ahead": (0, 1, 2, 0, 0, 0, 2),
     "kt_fastcvt": (0, 1, 0, 0, 0, 0, 2, 1),
+    "ktt": (0, 2, 0, 0, 0, 0, 2),
 }
 # the second run's (docs/results/2026-11-26-1xH100-fp8-decode-scales-ahead/2-variants); VARIANTS=a,b,... picks
 DEFAULT_VARIANTS = "loads,unmasked,scales_unmasked,scales_ahead,scales_ahead_hm,scales_ahead_vs"
@@ -141,6 +145,7 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
     m = tl.full([QPAD], float("-inf"), tl.float32)
     l = tl.zeros([QPAD], tl.float32)
     acc = tl.zeros([QPAD, D], tl.float32)
+    acc_t = tl.zeros([D, QPAD], tl.float32)                                      # KT == 2's
     sink = tl.zeros([D], tl.float32)
     cols4 = tl.arange(0, D // 4)
     bits = tl.zeros([BN, D // 4], tl.int32)
@@ -203,6 +208,19 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
             k4 = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + w[:, None] * (D // 4) + cols4[None, :])
             v4 = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + w[:, None] * (D // 4) + cols4[None, :])
             bits ^= k4 ^ v4 ^ (k_scale + v_scale).to(tl.int32)[:, None]
+        elif KT == 2:   # everything transposed: keys the MMAs' wide side in both dots, no register transposes
+            kq = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            scores_t = tl.dot(kq, tl.trans(qd)) * (k_scale * scale)[:, None]          # [BN, QPAD] fp32
+            scores_t = tl.where(valid[:, None], scores_t, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores_t, axis=0))
+            alpha = tl.exp(m - m_new)
+            prob_t = tl.exp(scores_t - m_new[None, :])
+            l = l * alpha + tl.sum(prob_t, axis=0)
+            vh = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(tl.float16), 0.0)   # [BN, D]
+            top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+            w_t = (prob_t * (v_scale / top)[:, None]).to(tl.float16)                   # [BN, QPAD]
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(vh), w_t) * top           # [D, QPAD]
+            m = m_new
         elif MODE == 2:
             kh = k.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
             vh = v.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
@@ -241,6 +259,8 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                 weights = (prob * (v_scale / top)[None, :]).to(tl.float16)
                 acc = acc * alpha[:, None] + tl.dot(weights, vh) * (top * (256.0 if FASTCVT else 1.0))
             m = m_new
+    if KT == 2:
+        acc = tl.trans(acc_t)
     if MODE == 3:
         sink += tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.float32)
     if MODE != 0:

@@ -32,7 +32,7 @@ tl = None             # triton.language, bound by _build (the kernel resolves it
 _tile_scales = None   # the kernel's helper, jitted by _build (resolved as a global too)
 
 MIN_SPLIT_KEYS = 512      # a split covers at least this many keys (fewer: the launch and the merge dominate)
-MAX_SPLITS = 64
+MAX_SPLITS = 128          # above 4 waves' 66 a sequence and KV head on 132 SMs (64 left 16 program slots idle)
 QPAD_MIN = 16             # tl.dot's smallest M
 
 

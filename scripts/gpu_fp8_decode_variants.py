@@ -22,6 +22,8 @@ Variants (one Triton kernel, chosen by constexprs):
     scales_unmasked  unmasked, its scales loaded unmasked too (replaced after the load)
     scales_ahead     unmasked, each tile's scales asked for one iteration ahead (the kernel's way since 20c833e)
     scales_ahead_hm, scales_ahead_vs   scales_ahead with scales_hm's layout, with vs's arithmetic
+    kt_noexp, kt_noreduce, kt_nosel   ablations of kt_ahead, for timing only (wrong values): the
+                 probabilities without exp; without the max and sum over the keys; V's stale slots not replaced
     ktt          kt_ahead with both dots transposed: P.V as V^T @ P^T, the softmax over the keys' axis of the
                  [keys, query rows] scores, the output transposed once after the loop (no register
                  transposes in the loop)
@@ -56,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_fp8_decode import BS, D, HKV, make  # noqa: E402
 from gpu_kernel_timing import graph_us  # noqa: E402
 
-VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES[, FASTCVT])
+VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES[, FASTCVT[, ABL]])
     "loads": (3, 0, 0, 0, 0, 0, 0),
     "stream": (1, 0, 0, 0, 0, 0, 0),
     "stream_cvt": (2, 0, 0, 0, 0, 0, 0),
@@ -75,6 +77,9 @@ VARIANTS = {   # name: (MODE, KT, Q8, SCALES_HM, VT, VS, SCALES[, FASTCVT])
     "q8x2_kt_ahead": (0, 1, 2, 0, 0, 0, 2),
     "kt_fastcvt": (0, 1, 0, 0, 0, 0, 2, 1),
     "ktt": (0, 2, 0, 0, 0, 0, 2),
+    "kt_noexp": (0, 1, 0, 0, 0, 0, 2, 0, 1),
+    "kt_noreduce": (0, 1, 0, 0, 0, 0, 2, 0, 2),
+    "kt_nosel": (0, 1, 0, 0, 0, 0, 2, 0, 3),
 }
 # the second run's (docs/results/2026-11-26-1xH100-fp8-decode-scales-ahead/2-variants); VARIANTS=a,b,... picks
 DEFAULT_VARIANTS = "loads,unmasked,scales_unmasked,scales_ahead,scales_ahead_hm,scales_ahead_vs"
@@ -119,7 +124,7 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                    HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    STAGES: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, KT: tl.constexpr,
                    Q8: tl.constexpr, SCALES_HM: tl.constexpr, VT: tl.constexpr, VS: tl.constexpr,
-                   SCALES: tl.constexpr, FASTCVT: tl.constexpr):
+                   SCALES: tl.constexpr, FASTCVT: tl.constexpr, ABL: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -242,10 +247,19 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
                 scores = tl.dot(qd, tl.trans(kq))
             scores = scores * (k_scale * scale * (256.0 if FASTCVT else 1.0))[None, :] * q_scale[:, None]
             scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            prob = tl.exp(scores - m_new[:, None])
-            l = l * alpha + tl.sum(prob, axis=1)
+            if ABL == 2:     # no reductions over the keys
+                m_new = m
+                alpha = tl.full([QPAD], 1.0, tl.float32)
+                prob = tl.exp(scores * 0.01)
+                l = l + 1.0
+            else:
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                alpha = tl.exp(m - m_new)
+                if ABL == 1:     # no exp
+                    prob = tl.where(valid[None, :], scores - m_new[:, None], 0.0)
+                else:
+                    prob = tl.exp(scores - m_new[:, None])
+                l = l * alpha + tl.sum(prob, axis=1)
             if VS:   # V's scales on V's rows, in fp16 (rounds the product to 11 bits)
                 vh = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale[:, None]).to(tl.float16)
                 vh = tl.where(valid[:, None], vh, 0.0)
@@ -253,6 +267,8 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
             else:
                 if FASTCVT:
                     vh = tl.where(valid[:, None], e4m3_to_f16_over_256(v), 0.0)                # V / 256
+                elif ABL == 3:   # stale slots not replaced
+                    vh = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
                 else:
                     vh = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(tl.float16), 0.0)
                 top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
@@ -275,26 +291,40 @@ def variant_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out
     tl.store(lse_ptr + at, lse, mask=row_ok)
 
 
+LAST = {}      # the last launch's compiled kernel (its registers, spills and shared memory)
+
+
+def occupancy(kernel, warps) -> str:
+    """regs / spills / shared KB, and the programs an SM can hold by registers and by shared memory."""
+    if kernel is None:
+        return "-"
+    regs, spills, smem = kernel.n_regs, kernel.n_spills, kernel.metadata.shared
+    by_regs = 65536 // max(1, regs * 32 * warps)
+    by_smem = 232448 // max(1, smem + 1024)
+    return f"{regs} / {spills} / {smem / 1024:.0f} KB: {min(by_regs, by_smem, 32)} ({by_regs} regs, {by_smem} smem)"
+
+
 def launch(variant, q, k8, v8, scales_hm, v_t, table, lens, warps, stages, bn, waves=2):
-    mode, kt, q8, shm, vt, vs_, scales, fastcvt = (VARIANTS[variant] + (0,))[:8]
+    mode, kt, q8, shm, vt, vs_, scales, fastcvt, abl = (VARIANTS[variant] + (0, 0))[:9]
     b, h, d = q.shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = max(1, min(waves * sms // (b * HKV), table.shape[1] * BS // 256))
     outs = torch.empty(splits, b, h, d, dtype=torch.float32, device=q.device)
     lses = torch.empty(splits, b, h, dtype=torch.float32, device=q.device)
     ks, vs = scales_hm if shm else (k8.scale, v8.scale)
-    variant_kernel[(b, HKV, splits)](
+    LAST["kernel"] = variant_kernel[(b, HKV, splits)](
         q, k8.data, v_t if vt else v8.data, ks, vs, table, lens, outs, lses, D ** -0.5, table.stride(0), splits,
         q.stride(0), q.stride(1), b, HKV=HKV, QPK=h // HKV, QPAD=16, D=d, BS=BS, STAGES=stages, BN=bn,
-        MODE=mode, KT=kt, Q8=q8, SCALES_HM=shm, VT=vt, VS=vs_, SCALES=scales, FASTCVT=fastcvt, num_warps=warps)
+        MODE=mode, KT=kt, Q8=q8, SCALES_HM=shm, VT=vt, VS=vs_, SCALES=scales, FASTCVT=fastcvt, ABL=abl, num_warps=warps)
     return merge_partials(outs, lses, q.dtype)
 
 
 def main(argv: list[str]) -> None:
     shapes = [tuple(int(x) for x in a.split("x")) for a in (argv or ["1x131072", "16x8192"])]
     rows = []
-    print("| variant | batch x context | warps | stages | keys a tile | waves | us | TB/s | max abs vs fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | batch x context | warps | stages | keys a tile | waves | us | TB/s | max abs vs fp32 | "
+          "regs / spills / shared: programs an SM holds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for b, n in shapes:
         q, ((k8, kb), (v8, vb)), table, lens = make(b, n)
         scales_hm = tuple(x.scale.transpose(1, 2).contiguous() for x in (k8, v8))   # [blocks, Hkv, BS]
@@ -304,6 +334,7 @@ def main(argv: list[str]) -> None:
         kv_bytes = b * n * HKV * 2 * (D + SCALE_BYTES)
 
         def show(name, warps, stages, bn, waves, fn, bytes_read=kv_bytes):
+            LAST.clear()
             try:
                 us, (out, _) = graph_us(fn)
                 err = (out.float() - ref).abs().max().item()
@@ -312,11 +343,12 @@ def main(argv: list[str]) -> None:
                       f"{str(e)[:80]} | |", flush=True)
                 return
             tbps = bytes_read / (us * 1e-6) / 1e12
+            occ = occupancy(LAST.get("kernel"), warps)
             rows.append({"variant": name, "batch": b, "context": n, "warps": warps, "stages": stages, "bn": bn,
                          "waves": waves,
-                         "us": us, "TBps": tbps, "max_abs_vs_fp32": err})
-            print(f"| {name} | {b} x {n} | {warps} | {stages} | {bn} | {waves} | {us:.1f} | {tbps:.2f} | {err:.2e} |",
-                  flush=True)
+                         "us": us, "TBps": tbps, "max_abs_vs_fp32": err, "occupancy": occ})
+            print(f"| {name} | {b} x {n} | {warps} | {stages} | {bn} | {waves} | {us:.1f} | {tbps:.2f} | {err:.2e} | "
+                  f"{occ} |", flush=True)
 
         as_is = lambda: fpa.fp8_paged_decode(q, k8, v8, table, lens, D ** -0.5)   # noqa: E731
         graph_us(as_is)     # a throwaway first timing: a shape's first ran 2-7% slow (gpu_fp8_decode_gap.py)

@@ -5,6 +5,7 @@ specialized (the kernel leaves five unspecialized); and the variant, each timed 
 
     python scripts/gpu_fp8_decode_gap.py [BATCHxCONTEXT ...]      default: 1x131072 16x8192 1x1048576
 """
+import os
 import sys
 
 import torch
@@ -12,7 +13,7 @@ import triton
 
 from kernels import fp8_paged_attention as fpa
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_fp8_decode_variants as gv  # noqa: E402
 from gpu_fp8_decode import D, make  # noqa: E402
 from gpu_kernel_timing import graph_us  # noqa: E402

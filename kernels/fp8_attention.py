@@ -43,7 +43,7 @@ import torch
 
 from kernels.arith import ceil_div
 from kernels.kv_quant import FP8, FP8_MAX, Fp8Pages
-from kernels.triton_setup import LazyTriton, cutlass_named, e4m3_by_arithmetic
+from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 tl = None      # triton.language, bound by _build (the kernels resolve it as a global)
 _tile = None   # the kernel's key-tile step (a jitted function), bound by _build
@@ -319,8 +319,7 @@ def _build() -> dict:
 
     # the tensors' strides are specialized (Triton notes which are multiples of 16): unspecialized, the K/V
     # tiles' rows have no known alignment and are loaded a byte at a time, without asynchronous copies
-    return {"prefill": triton.jit(prefill_kernel, do_not_specialize=["table_stride", "lse_tok", "tiles_m"],
-                                  repr=cutlass_named("fp8_prefill"))}
+    return {"prefill": triton.jit(prefill_kernel, do_not_specialize=["table_stride", "lse_tok", "tiles_m"])}
 
 
 _triton = LazyTriton(_build, "fp8-attention")

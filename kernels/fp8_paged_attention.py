@@ -26,7 +26,7 @@ import torch
 from kernels.arith import ceil_div
 from kernels.kv_quant import Fp8Pages
 from kernels.merge import merge_partials
-from kernels.triton_setup import LazyTriton, cutlass_named
+from kernels.triton_setup import LazyTriton
 
 tl = None             # triton.language, bound by _build (the kernel resolves it as a global)
 _tile_scales = None   # the kernel's helper, jitted by _build (resolved as a global too)
@@ -194,7 +194,7 @@ def _build() -> dict:
     nospec = ["table_stride", "splits", "q_stride_b", "q_stride_h", "batch"]
     global _tile_scales
     _tile_scales = triton.jit(_tile_scales_fn)
-    return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec, repr=cutlass_named("fp8_paged_decode"))}
+    return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec)}
 
 
 _triton = LazyTriton(_build, "fp8-paged-attention")

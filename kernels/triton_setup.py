@@ -57,14 +57,6 @@ class LazyTriton(Generic[K]):
         self.enabled = False
 
 
-def cutlass_named(name: str) -> Callable:
-    """A `triton.jit(..., repr=)` that names the compiled kernel `cutlass_<name>`. ptxas special-cases kernel
-    names holding "cutlass" and schedules them otherwise (triton-lang/triton#7298, whose Gluon attention
-    tutorial names its FP8 kernel so); for the FP8 kernels given it here, that measured faster on Hopper
-    (docs/results/log.md, "FP8 kernels named cutlass_*"). The values are the same bits."""
-    return lambda _: "cutlass_" + name
-
-
 tl = None   # triton.language, bound by e4m3_by_arithmetic (its jitted function resolves it as a global)
 
 

@@ -1,9 +1,10 @@
 """Does ptxas schedule our FP8 kernels better when their name contains "cutlass"? ptxas special-cases kernel
 names with that word (triton-lang/triton#7298: its Gluon attention tutorial names its FP8 kernel so, "up to
 150 TFLOPS faster"). Compiled for sm_90 on the CPU machine, our decode and prefill kernels' SASS changes with
-the name (the few-rows GEMM's does not), so they are named cutlass_* (kernels.triton_setup.cutlass_named).
-This times each kernel as it is and with Triton's plain name (the function's), the same arguments, each way
-twice in turn (a shape's first timing runs slow), and checks that the outputs are the same bits.
+the name (the few-rows GEMM's does not). This times each kernel as it is and renamed, the same arguments,
+each way twice in turn (a shape's first timing runs slow), and checks that the outputs are the same bits.
+Measured on an H100 (docs/results/log.md, "FP8 kernels named cutlass_*"): no gain, so the kernels keep
+their names.
 
     python scripts/gpu_kernel_names.py [decode|prefill ...]      default: both
 
@@ -30,14 +31,14 @@ import gpu_fp8_prefill as gp  # noqa: E402
 from gpu_fp8_decode import D, make  # noqa: E402
 from gpu_kernel_timing import graph_us  # noqa: E402
 
-PLAIN = "plain name"
+NAME = "cutlass_"
 
 
-def built(module, key: str, plain: bool):
-    """A fresh jit of module's kernel; plain: compiled under its function's name, not cutlass_*."""
+def built(module, key: str, renamed: bool):
+    """A fresh jit of module's kernel; renamed: its compiled name prefixed with NAME."""
     kernel = module._build()[key]
-    if plain:
-        kernel._repr = None
+    if renamed:
+        kernel._repr = lambda _, n=NAME + key + "_kernel": n
     return kernel
 
 
@@ -52,12 +53,12 @@ def compiled_names(kernel) -> list[str]:
 def decode(rows):
     print("| batch x context | way | us (first) | us (second) | max abs diff from as is |")
     print("|---|---|---|---|---|")
-    named, plain = built(fpa, "decode", False), built(fpa, "decode", True)
+    plain, named = built(fpa, "decode", False), built(fpa, "decode", True)
     for b, n in [(1, 131072), (16, 8192), (1, 1048576)]:
         q, ((k8, kb), (v8, vb)), table, lens = make(b, n)
         cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-        ways = {"as is": lambda: fpa._decode_triton(named, q, k8, v8, table, lens, D ** -0.5, None),
-                PLAIN: lambda: fpa._decode_triton(plain, q, k8, v8, table, lens, D ** -0.5, None),
+        ways = {"as is": lambda: fpa._decode_triton(plain, q, k8, v8, table, lens, D ** -0.5, None),
+                NAME + "named": lambda: fpa._decode_triton(named, q, k8, v8, table, lens, D ** -0.5, None),
                 "flash-attn-4 bf16": lambda: paged_attention(q, kb, vb, table, cu, lens, D ** -0.5, causal=False,
                                                              max_seqlen_q=1)}
         times = {w: [] for w in ways}
@@ -71,13 +72,13 @@ def decode(rows):
             diff = (outs[w] - outs["as is"]).abs().max().item()
             print(f"| {b} x {n} | {w} | {times[w][0]:.1f} | {times[w][1]:.1f} | {diff:.1e} |", flush=True)
             rows.append({"kernel": "decode", "batch": b, "context": n, "way": w, "us": times[w], "diff": diff})
-    print(f"compiled: {compiled_names(named)} / {compiled_names(plain)}\n")
+    print(f"compiled: {compiled_names(plain)} / {compiled_names(named)}\n")
 
 
 def prefill(rows):
     print("| queries x keys | way | ms (first) | ms (second) | TFLOP/s (best) | max abs diff from as is |")
     print("|---|---|---|---|---|---|")
-    named, plain = built(fa, "prefill", False), built(fa, "prefill", True)
+    plain, named = built(fa, "prefill", False), built(fa, "prefill", True)
     scale = gp.D ** -0.5
     for m, n in [(8192, 8192), (65536, 65536)]:
         q, ((k8, kb), (v8, vb)), table, cu, lens = gp.make(m, n)
@@ -86,9 +87,9 @@ def prefill(rows):
 
         def ours(kernel, q_split):
             return fa._prefill_triton(kernel, q, k8, v8t, table, cu, lens, scale, True, m, q_split=q_split)
-        ways = {"as is": lambda: ours(named, False), PLAIN: lambda: ours(plain, False),
-                "as is, Q in two parts": lambda: ours(named, True),
-                PLAIN + ", Q in two parts": lambda: ours(plain, True),
+        ways = {"as is": lambda: ours(plain, False), NAME + "named": lambda: ours(named, False),
+                "as is, Q in two parts": lambda: ours(plain, True),
+                NAME + "named, Q in two parts": lambda: ours(named, True),
                 "flash-attn-4 bf16": lambda: paged_attention(q, kb, vb, table, cu, lens, scale, causal=True,
                                                              backend="fa4", max_seqlen_q=m)}
         times = {w: [] for w in ways}
@@ -104,7 +105,7 @@ def prefill(rows):
             print(f"| {m} x {n} | {w} | {times[w][0] * 1e3:.2f} | {times[w][1] * 1e3:.2f} | {gflop / best / 1e3:.0f} | "
                   f"{diff:.1e} |", flush=True)
             rows.append({"kernel": "prefill", "queries": m, "keys": n, "way": w, "s": times[w], "diff": diff})
-    print(f"compiled: {compiled_names(named)} / {compiled_names(plain)}\n")
+    print(f"compiled: {compiled_names(plain)} / {compiled_names(named)}\n")
 
 
 def main(argv):

@@ -29,7 +29,7 @@ from kernels.merge import merge_partials
 from kernels.triton_setup import LazyTriton
 
 tl = None             # triton.language, bound by _build (the kernel resolves it as a global)
-_tile_scales = None   # the kernel's helper, jitted by _build (resolved as a global too)
+_tile_scales = _tile_rows = _attend_tile = None   # the kernel's helpers, jitted by _build (globals too)
 
 MIN_SPLIT_KEYS = 512      # a split covers at least this many keys (fewer: the launch and the merge dominate)
 MAX_SPLITS = 128          # above 4 waves' 66 a sequence and KV head on 132 SMs (64 left 16 program slots idle)
@@ -119,6 +119,36 @@ def _build() -> dict:
         row = (page * BS + (t % tiles) * BN + tl.arange(0, BN)) * HKV + g
         return tl.load(ks_ptr + row).to(tl.float32), tl.load(vs_ptr + row).to(tl.float32)
 
+    def _tile_rows_fn(table_ptr, b, g, t, table_stride, HKV: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+        """Key tile t's rows [BN] of the pages' (slot, KV head) rows."""
+        tiles = BS // BN
+        page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
+        return (page * BS + (t % tiles) * BN + tl.arange(0, BN)) * HKV + g
+
+    def _attend_tile_fn(q, k, v, k_scale, v_scale, valid, m, l, acc, scale, MASKED: tl.constexpr):
+        """One key tile into the running partial: q [QPAD, D] (fp16 or fp32), k, v [BN, D] e4m3 bits, their
+        scales [BN] fp32 (0 past the sequence), valid [BN] -> (m, l [QPAD], acc [QPAD, D]) fp32. MASKED: the
+        tile has slots past the sequence; they hold stale bytes (NaN patterns too), so their scores and V's
+        values there are replaced, never multiplied by 0. A whole tile skips that (128 selects a thread)."""
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)                          # exact: 4 significant bits
+        # K @ Q^T: the tile's keys are the MMA's M side, its few query rows the narrow N side
+        scores = tl.trans(tl.dot(k, tl.trans(q))) * (k_scale * scale)[None, :]      # [QPAD, BN] fp32
+        if MASKED:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))                              # a tile has a key: finite
+        alpha = tl.exp(m - m_new)
+        prob = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(prob, axis=1)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        if MASKED:
+            v = tl.where(valid[:, None], v, 0.0)
+        # V's scales on the probabilities' columns, relative to the tile's largest (<= 1: no overflow in
+        # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
+        top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+        weights = (prob * (v_scale / top)[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(weights, v) * top
+        return m_new, l, acc
+
     def decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
                       scale, table_stride, splits, q_stride_b, q_stride_h, batch,
                       HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -142,8 +172,7 @@ def _build() -> dict:
         # the dots in fp16 (fp32 for fp32 queries): an FP8 value becomes fp16 exactly in one instruction per
         # pair, where bf16 takes several (the conversions bound the kernel), and bf16 queries are exact in
         # fp16 within its range
-        dt = tl.float32 if q.dtype == tl.float32 else tl.float16
-        q = q.to(dt)
+        q = q.to(tl.float32 if q.dtype == tl.float32 else tl.float16)
         m = tl.full([QPAD], float("-inf"), tl.float32)
         l = tl.zeros([QPAD], tl.float32)
         acc = tl.zeros([QPAD, D], tl.float32)
@@ -151,39 +180,30 @@ def _build() -> dict:
         tiles = BS // BN                                                           # key tiles a page
         start = first * tiles
         end = tl.minimum(last * tiles, (n + BN - 1) // BN)
+        whole = tl.minimum(end, n // BN)                                           # tiles [start, whole): full
         # the scales are 2-byte loads 16 bytes apart (one a slot and KV head), which Triton's pipeliner does
         # not copy ahead like the K/V tiles: each tile's are asked for one iteration before it (else every
         # tile waits a memory round trip for them; docs/results/log.md)
-        k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, start, end, table_stride,
+        k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, start, whole, table_stride,
                                                   HKV, BS, BN)
-        for t in tl.range(start, end, num_stages=STAGES):
-            page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
-            row = (page * BS + (t % tiles) * BN + slot) * HKV + g                  # [BN]: (slot, head) rows
-            valid = t * BN + slot < n                                              # a tile has a key
-            # unmasked: the tile lies in a page of the sequence. Its slots past the length hold stale bytes
-            # (NaN patterns too), so the scores and V's values there are replaced, never multiplied by 0.
-            # (Masked, Triton reads V's bytes from shared memory one at a time for the second dot.)
+        for t in tl.range(start, whole, num_stages=STAGES):
+            row = _tile_rows(table_ptr, b, g, t, table_stride, HKV, BS, BN)       # [BN]: (slot, head) rows
+            # unmasked loads (masked, Triton reads V's bytes from shared memory one at a time for the dot)
             k = tl.load(k_ptr + row[:, None] * D + cols[None, :])                 # [BN, D] e4m3 bits
             v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
-            k_scale = tl.where(valid, k_scale_next, 0.0)
-            v_scale = tl.where(valid, v_scale_next, 0.0)
-            k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, end, table_stride,
+            k_scale, v_scale = k_scale_next, v_scale_next
+            k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, whole, table_stride,
                                                       HKV, BS, BN)
-            k = k.to(tl.float8e4nv, bitcast=True).to(dt)                           # exact: 4 significant bits
-            # K @ Q^T: the tile's keys are the MMA's M side, its few query rows the narrow N side
-            scores = tl.trans(tl.dot(k, tl.trans(q))) * (k_scale * scale)[None, :]  # [QPAD, BN] fp32
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))                          # a page has a key: finite
-            alpha = tl.exp(m - m_new)
-            prob = tl.exp(scores - m_new[:, None])
-            l = l * alpha + tl.sum(prob, axis=1)
-            v = tl.where(valid[:, None], v.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
-            # V's scales on the probabilities' columns, relative to the page's largest (<= 1: no overflow in
-            # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
-            top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-            weights = (prob * (v_scale / top)[None, :]).to(dt)
-            acc = acc * alpha[:, None] + tl.dot(weights, v) * top
-            m = m_new
+            m, l, acc = _attend_tile(q, k, v, k_scale, v_scale, slot < BN, m, l, acc, scale, False)
+        t = tl.maximum(whole, start)
+        if t < end:    # the sequence's last tile, part-filled (its page's later slots are stale)
+            row = _tile_rows(table_ptr, b, g, t, table_stride, HKV, BS, BN)
+            valid = t * BN + slot < n
+            k = tl.load(k_ptr + row[:, None] * D + cols[None, :])
+            v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
+            k_scale, v_scale = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t, end, table_stride, HKV, BS, BN)
+            m, l, acc = _attend_tile(q, k, v, tl.where(valid, k_scale, 0.0), tl.where(valid, v_scale, 0.0), valid,
+                                     m, l, acc, scale, True)
         has = l > 0
         out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
@@ -192,8 +212,10 @@ def _build() -> dict:
         tl.store(lse_ptr + at, lse, mask=row_ok)
 
     nospec = ["table_stride", "splits", "q_stride_b", "q_stride_h", "batch"]
-    global _tile_scales
+    global _tile_scales, _tile_rows, _attend_tile
     _tile_scales = triton.jit(_tile_scales_fn)
+    _tile_rows = triton.jit(_tile_rows_fn)
+    _attend_tile = triton.jit(_attend_tile_fn)
     return {"decode": triton.jit(decode_kernel, do_not_specialize=nospec)}
 
 

@@ -31,6 +31,7 @@ from kernels.triton_setup import LazyTriton
 tl = None             # triton.language, bound by _build (the kernel resolves it as a global)
 _tile_scales = _tile_rows = _attend_tile = None   # the kernel's helpers, jitted by _build (globals too)
 
+LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 512      # a split covers at least this many keys (fewer: the launch and the merge dominate)
 MAX_SPLITS = 128          # above 4 waves' 66 a sequence and KV head on 132 SMs (64 left 16 program slots idle)
 QPAD_MIN = 16             # tl.dot's smallest M
@@ -99,7 +100,7 @@ def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, nu
     lses = torch.empty(num_splits, b, h, dtype=torch.float32, device=q.device)
     kernel[(b, hkv, num_splits)](
         q, k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, block_table, seq_lens, outs, lses,
-        scale, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
+        scale * LOG2E, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
         HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs,
         STAGES=num_stages, BN=min(block_keys, bs), num_warps=num_warps)
     return merge_partials(outs, lses, q.dtype)
@@ -125,19 +126,20 @@ def _build() -> dict:
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
         return (page * BS + (t % tiles) * BN + tl.arange(0, BN)) * HKV + g
 
-    def _attend_tile_fn(q, k, v, k_scale, v_scale, valid, m, l, acc, scale, MASKED: tl.constexpr):
+    def _attend_tile_fn(q, k, v, k_scale, v_scale, valid, m, l, acc, scale2, MASKED: tl.constexpr):
         """One key tile into the running partial: q [QPAD, D] (fp16 or fp32), k, v [BN, D] e4m3 bits, their
-        scales [BN] fp32 (0 past the sequence), valid [BN] -> (m, l [QPAD], acc [QPAD, D]) fp32. MASKED: the
+        scales [BN] fp32 (0 past the sequence), valid [BN], scale2 the softmax scale times log2(e) -> (m, l
+        [QPAD], acc [QPAD, D]) fp32, m in base 2 (exp2 takes no multiply, where exp takes one). MASKED: the
         tile has slots past the sequence; they hold stale bytes (NaN patterns too), so their scores and V's
         values there are replaced, never multiplied by 0. A whole tile skips that (128 selects a thread)."""
         k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)                          # exact: 4 significant bits
         # K @ Q^T: the tile's keys are the MMA's M side, its few query rows the narrow N side
-        scores = tl.trans(tl.dot(k, tl.trans(q))) * (k_scale * scale)[None, :]      # [QPAD, BN] fp32
+        scores = tl.trans(tl.dot(k, tl.trans(q))) * (k_scale * scale2)[None, :]     # [QPAD, BN] fp32, base 2
         if MASKED:
             scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))                              # a tile has a key: finite
-        alpha = tl.exp(m - m_new)
-        prob = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        prob = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(prob, axis=1)
         v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         if MASKED:
@@ -150,7 +152,7 @@ def _build() -> dict:
         return m_new, l, acc
 
     def decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
-                      scale, table_stride, splits, q_stride_b, q_stride_h, batch,
+                      scale2, table_stride, splits, q_stride_b, q_stride_h, batch,
                       HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                       STAGES: tl.constexpr, BN: tl.constexpr):
         """Program (sequence b, KV head g, split s): the partial (out, lse) of the KV head's query heads over
@@ -194,7 +196,7 @@ def _build() -> dict:
             k_scale, v_scale = k_scale_next, v_scale_next
             k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, whole, table_stride,
                                                       HKV, BS, BN)
-            m, l, acc = _attend_tile(q, k, v, k_scale, v_scale, slot < BN, m, l, acc, scale, False)
+            m, l, acc = _attend_tile(q, k, v, k_scale, v_scale, slot < BN, m, l, acc, scale2, False)
         t = tl.maximum(whole, start)
         if t < end:    # the sequence's last tile, part-filled (its page's later slots are stale)
             row = _tile_rows(table_ptr, b, g, t, table_stride, HKV, BS, BN)
@@ -203,10 +205,10 @@ def _build() -> dict:
             v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
             k_scale, v_scale = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t, end, table_stride, HKV, BS, BN)
             m, l, acc = _attend_tile(q, k, v, tl.where(valid, k_scale, 0.0), tl.where(valid, v_scale, 0.0), valid,
-                                     m, l, acc, scale, True)
+                                     m, l, acc, scale2, True)
         has = l > 0
         out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))   # x ln 2
         at = (s * batch + b).to(tl.int64) * (HKV * QPK) + head                     # [QPAD] rows of [S, B, H]
         tl.store(out_ptr + at[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
         tl.store(lse_ptr + at, lse, mask=row_ok)

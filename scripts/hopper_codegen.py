@@ -36,7 +36,7 @@ QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV
 
 DECODE_ARGS = [("q_ptr", "*bf16", None), ("k_ptr", "*u8", None), ("v_ptr", "*u8", None), ("ks_ptr", "*bf16", None),
                ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None), ("lens_ptr", "*i32", None),
-               ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale", "fp32", None),
+               ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale2", "fp32", None),
                ("table_stride", "i32", 1025), ("splits", "i32", 49), ("q_stride_b", "i32", QKV_ROW),
                ("q_stride_h", "i32", D), ("batch", "i32", 1)]
 PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr", "*bf16", None),

@@ -82,7 +82,7 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 # ---------------------------------------------------------------- Triton
 
 def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
-                   num_stages=3, waves=4, block_keys=64, v_staged=False):
+                   num_stages=3, waves=4, block_keys=64):
     """The launch's defaults are the fastest of `scripts/gpu_fp8_decode_variants.py`'s 12 settings for the
     scores as K @ Q^T (its `kt_ahead`) on an H100 and on an H200, at 1 x 128K, 16 x 8K and (H200) 1 x 1M
     (docs/results/log.md, "FP8 decode: the scores as K @ Q^T"): 2-warp programs over tiles of 64 keys, 4
@@ -100,9 +100,9 @@ def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, nu
     lses = torch.empty(num_splits, b, h, dtype=torch.float32, device=q.device)
     kernel[(b, hkv, num_splits)](
         q, k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, block_table, seq_lens, outs, lses,
-        scale * LOG2E, 1.0, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
+        scale * LOG2E, block_table.stride(0), num_splits, q.stride(0), q.stride(1), b,
         HKV=hkv, QPK=qpk, QPAD=max(QPAD_MIN, 1 << (qpk - 1).bit_length()), D=d, BS=bs,
-        STAGES=num_stages, BN=min(block_keys, bs), V_STAGED=v_staged, num_warps=num_warps)
+        STAGES=num_stages, BN=min(block_keys, bs), num_warps=num_warps)
     return merge_partials(outs, lses, q.dtype)
 
 
@@ -126,8 +126,7 @@ def _build() -> dict:
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + t // tiles).to(tl.int64)
         return (page * BS + (t % tiles) * BN + tl.arange(0, BN)) * HKV + g
 
-    def _attend_tile_fn(q, k, v, k_scale, v_scale, valid, m, l, acc, scale2, one, MASKED: tl.constexpr,
-                        V_STAGED: tl.constexpr):
+    def _attend_tile_fn(q, k, v, k_scale, v_scale, valid, m, l, acc, scale2, MASKED: tl.constexpr):
         """One key tile into the running partial: q [QPAD, D] (fp16 or fp32), k, v [BN, D] e4m3 bits, their
         scales [BN] fp32 (0 past the sequence), valid [BN], scale2 the softmax scale times log2(e) -> (m, l
         [QPAD], acc [QPAD, D]) fp32, m in base 2 (exp2 takes no multiply, where exp takes one). MASKED: the
@@ -145,8 +144,6 @@ def _build() -> dict:
         v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         if MASKED:
             v = tl.where(valid[:, None], v, 0.0)
-        elif V_STAGED:
-            v = v * one.to(q.dtype)
         # V's scales on the probabilities' columns, relative to the tile's largest (<= 1: no overflow in
         # fp16; a row 2^-24 below the largest is lost, as its values are against the largest's)
         top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
@@ -155,9 +152,9 @@ def _build() -> dict:
         return m_new, l, acc
 
     def decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
-                      scale2, one, table_stride, splits, q_stride_b, q_stride_h, batch,
+                      scale2, table_stride, splits, q_stride_b, q_stride_h, batch,
                       HKV: tl.constexpr, QPK: tl.constexpr, QPAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      STAGES: tl.constexpr, BN: tl.constexpr, V_STAGED: tl.constexpr):
+                      STAGES: tl.constexpr, BN: tl.constexpr):
         """Program (sequence b, KV head g, split s): the partial (out, lse) of the KV head's query heads over
         split s's pages, written at [s, b, heads] of out [S, B, H, D] and lse [S, B, H] (fp32)."""
         b = tl.program_id(0)
@@ -199,7 +196,7 @@ def _build() -> dict:
             k_scale, v_scale = k_scale_next, v_scale_next
             k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t + 1, whole, table_stride,
                                                       HKV, BS, BN)
-            m, l, acc = _attend_tile(q, k, v, k_scale, v_scale, slot < BN, m, l, acc, scale2, one, False, V_STAGED)
+            m, l, acc = _attend_tile(q, k, v, k_scale, v_scale, slot < BN, m, l, acc, scale2, False)
         t = tl.maximum(whole, start)
         if t < end:    # the sequence's last tile, part-filled (its page's later slots are stale)
             row = _tile_rows(table_ptr, b, g, t, table_stride, HKV, BS, BN)
@@ -208,7 +205,7 @@ def _build() -> dict:
             v = tl.load(v_ptr + row[:, None] * D + cols[None, :])
             k_scale, v_scale = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, t, end, table_stride, HKV, BS, BN)
             m, l, acc = _attend_tile(q, k, v, tl.where(valid, k_scale, 0.0), tl.where(valid, v_scale, 0.0), valid,
-                                     m, l, acc, scale2, one, True, V_STAGED)
+                                     m, l, acc, scale2, True)
         has = l > 0
         out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
         lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))   # x ln 2

@@ -2,7 +2,7 @@
 graphs; a shape's first timing runs slow), at llama3-8b's attention shapes (one layer), and each set's output
 compared to the first's.
 
-    OPTIONS='{"as is": {}, "v staged": {"v_staged": true}}' python scripts/gpu_fp8_decode_ab.py [BxN ...]
+    OPTIONS='{"as is": {}, "stages 2": {"num_stages": 2}}' python scripts/gpu_fp8_decode_ab.py [BxN ...]
     default shapes: 1x131072 16x8192 1x1048576
 
 Prints a table; writes fp8_decode_ab.json under $OUT (or the working directory).

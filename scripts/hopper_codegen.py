@@ -36,7 +36,7 @@ QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV
 
 DECODE_ARGS = [("q_ptr", "*bf16", None), ("k_ptr", "*u8", None), ("v_ptr", "*u8", None), ("ks_ptr", "*bf16", None),
                ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None), ("lens_ptr", "*i32", None),
-               ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale2", "fp32", None), ("one", "fp32", None),
+               ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale2", "fp32", None),
                ("table_stride", "i32", 1025), ("splits", "i32", 49), ("q_stride_b", "i32", QKV_ROW),
                ("q_stride_h", "i32", D), ("batch", "i32", 1)]
 PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr", "*bf16", None),
@@ -74,10 +74,7 @@ _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["bl
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
                dict(HKV=HKV, QPK=H // HKV, QPAD=fpa.QPAD_MIN, D=D, BS=BS, STAGES=_DEC["num_stages"],
-                    BN=min(_DEC["block_keys"], BS), V_STAGED=_DEC["v_staged"]), _DEC["num_warps"], _DEC["num_stages"]),
-    "decode-vstaged": (fpa, "decode", DECODE_ARGS,
-                       dict(HKV=HKV, QPK=H // HKV, QPAD=fpa.QPAD_MIN, D=D, BS=BS, STAGES=_DEC["num_stages"],
-                            BN=min(_DEC["block_keys"], BS), V_STAGED=True), _DEC["num_warps"], _DEC["num_stages"]),
+                    BN=min(_DEC["block_keys"], BS)), _DEC["num_warps"], _DEC["num_stages"]),
     "prefill": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
                 _PRE["num_warps"], _PRE["num_stages"]),
     "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),

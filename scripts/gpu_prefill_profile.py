@@ -6,7 +6,8 @@ share, each kind's FLOP rate, and what a new prompt length costs the first time.
 workers are this script's own processes (NCCL, as engine/worker.py sets them up), each a ModelRunner.
 Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)
 LAYERS=N keeps the preset's first N layers (a proxy: e.g. llama3-70b's shapes with 20 of its 80 layers fit
-one GPU; per-layer time scales the figures to the whole model)."""
+one GPU; per-layer time scales the figures to the whole model). KV=fp8 and QUANT=fp8: FP8 pages and linears.
+(The floor columns assume bf16 rates.)"""
 import dataclasses
 import os
 import sys
@@ -40,8 +41,8 @@ def kind_of(name: str) -> str:
         return "copy"
     if "gemm" in low or "nvjet" in low or "xmma" in low or "cutlass" in low or "matmul" in low:
         return "gemm"
-    if low.startswith(("rms_norm_kernel", "rope_kernel", "silu_and_mul_kernel", "store_kv_kernel",   # kernels/ Triton
-                       "quantize_fp8_kernel", "merge_into_kernel", "merge_partials_kernel", "_prep_kernel")):
+    if low.startswith(("rms_norm", "rope_kernel", "silu_and_mul", "store_kv", "quantize_", "merge_into_kernel",
+                       "merge_partials_kernel", "_prep_kernel", "gather_kernel", "_pair_kernel", "reduce_kernel")):   # ours
         return "triton"
     return "elementwise"
 
@@ -82,7 +83,8 @@ def run(rank: int) -> None:
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=WORLD,
                                 **({"device_id": dev} if cuda else {}))
-    engine = EngineConfig(model=MODEL, devices=devices, dtype="bfloat16" if cuda else "float32", max_num_seqs=4)
+    engine = EngineConfig(model=MODEL, devices=devices, dtype="bfloat16" if cuda else "float32", max_num_seqs=4,
+                          kv_cache_dtype=os.environ.get("KV", "auto"), quantization=os.environ.get("QUANT", "none"))
     cfg, max_model_len = resolve_model(engine)
     if LAYERS:
         cfg = dataclasses.replace(cfg, num_layers=LAYERS)

@@ -260,15 +260,21 @@ def _build() -> dict:
         tl.store(q_ptr + s * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + s, amax / 448.0)
 
-    # sizes and strides unspecialized: one compile per dtype and constexpr combination
+    # sizes and strides specialized (Triton compiles one variant per pattern of "divisible by 16" and "== 1"
+    # among them, a handful for a model): unspecialized, it cannot prove a row 16-byte aligned and moves
+    # every element alone (2-byte loads, byte stores), at under half the memory's rate (docs/results/log.md,
+    # "The row kernels moved a value at a time"). The two norms stay unspecialized: specialized, each picks
+    # its vector width from its own stores (8 bf16, 16 FP8 values a thread), so their rows' sums would come
+    # in different orders and rms_norm_fp8 would no longer give rms_norm-then-quantize_fp8's bits.
+    norm_nospec = ["n", "x_stride", "res_stride", "eps"]
     return {
-        "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
-        "rope": triton.jit(rope_kernel, do_not_specialize=["row_stride", "cs_stride", "num_rot"]),
-        "store_kv": triton.jit(store_kv_kernel, do_not_specialize=["k_stride", "v_stride", "n"]),
-        "silu_and_mul": triton.jit(silu_and_mul_kernel, do_not_specialize=["inter", "x_stride"]),
-        "quantize_fp8": triton.jit(quantize_fp8_kernel, do_not_specialize=["k", "x_stride"]),
-        "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel, do_not_specialize=["n", "x_stride", "res_stride", "eps"]),
-        "silu_and_mul_fp8": triton.jit(silu_and_mul_fp8_kernel, do_not_specialize=["inter", "x_stride"]),
+        "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=norm_nospec),
+        "rope": triton.jit(rope_kernel),
+        "store_kv": triton.jit(store_kv_kernel),
+        "silu_and_mul": triton.jit(silu_and_mul_kernel),
+        "quantize_fp8": triton.jit(quantize_fp8_kernel),
+        "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel, do_not_specialize=norm_nospec),
+        "silu_and_mul_fp8": triton.jit(silu_and_mul_fp8_kernel),
     }
 
 

@@ -20,6 +20,9 @@ import triton.language as tl
 
 from kernels.attention import _flash_attn_4
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_gemm_shapes import timed  # noqa: E402
+
 H, HKV, D = 32, 8, 128
 DEFAULT_SETTINGS = "128,128,8,2,0 128,128,8,3,0 128,64,4,3,0 128,128,4,2,1 128,128,4,3,1"
 
@@ -76,18 +79,9 @@ def fp8_attention(q8, k8, vt8, scale, bm, bn, warps, stages, ws):
     return out
 
 
-def ms(fn, iters=5) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def ms(fn) -> float:
+    """Median ms of fn() over 5 calls after 2 (scripts/gpu_gemm_shapes.py's CUDA-event timing)."""
+    return timed(fn, iters=5, warmup=2) * 1e3
 
 
 def main(argv):

@@ -1,4 +1,4 @@
-"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM) for a Hopper GPU (sm_90), compiled on
+"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM, a row kernel) for a Hopper GPU (sm_90), compiled on
 this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and
 launch, the PTX instructions that decide its speed, counted over the whole kernel:
 
@@ -9,7 +9,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
-                                       small-gemm-serial ...]
+                                       small-gemm-serial|silu-and-mul-fp8 ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from kernels import fp8_attention as fa
 from kernels import fp8_paged_attention as fpa
 from kernels import fp8_small_gemm as sg
+from kernels import fused
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
@@ -70,6 +71,9 @@ _GEMM_CONSTS = dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block
                     STAGES=_GEMM["stages"])
 _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
                        FP8_DOTS=_PRE["dots"] == "fp8", Q_SPLIT=_PRE["q_split"])
+# silu * up quantized per row, llama3-8b's 8K-token prefill (intermediate 14336; gate_up rows of 28672)
+SILU_FP8_ARGS = [("x_ptr", "*bf16", None), ("q_ptr", "*fp8e4nv", None), ("scale_ptr", "*fp32", None),
+                 ("inter", "i32", 14336), ("x_stride", "i32", 28672)]
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -84,6 +88,7 @@ LAUNCHES = {
     "prefill-vt-qsplit": (fa, "prefill", PREFILL_VT_ARGS,
                           dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16", Q_SPLIT=True),
                           _PRE["num_warps"], _PRE["num_stages"]),
+    "silu-and-mul-fp8": (fused, "silu_and_mul_fp8", SILU_FP8_ARGS, dict(BLOCK=16384), fused._row_warps(16384), 1),
     "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
     "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
 }

@@ -30,3 +30,13 @@ def test_fp8_tiles_are_copied_asynchronously_not_byte_by_byte(name):
         assert sum(counts[k] for k in wgmma) == 3 * sum(plain[k] for k in wgmma) // 2, (counts, plain)
     if name in ("prefill-pv16", "prefill-vt", "prefill-vt-qsplit"):
         assert counts["st.shared.b8"] == 0, counts       # V read as stored (fp16 dot; FP8 dot, V transposed)
+
+
+def test_row_kernels_move_rows_16_bytes_at_a_time():
+    """kernels/fused.py's row kernels specialize their sizes and strides: Triton then proves a row 16-byte
+    aligned. Unspecialized (in do_not_specialize), silu_and_mul_fp8 loaded 2 bytes and stored 1 at a time,
+    at under half the memory's rate (docs/results/log.md, "The row kernels moved a value at a time")."""
+    ptx = hopper_codegen.compile_for_hopper("silu-and-mul-fp8").asm["ptx"]
+    counts = hopper_codegen.summary(ptx)
+    assert counts["ld.global.b16"] == 0 and counts["ld.global.v4.b32"] > 0, counts
+    assert "st.global.b8" not in ptx and "st.global.v4.b32" in ptx                # the FP8 row's stores

@@ -1,5 +1,5 @@
-"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM, a row kernel) for a Hopper GPU (sm_90), compiled on
-this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and
+"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM, a row kernel) for a Hopper GPU (sm_90),
+compiled on this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and
 launch, the PTX instructions that decide its speed, counted over the whole kernel:
 
     global loads   ld.global.* by width (b8: a byte at a time, what unaligned K/V tiles come to)

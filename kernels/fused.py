@@ -155,7 +155,7 @@ def _build() -> dict:
                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         """Program = one row of n values: [res_out = x + res;] out = w * (x * rsqrt(mean(x^2) + eps))."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.max_contiguous(tl.arange(0, BLOCK), 8)   # runs of 8: the note above the jit calls
         mask = cols < n
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         if HAS_RES:
@@ -226,7 +226,7 @@ def _build() -> dict:
         """rms_norm_kernel's row, rounded to x's dtype as it would store it, then quantized as
         quantize_fp8_kernel does (the same bits as the two kernels, without the normed row's round trip)."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.max_contiguous(tl.arange(0, BLOCK), 8)   # runs of 8: the note above the jit calls
         mask = cols < n
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -263,17 +263,17 @@ def _build() -> dict:
     # sizes and strides specialized (Triton compiles one variant per pattern of "divisible by 16" and "== 1"
     # among them, a handful for a model): unspecialized, it cannot prove a row 16-byte aligned and moves
     # every element alone (2-byte loads, byte stores), at under half the memory's rate (docs/results/log.md,
-    # "The row kernels moved a value at a time"). The two norms stay unspecialized: specialized, each picks
-    # its vector width from its own stores (8 bf16, 16 FP8 values a thread), so their rows' sums would come
-    # in different orders and rms_norm_fp8 would no longer give rms_norm-then-quantize_fp8's bits.
-    norm_nospec = ["n", "x_stride", "res_stride", "eps"]
+    # "The row kernels moved a value at a time"). The two norms declare their columns contiguous
+    # in runs of 8 only, so both move their rows as 8-value vectors and sum them in one order. Left to
+    # itself, Triton takes 16 values a thread in rms_norm_fp8 (its FP8 store) and 8 in rms_norm, and the
+    # fused norm would no longer give rms_norm-then-quantize_fp8's bits.
     return {
-        "rms_norm": triton.jit(rms_norm_kernel, do_not_specialize=norm_nospec),
+        "rms_norm": triton.jit(rms_norm_kernel),
         "rope": triton.jit(rope_kernel),
         "store_kv": triton.jit(store_kv_kernel),
         "silu_and_mul": triton.jit(silu_and_mul_kernel),
         "quantize_fp8": triton.jit(quantize_fp8_kernel),
-        "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel, do_not_specialize=norm_nospec),
+        "rms_norm_fp8": triton.jit(rms_norm_fp8_kernel),
         "silu_and_mul_fp8": triton.jit(silu_and_mul_fp8_kernel),
     }
 

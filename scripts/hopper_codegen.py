@@ -9,7 +9,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
-                                       small-gemm-serial|silu-and-mul-fp8 ...]
+                                       small-gemm-serial|silu-and-mul-fp8|rms-norm|rms-norm-fp8 ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -74,6 +74,12 @@ _PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["bl
 # silu * up quantized per row, llama3-8b's 8K-token prefill (intermediate 14336; gate_up rows of 28672)
 SILU_FP8_ARGS = [("x_ptr", "*bf16", None), ("q_ptr", "*fp8e4nv", None), ("scale_ptr", "*fp32", None),
                  ("inter", "i32", 14336), ("x_stride", "i32", 28672)]
+# the two norms on llama3-8b's hidden rows (4096), the residual added: rms_norm writes bf16, rms_norm_fp8 e4m3
+_NORM_HEAD = [("x_ptr", "*bf16", None), ("res_ptr", "*bf16", None), ("w_ptr", "*bf16", None)]
+_NORM_TAIL = [("n", "i32", 4096), ("x_stride", "i32", 4096), ("res_stride", "i32", 4096), ("eps", "fp32", None)]
+NORM_ARGS = _NORM_HEAD + [("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None)] + _NORM_TAIL
+NORM_FP8_ARGS = _NORM_HEAD + [("q_ptr", "*fp8e4nv", None), ("scale_ptr", "*fp32", None),
+                              ("res_out_ptr", "*bf16", None)] + _NORM_TAIL
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -89,6 +95,8 @@ LAUNCHES = {
                           dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16", Q_SPLIT=True),
                           _PRE["num_warps"], _PRE["num_stages"]),
     "silu-and-mul-fp8": (fused, "silu_and_mul_fp8", SILU_FP8_ARGS, dict(BLOCK=16384), fused._row_warps(16384), 1),
+    "rms-norm": (fused, "rms_norm", NORM_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
+    "rms-norm-fp8": (fused, "rms_norm_fp8", NORM_FP8_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
     "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
     "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
 }

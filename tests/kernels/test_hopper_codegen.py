@@ -6,6 +6,7 @@ transpose in shared memory, and with Q split (q_split) it runs half as many MMAs
 a kernel's do_not_specialize list that carries a tile's alignment (a page or token stride) fails this: the
 prefill kernel read its tiles byte by byte, at a quarter of flash-attn-4's rate, until 9666433."""
 import os
+import re
 import sys
 
 import pytest
@@ -40,3 +41,18 @@ def test_row_kernels_move_rows_16_bytes_at_a_time():
     counts = hopper_codegen.summary(ptx)
     assert counts["ld.global.b16"] == 0 and counts["ld.global.v4.b32"] > 0, counts
     assert "st.global.b8" not in ptx and "st.global.v4.b32" in ptx                # the FP8 row's stores
+
+
+def test_both_norms_sum_a_row_in_one_layout():
+    """rms_norm and rms_norm_fp8 specialize their sizes too, and declare their columns contiguous in runs of 8:
+    both then hold 8 values a thread in one layout, so a row's sum comes in one order and the fused FP8 norm
+    gives rms_norm-then-quantize_fp8's bits (the GPU test test_fp8_rows_made_by_the_norm_and_silu_kernels_are_
+    the_two_steps_bits holds them). Left to itself, Triton laid rms_norm_fp8's row out 16 values a thread."""
+    layouts = {}
+    for name in ("rms-norm", "rms-norm-fp8"):
+        compiled = hopper_codegen.compile_for_hopper(name)
+        layouts[name] = set(re.findall(r"#ttg\.blocked<[^>]*>", compiled.asm["ttgir"]))
+        counts = hopper_codegen.summary(compiled.asm["ptx"])
+        assert counts["ld.global.b16"] == 0 and counts["ld.global.v4.b32"] > 0, (name, counts)
+    assert len(layouts["rms-norm"]) == 1 and layouts["rms-norm"] == layouts["rms-norm-fp8"], layouts
+    assert "sizePerThread = [8]" in next(iter(layouts["rms-norm"]))

@@ -1,7 +1,9 @@
 """Where one GPU waits on the host during a prefill: the compute stream's idle gaps, the largest first, with the
 kernels on either side and the Python frames (ours) that launched the kernel after each gap; and the time
 from the call's start to its first kernel and from its last kernel to the call's end. What
-gpu_prefill_profile.py counts as "host gap", taken apart.
+gpu_prefill_profile.py counts as "host gap", taken apart. First, unprofiled: the host's timeline of the call
+(ModelRunner.prefill's steps timed by wrapping them), where the GPU can only be idle before the forward's first
+launch and after its queue drains.
 
     [KV=fp8 QUANT=fp8] python scripts/gpu_prefill_gaps.py [TOKENS] [GAPS]      (default 8192, 10; markdown)
 
@@ -59,6 +61,46 @@ def gaps(gpu: list[dict], events: list[dict], top: int) -> list[str]:
             for idle, b, a, frames in rows[:top]]
 
 
+def host_timeline(runner, prefill, runs: int = 3) -> list[tuple[str, float]]:
+    """ModelRunner.prefill's steps timed on the host, unprofiled -> [(step, ms)], medians over `runs` calls:
+    call entry -> the first _sync's return (the GPU's queue drained) -> the forward's entry (nothing queued on
+    the GPU between: its idle start) -> the forward's return (host time to launch every layer) -> the second
+    _sync's return (the GPU's work done) -> the call's return (the result's wrap-up: peak memory, logits)."""
+    marks: list[tuple[str, float]] = []
+
+    def timed(obj, name: str):
+        inner = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            marks.append((name + " in", time.perf_counter()))
+            out = inner(*args, **kwargs)
+            marks.append((name + " out", time.perf_counter()))
+            return out
+        setattr(obj, name, wrapper)
+        return lambda: setattr(obj, name, inner)
+
+    undo = [timed(runner, "_sync"), timed(runner.model, "forward"), timed(runner, "prefill")]
+    steps: dict[str, list[float]] = {}
+    for seq in range(100, 100 + runs):
+        marks.clear()
+        prefill(seq)
+        t0 = dict(marks)["prefill in"]
+        t = dict.fromkeys(("first sync out", "forward in", "forward out", "second sync out"), 0.0)
+        syncs = [m for name, m in marks if name == "_sync out"]
+        t.update({"first sync out": syncs[0], "second sync out": syncs[1]})
+        t.update({name: m for name, m in marks if name.startswith("forward")})
+        end = dict(marks)["prefill out"]
+        for step, a, b in (("call entry -> first _sync's return", t0, t["first sync out"]),
+                           ("-> forward entry (GPU idle)", t["first sync out"], t["forward in"]),
+                           ("-> forward return (host launching)", t["forward in"], t["forward out"]),
+                           ("-> second _sync's return (GPU draining)", t["forward out"], t["second sync out"]),
+                           ("-> last step's end (peak memory, logits)", t["second sync out"], end)):
+            steps.setdefault(step, []).append((b - a) * 1e3)
+    for u in undo:
+        u()
+    return [(step, sorted(v)[len(v) // 2]) for step, v in steps.items()]
+
+
 def main(argv: list[str]) -> None:
     n = int(argv[0]) if argv else 8192
     top = int(argv[1]) if len(argv) > 1 else 10
@@ -80,6 +122,7 @@ def main(argv: list[str]) -> None:
         return wall
 
     walls = [prefill(s) for s in (1, 2, 3)]
+    timeline = host_timeline(runner, prefill)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, with_stack=True) as prof:
         profiled = prefill(4)
@@ -93,7 +136,10 @@ def main(argv: list[str]) -> None:
     print(f"{n} tokens, KV={engine.kv_cache_dtype}, QUANT={engine.quantization}, {name}: wall unprofiled "
           f"{min(walls) * 1e3:.1f} ms (min of 3), profiled {profiled * 1e3:.1f} ms; device events {len(gpu)}, "
           f"busy {busy / 1e3:.1f} ms over a span of {span / 1e3:.1f} ms\n")
-    print("| part | µs |\n|---|---|")
+    print("| the call, unprofiled (medians of 3) | ms |\n|---|---|")
+    for step, ms in timeline:
+        print(f"| {step} | {ms:.2f} |")
+    print("\n| the profiled call | µs |\n|---|---|")
     print(f"| call start -> first device event | {gpu[0]['ts'] - call['ts']:.0f} |")
     print(f"| idle between device events, summed | {span - busy:.0f} |")
     print(f"| last device event's end -> call end | {call['ts'] + call['dur'] - gpu[-1]['ts'] - gpu[-1].get('dur', 0):.0f} |")

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.calls import Free, Prefill
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.worker import freeze_heap
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 OURS = ("engine/", "kernels/", "server/")
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> None:
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device(engine.devices[0]), None, max_model_len)
     prompt = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    freeze_heap()                  # as a worker does after start-up: no full collection stalls a call
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def prefill(seq: int) -> float:

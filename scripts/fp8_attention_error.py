@@ -1,7 +1,8 @@
 """FP8 attention's rounding error against fp64, attention output relative to fp64's, for the ways an FP8
 attention kernel can be fed from the FP8 KV cache (kernels/kv_quant.py: e4m3 with a bf16 scale per token and
-KV head). One head group of llama3-8b (4 query heads on a KV head, d 128), random q, k, v, causal, with and
-without an outlier channel in K (one channel 20x the others, as trained models' keys have).
+KV head). One head group of llama3-8b (4 query heads on a KV head, d 128), random q, k, v, causal, K plain,
+with an outlier channel (one channel 20x the others), and with an outlier channel that is a bias shared by the
+tokens (one channel 20 + N(0, 1); SageAttention reports trained models' K outliers as such a bias).
 
 The ways (each emulated in plain torch; what an FP8 kernel adds is the rounding of Q and of the
 probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8):
@@ -13,6 +14,9 @@ probabilities P, which FlashAttention-3 casts to e4m3 after scaling them by 2^8)
 - FA3 fed from the model's K/V (one rounding, not the cache's twice: a prefill's own blocks), and the same
   with K's channels scaled into Q first (q_c s_c . k_c / s_c, s_c = sqrt(max |k_c| / max |q_c|): SmoothQuant's
   migration, exact before rounding)
+- FA3 fed from the model's K/V less their mean over the tokens (q.k_j - q.mean(k) differs from q.k_j by a
+  constant per query, which the softmax cancels: SageAttention's "smooth K"); it removes an outlier channel
+  that is a bias shared by the tokens, not one that varies around 0
 - each of these with a random-sign Hadamard rotation of the head dimension on Q and K before any rounding
   (q.k is unchanged; K is stored rotated; FlashAttention-3's "incoherent processing")
 
@@ -86,7 +90,9 @@ def ways(q, k, v, rotate):
             "FA3 from the model's K/V (one rounding)":
                 causal_attention(one_scale(q), one_scale(k), one_scale(v), fa3_p),
             "FA3 from the model's K/V, K's channels scaled into Q":
-                causal_attention(one_scale(qm), one_scale(km), one_scale(v), fa3_p)}
+                causal_attention(one_scale(qm), one_scale(km), one_scale(v), fa3_p),
+            "FA3 from the model's K/V, K's token mean subtracted":
+                causal_attention(one_scale(q), one_scale(k - k.mean(0)), one_scale(v), fa3_p)}
 
 
 def split_row(x):
@@ -122,16 +128,18 @@ def main(argv):
     rows: dict[str, list[float]] = {}
     for _ in range(3):
         q, k, v = torch.randn(h, n, d).double(), torch.randn(n, d).double(), torch.randn(n, d).double()
-        for j, kk in enumerate((k, k * torch.where(torch.arange(d) == 7, 20.0, 1.0))):
+        channel = torch.arange(d) == 7
+        for j, kk in enumerate((k, k * torch.where(channel, 20.0, 1.0), k + torch.where(channel, 20.0, 0.0))):
             want = causal_attention(q, kk, v)
             for rotate, tag in ((None, ""), (rotation, ", Hadamard on Q, K")):
                 for name, got in (parts if split else ways)(q, kk, v, rotate).items():
-                    row = rows.setdefault(name + tag, [0.0, 0.0])
+                    row = rows.setdefault(name + tag, [0.0, 0.0, 0.0])
                     row[j] = max(row[j], ((got - want).norm() / want.norm()).item())
-    print(f"| way | rel. error, plain K | rel. error, K with an outlier channel |  ({n} tokens, 3 draws, max)")
-    print("|---|---|---|")
-    for name, (plain, outlier) in rows.items():
-        print(f"| {name} | {plain:.4f} | {outlier:.4f} |")
+    print(f"| way | rel. error, plain K | K with an outlier channel (x20) | K with a bias channel (+20) |  "
+          f"({n} tokens, 3 draws, max)")
+    print("|---|---|---|---|")
+    for name, (plain, outlier, bias) in rows.items():
+        print(f"| {name} | {plain:.4f} | {outlier:.4f} | {bias:.4f} |")
 
 
 if __name__ == "__main__":

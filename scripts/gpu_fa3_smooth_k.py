@@ -11,7 +11,8 @@ This measures what the CPU cannot: FA3's own rounding and speed with the smoothi
 One layer of llama3-8b's attention (32 query heads, 8 KV heads, d 128), one sequence, dense K/V, causal
 aligned to the end. For each QUERIESxKEYS and K kind (plain, an outlier channel x20, a bias channel +20):
 the error of the last 256 queries (the first KV head's 4 query heads) against float64, output and LSE, for
-FA3 FP8 as is, FA3 FP8 smoothed and flash-attn-4 bf16; times (median of 5 after 2 warm-ups, CUDA events)
+flash-attn-4 bf16, FA3 FP8 as is, FA3 FP8 smoothed, and FA3 FP8 smoothed over K/V first rounded as the FP8
+cache rounds them (kernels.kv_quant.round_kv: what a chunk's context would be, rounded twice); times (median of 5 after 2 warm-ups, CUDA events)
 of flash-attn-4 bf16, FA3 FP8, and the smoothing and quantizing (torch ops, unfused) apart.
 
     python scripts/gpu_fa3_smooth_k.py [QUERIESxKEYS ...]     default: 8192x8192 32768x32768 8192x131072
@@ -21,6 +22,7 @@ import sys
 import torch
 
 from kernels.attention import _flash_attn_4
+from kernels.kv_quant import round_kv
 
 H, HKV, D = 32, 8, 128
 G = H // HKV
@@ -100,9 +102,9 @@ def main(argv):
     import fa3_fwd_interface as f3
     shapes = [tuple(map(int, s.split("x"))) for s in (argv or ["8192x8192", "32768x32768", "8192x131072"])]
     print(f"GPU: {torch.cuda.get_device_name(0)}; error vs float64: output (LSE, max abs)\n")
-    print("| queries x keys | K | fa4 bf16 | FA3 FP8 | FA3 FP8, K smoothed | fa4 bf16 ms | FA3 FP8 ms | "
-          "smooth + quantize ms | FA3 FP8 + smoothing / fa4 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| queries x keys | K | fa4 bf16 | FA3 FP8 | FA3 FP8, K smoothed | the same from the FP8 cache's values | "
+          "fa4 bf16 ms | FA3 FP8 ms | smooth + quantize ms | FA3 FP8 + smoothing / fa4 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
     for n, m in shapes:
         q = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
@@ -122,6 +124,8 @@ def main(argv):
             cells.append(cell(bf16, bf16_lse.transpose(0, 1)))
             for smooth in (False, True):
                 cells.append(cell(*fa3_fp8(f3, q, k, v, smooth)))
+            cached_k, cached_v = round_kv(k), round_kv(v)     # a chunk's context: the FP8 cache's values
+            cells.append(cell(*fa3_fp8(f3, q, cached_k, cached_v, True)))
             t_fa4 = seconds(lambda: _flash_attn_4(q, k, v, True, D ** -0.5))
             prepared = smooth_quantize(q, k, v, True)
             q8, k8, v8, qd, kd, vd, _ = prepared

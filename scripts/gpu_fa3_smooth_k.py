@@ -12,11 +12,13 @@ One layer of llama3-8b's attention (32 query heads, 8 KV heads, d 128), one sequ
 aligned to the end. For each QUERIESxKEYS and K kind (plain, an outlier channel x20, a bias channel +20):
 the error of the last 256 queries (the first KV head's 4 query heads) against float64, output and LSE, for
 flash-attn-4 bf16, FA3 FP8 as is, FA3 FP8 smoothed, and FA3 FP8 smoothed over K/V first rounded as the FP8
-cache rounds them (kernels.kv_quant.round_kv: what a chunk's context would be, rounded twice); times (median of 5 after 2 warm-ups, CUDA events)
-of flash-attn-4 bf16, FA3 FP8, and the smoothing and quantizing (torch ops, unfused) apart.
+cache rounds them (kernels.kv_quant.round_kv: what a chunk's context would be, rounded twice); times
+(gpu_gemm_shapes.timed: CUDA events, median of 20 after 5 warm-ups) of flash-attn-4 bf16, FA3 FP8, and the
+smoothing and quantizing (torch ops, unfused) apart.
 
     python scripts/gpu_fa3_smooth_k.py [QUERIESxKEYS ...]     default: 8192x8192 32768x32768 8192x131072
 """
+import os
 import sys
 
 import torch
@@ -24,23 +26,12 @@ import torch
 from kernels.attention import _flash_attn_4
 from kernels.kv_quant import round_kv
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_gemm_shapes import timed  # noqa: E402
+
 H, HKV, D = 32, 8, 128
 G = H // HKV
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
-
-
-def seconds(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[reps // 2]
 
 
 def per_kv_head(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -126,11 +117,11 @@ def main(argv):
                 cells.append(cell(*fa3_fp8(f3, q, k, v, smooth)))
             cached_k, cached_v = round_kv(k), round_kv(v)     # a chunk's context: the FP8 cache's values
             cells.append(cell(*fa3_fp8(f3, q, cached_k, cached_v, True)))
-            t_fa4 = seconds(lambda: _flash_attn_4(q, k, v, True, D ** -0.5))
+            t_fa4 = timed(lambda: _flash_attn_4(q, k, v, True, D ** -0.5))
             prepared = smooth_quantize(q, k, v, True)
             q8, k8, v8, qd, kd, vd, _ = prepared
-            t_fa3 = seconds(lambda: fa3_forward(f3, q8, k8, v8, qd, kd, vd))
-            t_prep = seconds(lambda: smooth_quantize(q, k, v, True))
+            t_fa3 = timed(lambda: fa3_forward(f3, q8, k8, v8, qd, kd, vd))
+            t_prep = timed(lambda: smooth_quantize(q, k, v, True))
             print(f"| {n}x{m} | {name} | {' | '.join(cells)} | {t_fa4 * 1e3:.2f} | {t_fa3 * 1e3:.2f} | "
                   f"{t_prep * 1e3:.2f} | {(t_fa3 + t_prep) / t_fa4:.2f} |", flush=True)
         torch.cuda.empty_cache()

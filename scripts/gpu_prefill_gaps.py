@@ -7,8 +7,9 @@ launch and after its queue drains.
 
     [KV=fp8 QUANT=fp8] python scripts/gpu_prefill_gaps.py [TOKENS] [GAPS]      (default 8192, 10; markdown)
 
-One GPU, llama3-8b preset (MODEL=...; DEVICE=cpu MODEL=tiny: a dry run, the CPU's ops standing in for kernels), the prompt prefilled once to warm, then once under torch.profiler with
-the CPU's and the GPU's events and Python stacks (the profiler's own cost lengthens the host's share).
+One GPU, llama3-8b preset (MODEL=...; DEVICE=cpu MODEL=tiny: a dry run, the CPU's ops standing in for
+kernels), the prompt prefilled three times to warm and for the host timeline, then once under torch.profiler
+with the CPU's and the GPU's events and Python stacks (the profiler's own cost lengthens the host's share).
 """
 import json
 import os
@@ -56,7 +57,8 @@ def gaps(gpu: list[dict], events: list[dict], top: int) -> list[str]:
     for before, after in zip(gpu, gpu[1:]):
         idle = after["ts"] - (before["ts"] + before.get("dur", 0))
         launch = launches.get(after.get("args", {}).get("correlation"))
-        rows.append((idle, before["name"][:50], after["name"][:50], our_frames(events, launch["ts"]) if launch else "-"))
+        frames = our_frames(events, launch["ts"]) if launch else "-"
+        rows.append((idle, before["name"][:50], after["name"][:50], frames))
     rows.sort(key=lambda r: -r[0])
     return [f"| {idle:.0f} | {b.replace('|', '/')} | {a.replace('|', '/')} | {frames} |"
             for idle, b, a, frames in rows[:top]]
@@ -144,7 +146,8 @@ def main(argv: list[str]) -> None:
     print("\n| the profiled call | µs |\n|---|---|")
     print(f"| call start -> first device event | {gpu[0]['ts'] - call['ts']:.0f} |")
     print(f"| idle between device events, summed | {span - busy:.0f} |")
-    print(f"| last device event's end -> call end | {call['ts'] + call['dur'] - gpu[-1]['ts'] - gpu[-1].get('dur', 0):.0f} |")
+    last_end = gpu[-1]["ts"] + gpu[-1].get("dur", 0)
+    print(f"| last device event's end -> call end | {call['ts'] + call['dur'] - last_end:.0f} |")
     print("\n| idle µs | before | after | launched from (ours, innermost first) |\n|---|---|---|---|")
     print("\n".join(gaps(gpu, events, top)))
 

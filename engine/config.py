@@ -144,11 +144,19 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig(**_PRESETS[name], rms_norm_eps=1e-5, bos_token_id=256, eos_token_ids=[257])
 
 
-# Chunked prefill's default chunk: large enough that a lone long prompt keeps its unchunked time to first
-# token, small enough that the KV pool is not held back for a whole prompt's activations; while others
-# decode, the chunk sizer (engine/chunk_sizer.py) cuts chunks to the ITL target anyway. How it was chosen:
-# docs/benchmarks.md, "Chunked prefill and interference".
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 65536
+# Chunked prefill's default chunk, per worker a prompt is sharded over: large enough that a lone long prompt
+# keeps its unchunked time to first token, small enough that the KV pool is not held back for a whole
+# prompt's activations; while others decode, the chunk sizer (engine/chunk_sizer.py) cuts chunks to the ITL
+# target anyway. A chunk is sharded over the workers like a prompt, so each worker's share of the default
+# chunk is this many tokens on any number of them (tp: every worker runs the whole chunk, one share). How it
+# was chosen: docs/benchmarks.md, "Chunked prefill and interference".
+DEFAULT_CHUNK_TOKENS_PER_WORKER = 65536
+
+
+def default_chunk_tokens(sequence_workers: int) -> int:
+    """--max-num-batched-tokens' default on an engine whose prompts are sharded over `sequence_workers`
+    workers (the strategy's kv_workers: 1 on one worker or under tp)."""
+    return DEFAULT_CHUNK_TOKENS_PER_WORKER * sequence_workers
 
 
 @dataclass
@@ -178,7 +186,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
                                                 # tokens (decode steps run between them), a shorter one too when
                                                 # one call would pass itl_target_ms while others decode; None: every
-                                                # prompt in one call. LLM's default: DEFAULT_MAX_NUM_BATCHED_TOKENS
+                                                # prompt in one call. LLM's default: default_chunk_tokens
     quantization: str = "none"              # "fp8": linear weights in FP8, per-channel scales (kernels/fp8.py)
     kv_cache_dtype: str = "auto"            # "fp8": K/V pages in FP8, a scale per token and head (kernels/kv_quant.py)
     kv_offload_gb: float | None = None      # per worker: GiB of host memory under the prefix cache (engine/cache/

@@ -26,7 +26,7 @@ from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
-from engine.options import check_options, cluster_config, engine_config, with_options
+from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from engine.parallel import STRATEGIES, get_strategy
 from engine.sampling import SamplingParams
 from engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
@@ -56,7 +56,7 @@ class LLM:
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
     enable_chunked_prefill, max_num_batched_tokens: a prompt longer than max_num_batched_tokens (default
-        DEFAULT_MAX_NUM_BATCHED_TOKENS) is prefilled in chunks, the running sequences decoding between them,
+        65536 for each worker a prompt is sharded over: engine/config.py default_chunk_tokens) is prefilled in chunks, the running sequences decoding between them,
         and a shorter one too while others decode when one call would hold them past itl_target_ms;
         enable_chunked_prefill=False prefills every prompt in one call.
     nnodes, master_addr, master_port, join_timeout: with nnodes > 1 this is the head of an engine over
@@ -94,6 +94,8 @@ class LLM:
         self._head = Head(self.cluster) if self.cluster.nnodes > 1 else None
         if self._head is not None:       # the other hosts' workers join the engine (engine/cluster.py)
             self.engine = self._head.gather(self.engine)
+            self.engine = dataclasses.replace(self.engine, max_num_batched_tokens=chunk_tokens(
+                values, self.engine.world_size))        # the default chunk grows with every host's workers
         reason = get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config)
         if self._head is not None and reason:
             self._head.abort(reason)

@@ -16,8 +16,9 @@ from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
-                                 pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
+from engine.cache.sizing import (activation_bytes_per_token, chunk_rows_per_worker, fp8_gather_bytes, kv_bytes_per_token,
+                                 mlp_piece_bytes, pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu,
+                                 prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
@@ -602,9 +603,14 @@ class ModelRunner:
             # less what the layout leaves free (burst-zero: the layers and the embedding gathered whole)
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free) - self.layout.reserve_bytes()
             share = self.strategy.kv_share(self.max_model_len)
-            self.prefill_rows_max = prefill_rows_reserved(share, self.engine.max_num_batched_tokens,
-                                                          self.engine.max_num_seqs, EXTEND_GRAPH_MAX_TOKENS,
-                                                          gathers_context=not has_fa4)
+            chunk = self.engine.max_num_batched_tokens
+            chunk_rows = None if chunk is None else chunk_rows_per_worker(chunk, self.strategy.kv_share,
+                                                                          self.engine.extend_ring_min_tokens)
+            self.prefill_rows_max = prefill_rows_reserved(share, chunk_rows, self.engine.max_num_seqs,
+                                                          EXTEND_GRAPH_MAX_TOKENS, gathers_context=not has_fa4)
+            if chunk is not None and has_fa4 and self.strategy.kv_workers > 1:   # a sharded chunk passes its Q
+                budget -= pass_q_bytes(min(chunk, self.max_model_len), self.cfg.num_heads, self.cfg.head_dim,
+                                       self.dtype.itemsize)
             if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
                 gathered = min(share, FP8_GATHER_SEGMENT + self.engine.max_num_batched_tokens)
                 budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from engine.cluster import ClusterConfig
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, EngineConfig, default_dtype
+from engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, DTYPES, EngineConfig, default_chunk_tokens, default_dtype
 from engine.errors import InvalidRequestError
 from engine.parallel import SP_STRATEGIES, STRATEGIES
 from kernels.attention import ATTENTION_BACKENDS
@@ -197,7 +197,8 @@ OPTIONS: tuple[Option, ...] = (
            "running requests decode between chunks and short new prompts go before the next chunk (default: on; "
            "--no-enable-chunked-prefill: every prompt in one prefill, the others wait for it)", default=True),
     Option("max_num_batched_tokens", int, "the largest chunk of chunked prefill (default "
-           f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})", metavar="N", at_least=1),
+           f"{DEFAULT_CHUNK_TOKENS_PER_WORKER} per worker a prompt is sharded over: {2 * DEFAULT_CHUNK_TOKENS_PER_WORKER} "
+           f"on 2 workers, {DEFAULT_CHUNK_TOKENS_PER_WORKER} under tp)", metavar="N", at_least=1),
     Option("itl_target_ms", float, "with chunked prefill: while other requests decode, each chunk is sized so that "
            "it and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
            "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always", metavar="MS", above=0,
@@ -269,11 +270,15 @@ def from_args(args: argparse.Namespace, options: Iterable[Option] = OPTIONS) -> 
     return {o.name: getattr(args, o.name) for o in options if hasattr(args, o.name)}
 
 
-def chunk_tokens(values: Mapping) -> int | None:
-    """EngineConfig.max_num_batched_tokens: the chunk of chunked prefill, None when it is off."""
+def chunk_tokens(values: Mapping, world_size: int) -> int | None:
+    """EngineConfig.max_num_batched_tokens on world_size workers: the chunk of chunked prefill, None when it is
+    off; by default DEFAULT_CHUNK_TOKENS_PER_WORKER for each worker the strategy shards a prompt over."""
     if not values["enable_chunked_prefill"]:
         return None
-    return values["max_num_batched_tokens"] or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if values["max_num_batched_tokens"]:
+        return values["max_num_batched_tokens"]
+    strategy = STRATEGIES[values["sp_strategy"]]
+    return default_chunk_tokens(strategy(min(world_size, strategy.max_workers or world_size)).kv_workers)
 
 
 def engine_config(model: str, devices: list[str], values: Mapping) -> EngineConfig:
@@ -281,7 +286,8 @@ def engine_config(model: str, devices: list[str], values: Mapping) -> EngineConf
     like a field fills it; the devices, dtype's default (by device), the kernel and the chunk are resolved here."""
     fields = {name: value for name, value in values.items() if name in _ENGINE_FIELDS}
     fields.update(model=model, devices=devices, dtype=values["dtype"] or default_dtype(devices),
-                  kernel=ATTENTION_BACKENDS[values["attention_backend"]], max_num_batched_tokens=chunk_tokens(values))
+                  kernel=ATTENTION_BACKENDS[values["attention_backend"]],
+                  max_num_batched_tokens=chunk_tokens(values, len(devices)))
     return EngineConfig(**fields)
 
 

@@ -487,6 +487,30 @@ part_bench() {   # the prefill tables of docs/benchmarks.md: bench small-counts 
   esac
 }
 
+part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp, torch-cp and one GPU (issue 49)
+  sel=${PARTS:-engine long peers one}
+  local cp=${CP:-2} m=${MODEL:-llama3-8b} limit=${LIMIT:-240} results=() name
+  local sweep="--model $m --lengths ${LENGTHS:-8192,32768,131072} --repeats ${REPEATS:-1} --warmup 1"
+  local long="--model $m --lengths ${LONG:-262144} --repeats 1 --warmup 0"
+  add() { [ -f "$out/$1/results.json" ] && results+=("$out/$1/results.json"); }
+  if has engine; then
+    offline "default-$cp" "$limit" "$cp" $sweep; add "default-$cp"
+    offline "unchunked-$cp" "$limit" "$cp" $sweep --no-enable-chunked-prefill; add "unchunked-$cp"
+  fi
+  if has long; then   # past one default chunk: LONG in chunks against one call
+    offline "default-$cp-long" "$limit" "$cp" $long; add "default-$cp-long"
+    offline "unchunked-$cp-long" "$limit" "$cp" $long --no-enable-chunked-prefill; add "unchunked-$cp-long"
+  fi
+  if has peers; then
+    for name in tp torch-cp; do
+      offline "$name-$cp" "$limit" "$cp" $sweep --sp-strategy "$name"; add "$name-$cp"
+    done
+  fi
+  if has one; then offline "engine-1" "$limit" 1 $sweep; add "engine-1"; fi
+  [ ${#results[@]} = 0 ] || python3 -m server.cli bench merge "${results[@]}" --output-dir "$out/merged" \
+      | grep -E "^\|" | tee "$out/merged.md"
+}
+
 part_8x() {   # 8 GPUs: one 1M-token prompt end to end (million), the 4-GPU column of the scaling table (scaling)
   local gpus=${GPUS:-8} model=${MODEL:-llama3-8b} n=${MILLION:-1048576} m s
   case "${PARTS:-million}" in

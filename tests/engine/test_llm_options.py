@@ -4,12 +4,13 @@ several options and the strategies' refusals, in their words. Nothing here start
 import dataclasses
 import inspect
 import os
+import random
 import re
 
 import pytest
 
 from engine import LLM, InvalidRequestError
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, preset_config
+from engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, EngineConfig, preset_config
 from engine.options import BY_NAME, OPTIONS, check_options, cluster_config, engine_config, from_args
 from engine.parallel import SP_STRATEGIES, STRATEGIES, get_strategy
 from server.cli import build_parser
@@ -164,7 +165,7 @@ def test_every_option_fills_its_engine_config_field():
     value given to any option named like a field lands in that field."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     engine = engine_config("tiny", ["cpu"], check_options({}))
-    resolved = dict(model="tiny", devices=["cpu"], dtype="float32", max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    resolved = dict(model="tiny", devices=["cpu"], dtype="float32", max_num_batched_tokens=DEFAULT_CHUNK_TOKENS_PER_WORKER)
     assert dataclasses.asdict(engine) == dataclasses.asdict(EngineConfig(**resolved))
     for o in OPTIONS:
         if o.name in fields and o.name not in resolved:
@@ -175,6 +176,22 @@ def test_every_option_fills_its_engine_config_field():
     assert engine_config("tiny", ["cpu"], check_options(dict(enable_chunked_prefill=False))).max_num_batched_tokens is None
     cluster = cluster_config(check_options(dict(nnodes=2, master_port=4000)), node_rank=1)
     assert (cluster.nnodes, cluster.node_rank, cluster.master_port, cluster.join_timeout) == (2, 1, 4000, 300.0)
+
+
+def test_the_default_chunk_is_a_share_for_each_worker_a_prompt_is_sharded_over():
+    """Chunked prefill's default chunk gives every worker the same share of it on any number of workers
+    (a chunk is sharded like a prompt); tp runs every chunk whole on each worker, so its chunk stays one
+    share; a chunk the user gives, or chunking turned off, is kept as given."""
+    def chunk(workers, **options):
+        return engine_config("tiny", ["cpu"] * workers, check_options(options)).max_num_batched_tokens
+    share = DEFAULT_CHUNK_TOKENS_PER_WORKER
+    for workers in (1, 2, 3, 4):
+        assert chunk(workers) == chunk(workers, sp_strategy="ulysses") == workers * share
+        assert chunk(workers, sp_strategy="tp") == chunk(workers, sp_strategy="tp-v3") == share
+    assert chunk(2, sp_strategy="single") == share
+    given = random.randrange(1, 1 << 20)
+    assert chunk(4, max_num_batched_tokens=given) == given
+    assert chunk(4, enable_chunked_prefill=False) is None
 
 
 def test_the_readme_flag_table_names_every_option():

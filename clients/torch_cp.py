@@ -175,4 +175,13 @@ def _forward_last_logits(lm, mesh, ids: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor.experimental import context_parallel
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
     with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], no_restore_buffers={ids, positions}):
-        return lm(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits[0, -1]
+        return lm(**causal_inputs(ids, positions), use_cache=False, logits_to_keep=1).logits[0, -1]
+
+
+def causal_inputs(ids: torch.Tensor, positions: torch.Tensor) -> dict:
+    """A rank's shard of the prompt as the model's inputs, attention left to SDPA's is_causal (which
+    context_parallel shards). Head-tail balance gives a rank two runs of positions (rank 0 of 2: 0 .. n/4 - 1,
+    then 3n/4 .. n - 1); with no attention mask transformers reads that jump as two packed sequences and
+    builds a mask, which context_parallel's SDPA cannot shard. An all-ones padding mask says one sequence,
+    unpadded, and transformers then drops the mask for is_causal."""
+    return dict(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))

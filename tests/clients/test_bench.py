@@ -2,11 +2,13 @@
 import csv
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from clients.server_process import ROOT, RemoteServer
 from clients.shared import SOURCES, source
@@ -460,3 +462,33 @@ def test_transformers_that_cannot_hold_the_model_is_oom_at_every_length(monkeypa
 class _NoProgress:
     def update(self, n=1):
         pass
+
+
+def test_torch_cp_peer_leaves_attention_to_is_causal_on_a_head_tail_shard():
+    """A torch-cp rank's shard holds two runs of positions (head-tail balance). Given as they are,
+    transformers reads the jump as packed sequences and hands SDPA a mask, which context_parallel cannot
+    shard (the peer's 8K row failed so on 2 x H200); with clients.torch_cp.causal_inputs every layer gets
+    no mask (SDPA's is_causal), and the shard's head rows are the whole prompt's first quarter."""
+    from clients.hf_baseline import build_model
+    from clients.torch_cp import causal_inputs
+    torch.manual_seed(random.randrange(1 << 30))
+    lm = build_model("tiny", torch.float32, torch.device("cpu"))
+    n = 4 * random.randrange(4, 16)
+    ids = torch.randint(lm.config.vocab_size, (1, n))
+    head_tail = torch.cat([torch.arange(n // 4), torch.arange(3 * n // 4, n)])[None]   # rank 0 of 2
+    masks = []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a, kw: masks.append(kw.get("attention_mask")),
+                                                      with_kwargs=True) for layer in lm.model.layers]
+    try:
+        with torch.no_grad():
+            lm(input_ids=ids[:, head_tail[0]], position_ids=head_tail, use_cache=False)
+            assert any(m is not None for m in masks)                  # transformers' packed reading
+            masks.clear()
+            shard = lm(**causal_inputs(ids[:, head_tail[0]], head_tail), use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    assert masks and all(m is None for m in masks)
+    with torch.no_grad():      # the shard's head is the prompt's first quarter, attended as in the whole prompt
+        whole = lm(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(shard[:, :n // 4], whole[:, :n // 4])

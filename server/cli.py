@@ -129,12 +129,16 @@ def serve(args) -> None:
 def listening_socket(host: str, port: int) -> socket.socket:
     """The HTTP port, bound before the engine starts (as vLLM does): a port in use is refused at once,
     not after the model loads, and no process the engine starts (its workers' rendezvous and
-    connections take ports from the same ephemeral range) can take it meanwhile. uvicorn listens on it."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    connections take ports from the same ephemeral range) can take it meanwhile. uvicorn listens on it.
+    Made with the protocol getaddrinfo names (TCP): asyncio sets TCP_NODELAY only on accepted sockets whose
+    protocol is IPPROTO_TCP, and without it Nagle's algorithm holds a stream's first token behind the
+    response headers until the client's delayed ACK, about 40 ms later."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(info[4])
+        sock.bind(address)
     except OSError:
         sock.close()
         raise

@@ -112,6 +112,40 @@ def test_seed_reproduces_sampling(server):
     assert a == b and a != c
 
 
+def test_a_kept_alive_client_gets_the_first_token_as_the_server_sends_it(server):
+    """On a kept-alive connection a stream's first token follows its response headers at once: the client's
+    time to first token is within 20 ms of the server's own (its TTFT histogram over the same requests).
+    Without TCP_NODELAY on the accepted socket (server/cli.py listening_socket), Nagle's algorithm held the
+    token until the client's delayed ACK of the headers, about 40 ms."""
+    def server_ttft() -> tuple[float, float]:
+        values = metrics(server)
+        return (values["burstserve:time_to_first_token_seconds_sum{}"],
+                values["burstserve:time_to_first_token_seconds_count{}"])
+
+    def first_token_seconds(client: httpx.Client) -> float:
+        body = {"model": "test-model", "prompt": _prompt(16), "max_tokens": 2, "stream": True, "ignore_eos": True}
+        start = time.perf_counter()
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            seconds = time.perf_counter() - start
+            assert "data: [DONE]" in list(lines)
+        return seconds
+
+    with httpx.Client(base_url=server.url(""), headers=server.headers, timeout=60) as client:
+        first_token_seconds(client)                                     # the connection opened, the path warm
+        wait_until_idle(server)
+        before = server_ttft()
+        client_seconds = [first_token_seconds(client) for _ in range(9)]
+    after = server_ttft()
+    assert after[1] - before[1] == 9
+    own = (after[0] - before[0]) / 9
+    gap = sorted(client_seconds)[4] - own
+    print(f"client TTFT median {sorted(client_seconds)[4] * 1e3:.1f} ms, server's own {own * 1e3:.1f} ms")
+    assert gap < 0.020, (client_seconds, own)
+
+
 def test_stop_string_cuts_the_text(server):
     # Printable-ASCII stop strings: with invalid byte sequences (control bytes, U+FFFD) the cut text was once
     # seen one character off; that edge case of incremental detokenization is still open.

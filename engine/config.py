@@ -197,6 +197,8 @@ class EngineConfig:
     extend_ring_min_tokens: int = 4096      # on several workers, an incremental prefill of at least this many new
                                             # tokens is sharded over them (K/V ring + pass-Q); fewer run whole on
                                             # every worker, one keeping their K/V (engine/extend_attention.py)
+    extend_pass: str = "q"                  # a sharded extend's cached tokens: "q" passes the new queries to them,
+                                            # "kv" their K/V around the ring (engine/parallel/pass_kv.py)
     mixed_batch: bool | None = None         # a chunk after the first and the running sequences' decode step in
                                             # one forward pass (weights read once). None (auto): where the worker
                                             # replays it as CUDA graphs (engine/extend_graphs.py); eagerly the

@@ -24,6 +24,9 @@ prefix). Three ways, chosen by ModelRunner (`way`):
   every worker all n queries, each attends them to the cached K/V it holds with one paged_attention
   call, and one all-to-all returns each worker the partials of its own queries, merged in fp32 by
   LSE. The new tokens' K/V are written after the cached ones on the worker that ran them.
+  With `pass_kv_cached` (--extend-pass kv) the cached K/V travel instead: each worker's cached K/V of
+  the sequence, gathered from its pages, goes around the ring ahead of its new K/V in one block
+  (engine/parallel/pass_kv.py), attended in full while the next block is in flight.
 
 With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix has that prefix's
 keys cut into runs (kernels.paged_attention.split_prefix_attention), in "local" and "whole".
@@ -35,6 +38,7 @@ from engine.cache.ledger import pages_for
 from engine.cache.page_pool import PagePool
 from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
+from engine.parallel.pass_kv import PassKVAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.merge import merge_partials
@@ -47,10 +51,13 @@ WAYS = ("local", "whole", "ring")
 class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
                  new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
-                 overlap: bool = True, group=None, way: str = "ring", fp8: bool = False):
+                 overlap: bool = True, group=None, way: str = "ring", fp8: bool = False,
+                 pass_kv_cached: list[int] | None = None):
         """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
         where this worker's new tokens' K/V go (empty if it keeps none); new_shards: the n new tokens
-        over the workers (way "whole": all on one; "local" under tp: the strategy's one shard)."""
+        over the workers (way "whole": all on one; "local" under tp: the strategy's one shard);
+        pass_kv_cached (way "ring", bf16 pages): every worker's cached tokens of the sequence, by rank, to
+        pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
         assert way in WAYS, way
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
         self.slots, self.shards, self.way = slots, new_shards, way
@@ -69,7 +76,17 @@ class ExtendAttention:
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
                    for m in {queries, mine}}
         self.ring_attention = (BurstAttention(ring, backend, new_shards, rank, scale, overlap, fp8=fp8)
-                               if way == "ring" else None)
+                               if way == "ring" and pass_kv_cached is None else None)
+        self.pass_kv = None
+        if way == "ring" and pass_kv_cached is not None:
+            assert not fp8 and pass_kv_cached[rank] == cached_local, (pass_kv_cached, rank, cached_local)
+            self.pass_kv = PassKVAttention(ring, backend, new_shards, pass_kv_cached, rank, scale, overlap)
+            self.page_ids = torch.tensor(pages or [0], dtype=torch.long, device=device)       # [pages]
+
+    @property
+    def reported_way(self) -> str:
+        """The way in a prefill's figures: "ring-kv" for a ring that passes the cached K/V."""
+        return "ring-kv" if self.pass_kv is not None else self.way
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]: this worker's new tokens ("ring"), or all n
@@ -98,12 +115,23 @@ class ExtendAttention:
                                host_sizes=([0, q.shape[0]], [self.key_count]))
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.pass_kv is not None:
+            out, _ = self.pass_kv.forward(q, torch.stack([k, v], dim=1), self._cached_block(layer))
+            self.pool.write(layer, self.slots, k, v)
+            return out
         new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
         cached = self._cached_partials_of_mine(layer, q)
         self.pool.write(layer, self.slots, k, v)
         outs = torch.stack([new[0].float()] + [o for o, _ in cached])                         # [P, n_w, H, D]
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
         return merge_partials(outs, lses, q.dtype)[0]
+
+    def _cached_block(self, layer: int) -> torch.Tensor:
+        """This worker's cached K/V of the sequence, from its pages -> [cached_local, 2, Hkv, D]."""
+        k_cache, v_cache = self.pool.layer(layer)                               # [pages, page, Hkv, D] each
+        k = k_cache.index_select(0, self.page_ids).flatten(0, 1)[:self.cached_local]
+        v = v_cache.index_select(0, self.page_ids).flatten(0, 1)[:self.cached_local]
+        return torch.stack([k, v], dim=1)
 
     def _prefix_runs(self, layer: int, q: torch.Tensor) -> PrefixRuns | None:
         """With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix on this worker

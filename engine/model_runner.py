@@ -30,6 +30,7 @@ from engine.errors import ModelLoadError
 from engine.model import hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.exchange_time import ExchangeTime
+from engine.parallel.pass_kv import block_bytes
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import Shard, owner_of_position
 from engine.parallel.weight_layout import global_rank
@@ -65,6 +66,7 @@ class PlacedExtend:
     shards: list                  # the new tokens over the workers (Shard, positions within the new tokens)
     positions: torch.Tensor       # [m] int64 (host): the rows this worker runs, within the new tokens
     cached: int                   # the sequence's tokens on this worker before them
+    cached_all: list[int]         # ... on every worker, by rank
     host_slots: torch.Tensor      # [n_w] int64 (host): where this worker keeps new K/V (n_w = its shard's length)
     keeps: bool                   # it keeps some of them
 
@@ -244,7 +246,7 @@ class ModelRunner:
         attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
         hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
         logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
-        return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", attend.way))
+        return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", attend.reported_way))
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
@@ -283,7 +285,7 @@ class ModelRunner:
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", chunk.way))
+        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", chunk.reported_way))
         if self.rank == 0:
             result.decode = self._sampled(decode_logits, step)
         return result
@@ -296,10 +298,10 @@ class ModelRunner:
         shards = self.pages.extend_shards(held, num_tokens, way)
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(num_tokens) if way == "whole" else shard.positions()   # [m], within the new tokens
-        cached = self.ledger.tokens(seq_id, self.rank)
+        cached, cached_all = self.ledger.tokens(seq_id, self.rank), list(held)
         self.ledger.extend(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, start))
         host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
-        return PlacedExtend(way, shards, positions, cached, host_slots, keeps=shard.length > 0)
+        return PlacedExtend(way, shards, positions, cached, cached_all, host_slots, keeps=shard.length > 0)
 
     def _graphed_extend(self, placed: "PlacedExtend", decode_rows: int = 0) -> bool:
         """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
@@ -319,11 +321,22 @@ class ModelRunner:
         way, shards, positions = placed.way, placed.shards, placed.positions
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
-                                 self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8)
+                                 self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8,
+                                 placed.cached_all if self._passes_kv(placed) else None)
         if restore_waits:
             attend = AfterRestore(attend, restore_waits)
         last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
+
+    def _passes_kv(self, placed: "PlacedExtend") -> bool:
+        """Does a "ring" extend pass the cached K/V around the ring (engine/parallel/pass_kv.py) rather than
+        its queries to them? With --extend-pass kv on bf16 pages, where the blocks fit what the pool left for
+        a chunk's pass-Q (on a GPU; a CPU worker's memory is taken as used). The same answer on every worker."""
+        if placed.way != "ring" or self.engine.extend_pass != "kv" or self.kv_fp8:
+            return False
+        need = block_bytes(placed.cached_all, placed.shards, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
+                           self.dtype.itemsize)
+        return self.device.type != "cuda" or need <= self.pass_q_reserve_bytes
 
     def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str,
                        graphed: bool = False) -> PrefillResult:
@@ -590,6 +603,7 @@ class ModelRunner:
                                           self.engine.kv_cache_dtype)
         has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
         self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
+        self.pass_q_reserve_bytes = 0              # what a chunk's pass-Q may hold (set below likewise)
         if self.engine.kv_cache_tokens:
             tokens = self.engine.kv_cache_tokens
         elif self.device.type != "cuda":
@@ -609,8 +623,9 @@ class ModelRunner:
             self.prefill_rows_max = prefill_rows_reserved(share, chunk_rows, self.engine.max_num_seqs,
                                                           EXTEND_GRAPH_MAX_TOKENS, gathers_context=not has_fa4)
             if chunk is not None and has_fa4 and self.strategy.kv_workers > 1:   # a sharded chunk passes its Q
-                budget -= pass_q_bytes(min(chunk, self.max_model_len), self.cfg.num_heads, self.cfg.head_dim,
-                                       self.dtype.itemsize)
+                self.pass_q_reserve_bytes = pass_q_bytes(min(chunk, self.max_model_len), self.cfg.num_heads,
+                                                         self.cfg.head_dim, self.dtype.itemsize)
+                budget -= self.pass_q_reserve_bytes
             if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
                 gathered = min(share, FP8_GATHER_SEGMENT + self.engine.max_num_batched_tokens)
                 budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)

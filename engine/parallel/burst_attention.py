@@ -56,7 +56,7 @@ class BurstAttention:
                 block = kv                                                           # its own: no round trip
             elif block.dtype == torch.uint8:
                 block = unpack_kv(block, kv.dtype)                                  # [m, 2, Hkv, D]
-            rows, block_out, block_lse = self._attend_block(q, block, source)
+            rows, block_out, block_lse = self.attend_block(q, block, source)
             if not acc:   # the first block is this worker's own: it covers every query row
                 acc["out"], acc["lse"] = block_out, block_lse.clone()
                 return
@@ -68,8 +68,9 @@ class BurstAttention:
         self.ring_pass.run(travels, attend)
         return acc["out"].to(q.dtype), acc["lse"]
 
-    def _attend_block(self, q, block, source):
-        """-> (query rows, out, lse) of this worker's queries against one worker's K/V block."""
+    def attend_block(self, q, block, source):
+        """-> (query rows, out, lse) of this worker's queries against one worker's K/V block (`source`'s shard
+        of the tokens this ring runs), by the zigzag causal rule."""
         k, v = block[:, 0], block[:, 1]                                  # [m, Hkv, D] each
         if not self.causal or source == self.rank:
             return slice(None), *self.backend(q, k, v, self.causal, self.scale)

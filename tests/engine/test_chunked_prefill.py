@@ -54,6 +54,22 @@ def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_m
         assert stats["extend_ways"] == ways
 
 
+@pytest.mark.parametrize("workers,chunk", [(2, 50), (3, 37), (4, 100)])
+def test_ring_extends_that_pass_the_cached_kv_match_transformers(checkpoint, workers, chunk):
+    """--extend-pass kv: every sharded chunk's cached K/V goes around the ring with its new K/V
+    (engine/parallel/pass_kv.py) rather than its queries to the cache, and the logits and greedy tokens are
+    still transformers'; the chunks report the way "ring-kv". Prompts of 2 chunks (the last of one token:
+    a worker with no new token passes the blocks on), exact chunks, and uneven ones."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompts = [[random.randrange(vocab) for _ in range(n)] for n in (chunk + 1, 2 * chunk, 3 * chunk + 5, 401)]
+    with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
+             max_num_batched_tokens=chunk, extend_ring_min_tokens=0, extend_pass="kv") as llm:
+        _check(llm, model, prompts)
+        stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
+        assert stats["chunks"] == 4 and stats["extend_ways"] == {"ring-kv": 3}, stats
+
+
 @pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto", "burst-zero"])
 def test_chunked_prefill_after_every_strategys_first_chunk(checkpoint, strategy):
     """The first chunk is a prefill by the configured strategy; the rest extend it."""

@@ -32,19 +32,23 @@ def _exact(llm, model, prompt, cached_at_least):
     return out
 
 
-@pytest.mark.parametrize("workers,ring_min", [(1, 4096), (2, 4096), (3, 4096), (4, 4096), (2, 0), (3, 0)])
-def test_prompts_extending_cached_ones_match_transformers(checkpoint, workers, ring_min):
-    """ring_min (extend_ring_min_tokens) 4096: the new tokens run whole on every worker; 0: over the ring."""
+@pytest.mark.parametrize("workers,ring_min,extend_pass", [(1, 4096, "q"), (2, 4096, "q"), (3, 4096, "q"),
+                                                         (4, 4096, "q"), (2, 0, "q"), (3, 0, "q"), (2, 0, "kv"),
+                                                         (3, 0, "kv")])
+def test_prompts_extending_cached_ones_match_transformers(checkpoint, workers, ring_min, extend_pass):
+    """ring_min (extend_ring_min_tokens) 4096: the new tokens run whole on every worker; 0: over the ring,
+    which sees the cached prefix (adopted from another sequence, unevenly over the workers) by passing the
+    queries to it (extend_pass q) or its K/V around the ring (kv)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     doc = [random.randrange(vocab) for _ in range(203)]
     with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", block_size=16,
-             enable_prefix_caching=True, extend_ring_min_tokens=ring_min) as llm:
+             enable_prefix_caching=True, extend_ring_min_tokens=ring_min, extend_pass=extend_pass) as llm:
         first = _exact(llm, model, doc, 0)                                   # cold: cached as doc + 9 generated
         cached = doc + first.outputs[0].token_ids[:-1]
         question = [random.randrange(vocab) for _ in range(37)]
         hit = _exact(llm, model, doc + question, len(doc))                   # hit inside a page, beyond the doc
-        way = "local" if workers == 1 else ("ring" if ring_min == 0 else "whole")
+        way = "local" if workers == 1 else ({"q": "ring", "kv": "ring-kv"}[extend_pass] if ring_min == 0 else "whole")
         assert hit.metrics.prefill_stats["extend_ways"] == {way: 1}
         _exact(llm, model, cached[:192] + question, 192)                     # hit on a page boundary
         _exact(llm, model, cached + first.outputs[0].token_ids[-1:], len(cached))   # a conversation's next turn

@@ -1,0 +1,66 @@
+"""A sharded extend's attention by passing K/V (pass-KV, Meta's arXiv 2411.01783): the new tokens' queries see
+the cached tokens and each other through one ring, as a prompt's do in a prefill.
+
+Each worker's block is its cached K/V of the sequence followed by its shard of the new tokens' K/V
+([c_r + n_r, 2, Hkv, D]); the blocks travel around the ring (engine/parallel/ring.py RingPass: double
+buffered, the next block in flight while the current one is attended). A worker's new queries attend a
+block's cached part in full (every cached token precedes every new one) and its new part by BurstAttention's
+zigzag causal rule (engine/parallel/burst_attention.py); the partials merge into fp32 accumulators.
+
+Against pass-Q (engine/extend_attention.py, ExtendAttention._cached_partials_of_mine: every worker's queries
+gathered to each worker's cache, the fp32 partials sent back by an all-to-all, neither overlapped) a cached
+token travels as its K/V (4 KiB for llama3-8b's 8 KV heads in bf16) where a new token's query and partial
+travel as ~24 KiB, and the exchange hides behind the block being attended. The cost is memory that grows
+with the context: the worker's own block and the two ring buffers of the largest block (ModelRunner uses
+it only where that fits the reserve made for a chunk's pass-Q: `block_bytes`).
+"""
+import torch
+
+from engine.parallel.burst_attention import BurstAttention
+from engine.parallel.ring import RingCommunicator, RingPass
+from engine.parallel.sharding import Shard
+from kernels.attention import AttentionBackend
+from kernels.merge import merge_into
+
+
+def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What pass-KV holds at once for one layer: the worker's own block and the ring's two buffers, each up to
+    the largest worker's cached + new tokens of K and V."""
+    largest = max(c + s.length for c, s in zip(cached, new_shards))
+    return 3 * largest * 2 * num_kv_heads * head_dim * itemsize
+
+
+class PassKVAttention:
+    def __init__(self, ring: RingCommunicator, backend: AttentionBackend, new_shards: list[Shard],
+                 cached: list[int], rank: int, scale: float, overlap: bool = True):
+        """new_shards: the new tokens over the workers (zigzag, ExtendAttention's "ring" way); cached: the
+        sequence's tokens each worker holds before them, by rank (the ledger's, the same on every worker)."""
+        self.backend, self.scale, self.rank, self.cached = backend, scale, rank, cached
+        self.new = BurstAttention(ring, backend, new_shards, rank, scale, overlap)      # the new keys' causal rule
+        self.ring_pass = RingPass(ring, [c + s.length for c, s in zip(cached, new_shards)], rank, overlap)
+
+    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, kv_cached: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """q [n_r, H, D] and kv_new [n_r, 2, Hkv, D]: this worker's new tokens; kv_cached [c_r, 2, Hkv, D]: its
+        cached K/V of the sequence -> out [n_r, H, D] in q's dtype, lse [n_r, H] fp32."""
+        if q.shape[0] == 0:                 # no new tokens here: the blocks still pass through
+            self.ring_pass.run(torch.cat([kv_cached, kv_new]), lambda source, block: None)
+            return q.clone(), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        acc = {}
+
+        def absorb(rows, out: torch.Tensor, lse: torch.Tensor) -> None:
+            if not acc:     # the first partial is the own block's: its cached part, or its new part (causal)
+                acc["out"], acc["lse"] = out.float(), lse.float().clone()   # every row (a causal block's diagonal)
+                return
+            merge_into(acc["out"][rows], acc["lse"][rows], out, lse)
+
+        def attend(source: int, block: torch.Tensor) -> None:
+            cached = self.cached[source]
+            if cached:
+                absorb(slice(None), *self.backend(q, block[:cached, 0], block[:cached, 1], False, self.scale))
+            if block.shape[0] > cached:
+                absorb(*self.new.attend_block(q, block[cached:], source))
+
+        self.ring_pass.run(torch.cat([kv_cached, kv_new]), attend)
+        return acc["out"].to(q.dtype), acc["lse"]
+

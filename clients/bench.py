@@ -36,7 +36,8 @@ from engine.options import BY_NAME, Option, add_arguments, from_args
 # max_model_len (the longest request) and max_num_seqs (from --batch).
 OFFLINE_OPTIONS = ("devices", "context_parallel_size", "dtype", "quantization", "kv_cache_dtype", "sp_strategy",
                    "attention_backend", "overlap", "async_scheduling", "enable_chunked_prefill",
-                   "max_num_batched_tokens", "zero_sliced_max_tokens", "kv_cache_tokens", "kv_offload_gb")
+                   "max_num_batched_tokens", "extend_pass", "zero_sliced_max_tokens", "kv_cache_tokens",
+                   "kv_offload_gb")
 ADDED_TO_SERVE = ("devices", "context_parallel_size")     # _device_args
 # `bench sweep --sp-strategy` takes these too, beside the engine's strategies: transformers' model run as a
 # user would, the engine not started (clients/hf_baseline.py, clients/torch_cp.py)

@@ -501,6 +501,10 @@ part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp
     offline "default-$cp-long" "$limit" "$cp" $long; add "default-$cp-long"
     offline "unchunked-$cp-long" "$limit" "$cp" $long --no-enable-chunked-prefill; add "unchunked-$cp-long"
   fi
+  if has passkv; then   # LONG in chunks whose extends pass the cached K/V (--extend-pass kv), beside pass-Q's
+    offline "default-$cp-long" "$limit" "$cp" $long; add "default-$cp-long"
+    offline "passkv-$cp-long" "$limit" "$cp" $long --extend-pass kv; add "passkv-$cp-long"
+  fi
   if has peers; then
     for name in tp torch-cp; do
       offline "$name-$cp" "$limit" "$cp" $sweep --sp-strategy "$name"; add "$name-$cp"

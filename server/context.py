@@ -13,6 +13,7 @@ class ServerContext:
     model_name: str
 
     def check_model(self, model: str | None) -> None:
-        """A 404 (OpenAI's `model_not_found`) unless the request names the served model or none."""
+        """A 404 (OpenAI's `model_not_found`, naming the model served) unless the request names it or none."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}` "
+                                "(GET /v1/models lists it).", "model", code="model_not_found")

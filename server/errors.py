@@ -74,6 +74,20 @@ def as_api_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def body_error(request: Request, exc: RequestValidationError) -> APIError | None:
+    """A complaint about the body as a whole as a 400 that says what to send: a body FastAPI did not read as
+    JSON because its Content-Type does not say JSON (curl's `-d` sends a form's) names the header; JSON
+    that is not an object says so. None for a complaint about a field."""
+    errors = exc.errors()
+    if not errors or tuple(errors[0].get("loc", ())) != ("body",):
+        return None
+    kind = request.headers.get("content-type", "")
+    if "json" not in kind.lower():
+        return APIError(400, f"the request body must be JSON, sent with `Content-Type: application/json` "
+                             f"(this request's Content-Type: {kind or 'none'})")
+    return APIError(400, "the request body must be a JSON object of the request's fields")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's complaint about the first bad field as a 400 naming it (OpenAI answers 400, not
     FastAPI's 422). A field of several types (`prompt`, `stop`, `content`) gets one complaint per
@@ -105,7 +119,7 @@ def _common_prefix(a: list, b: list) -> list:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return api_error_response(validation_error(exc))
+        return api_error_response(body_error(request, exc) or validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):   # unknown routes, wrong methods

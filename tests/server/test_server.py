@@ -307,16 +307,31 @@ def test_context_overflow_is_worded_like_vllm(server):
 
 
 def test_malformed_bodies(server):
-    r = httpx.post(server.url("/v1/completions"), headers={**server.headers, "content-type": "application/json"},
-                   content=b"{not json")
-    assert r.status_code == 400 and r.json()["error"]["message"]
-    r = httpx.post(server.url("/v1/completions"), headers=server.headers, content=b"plain text")
-    assert r.status_code == 400
+    """Each gets a 400 that says what to send: invalid JSON; a JSON body without a JSON Content-Type (none, or
+    curl -d's form type) names the header; JSON that is not an object says so."""
+    json_type = {**server.headers, "content-type": "application/json"}
+    r = httpx.post(server.url("/v1/completions"), headers=json_type, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+    body = json.dumps({"model": "test-model", "prompt": "hi", "max_tokens": 1}).encode()
+    for kind in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = server.headers if kind is None else {**server.headers, "content-type": kind}
+        r = httpx.post(server.url("/v1/completions"), headers=headers, content=body)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "`Content-Type: application/json`" in message, message
+        assert f"this request's Content-Type: {kind or 'none'}" in message, message
+    r = httpx.post(server.url("/v1/completions"), headers=json_type, content=b"[1, 2]")
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object of " \
+                                                                    "the request's fields"
+    assert httpx.post(server.url("/v1/completions"), headers=json_type, content=body).status_code == 200
 
 
 def test_unknown_model_is_404(server):
-    with pytest.raises(openai.NotFoundError):
+    """OpenAI's 404, and its message names the model this server serves."""
+    with pytest.raises(openai.NotFoundError) as refused:
         server.client().completions.create(model="nope", prompt="hi", max_tokens=1)
+    error = refused.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert "`nope` does not exist" in error["message"] and "serves `test-model`" in error["message"], error
 
 
 def test_api_key_is_required(server):

@@ -62,8 +62,11 @@ def add_parser(sub) -> None:
         m.add_argument("--serve", default=None, help="start `burstserve serve` with these arguments for this run")
         m.add_argument("--api-key", default=None)
         m.add_argument("--label", default=None, help="the configuration's name in tables and plots")
-        m.add_argument("--output-dir", default="bench-out")
-    sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()))
+        m.add_argument("--output-dir", default="bench-out", help="where results.json, .csv, .md and plots go "
+                                                                 "(default: %(default)s)")
+    sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()),
+                       help="prompt lengths in tokens, comma-separated (default: %(default)s; the long ones take "
+                            "hours on a CPU)")
     sweep.add_argument("--repeats", type=int, default=3, help="measured requests (batches) per length")
     sweep.add_argument("--warmup", type=int, default=1,
                        help="unmeasured requests (batches) per length first (a new length builds kernel plans); "
@@ -338,4 +341,18 @@ def _server(args):
         finally:
             server.stop()
         return
-    yield (args.url or "http://127.0.0.1:8000").rstrip("/")
+    url = (args.url or "http://127.0.0.1:8000").rstrip("/")
+    _check_reachable(url)
+    yield url
+
+
+def _check_reachable(url: str) -> None:
+    """One GET /health first: a server that is not there is one line naming the URL, not a transport traceback."""
+    import httpx
+    from engine.errors import BurstServeError
+    try:
+        httpx.get(f"{url}/health", timeout=10)
+    except httpx.HTTPError as e:
+        raise BurstServeError(f"no server answers at {url} ({type(e).__name__}: {e}): start one with `burstserve "
+                              f"serve`, give its address with --url, or let --serve ARGS start one for this "
+                              f"run") from None

@@ -492,3 +492,18 @@ def test_torch_cp_peer_leaves_attention_to_is_causal_on_a_head_tail_shard():
     with torch.no_grad():      # the shard's head is the prompt's first quarter, attended as in the whole prompt
         whole = lm(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(shard[:, :n // 4], whole[:, :n // 4])
+
+
+@pytest.mark.parametrize("mode", ["sweep", "load", "shared", "interference"])
+def test_a_url_where_no_server_answers_is_one_line(tmp_path, mode):
+    """`bench MODE --url` with nothing listening there: exit 2, one line naming the URL and what to do (not a
+    transport traceback), no results written."""
+    from clients.server_process import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", mode, "--url", url, "--output-dir", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"no server answers at {url}" in lines[0] and "burstserve serve" in lines[0], lines
+    assert not out.exists()

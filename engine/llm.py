@@ -24,7 +24,8 @@ from engine.cache.ledger import pages_for
 from engine.cluster import Head
 from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
-from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, PromptTooLongError
+from engine.gguf import converted_checkpoint, gguf_file
+from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from engine.parallel import STRATEGIES, get_strategy
@@ -71,6 +72,12 @@ class LLM:
         values = check_options(options)
         self.cluster = cluster_config(values)
         self.engine = engine_config(model, self._devices(values), values)
+        if not self.engine.is_preset and gguf_file(model) is not None:   # engine/gguf.py: once, into a cache folder
+            if self.cluster.nnodes > 1:
+                raise ModelLoadError(f"{model} is a GGUF file; an engine over several hosts needs a checkpoint in "
+                                     "transformers' format on every host (the folder this host converts it to, "
+                                     "engine/gguf.py, copied to the same path there)")
+            self.engine = dataclasses.replace(self.engine, model=converted_checkpoint(model, self.engine.dtype))
         refusal = (quantization_refusal(self.engine.quantization, self.engine.devices, self.engine.dtype)
                    or kv_cache_refusal(self.engine.kv_cache_dtype, self.engine.devices))
         if refusal:
@@ -82,14 +89,14 @@ class LLM:
                      "--kv-offload-gb sets it, 0 turns it off)", self.engine.kv_offload_gb)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
-            weight_files(model)          # fails now, naming the file, rather than in every worker
+            weight_files(self.engine.model)      # fails now, naming the file, rather than in every worker
             made_for = context_limit(self.model_config)
             if self.max_model_len > made_for:
                 log.warning("max_model_len %d is longer than the %d tokens %s is made for (its config's "
                             "max_position_embeddings, or for YaRN its pretraining length x factor): positions "
                             "past that are outside its training, and its outputs there may be wrong",
                             self.max_model_len, made_for, model)
-        self.tokenizer = load_tokenizer(model, self.engine.is_preset)
+        self.tokenizer = load_tokenizer(self.engine.model, self.engine.is_preset)
         self._local_workers = self.engine.world_size
         self._head = Head(self.cluster) if self.cluster.nnodes > 1 else None
         if self._head is not None:       # the other hosts' workers join the engine (engine/cluster.py)

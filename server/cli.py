@@ -167,9 +167,18 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("burstserve")
+    except PackageNotFoundError:             # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `burstserve` command line: serve, worker and bench."""
     parser = argparse.ArgumentParser(prog="burstserve", description="Long-context LLM inference server")
+    parser.add_argument("--version", action="version", version=f"burstserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
     worker_parser(sub)

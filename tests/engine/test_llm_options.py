@@ -218,3 +218,10 @@ def test_no_strategy_name_is_compared_outside_engine_parallel():
                 found += [f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}" for i, line in
                           enumerate(open(path), 1) if compared.search(line.split("#")[0])]
     assert not found, "\n".join(found)
+
+
+def test_version_names_the_installed_package(capsys):
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"burstserve {version('burstserve')}"

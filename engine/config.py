@@ -147,16 +147,20 @@ def preset_config(name: str) -> ModelConfig:
 # Chunked prefill's default chunk, per worker a prompt is sharded over: large enough that a lone long prompt
 # keeps its unchunked time to first token, small enough that the KV pool is not held back for a whole
 # prompt's activations; while others decode, the chunk sizer (engine/chunk_sizer.py) cuts chunks to the ITL
-# target anyway. A chunk is sharded over the workers like a prompt, so each worker's share of the default
-# chunk is this many tokens on any number of them (tp: every worker runs the whole chunk, one share). How it
-# was chosen: docs/benchmarks.md, "Chunked prefill and interference".
+# target anyway. A chunk is sharded over the workers like a prompt, so the default grows with them (tp: every
+# worker runs the whole chunk, one share), up to DEFAULT_CHUNK_WORKERS_MAX workers' worth: a worker reserves
+# memory for a whole chunk's rows (a ring extend levels the workers' totals, so after an uneven prefix one
+# worker can run nearly all of it) and for its pass-Q (engine/cache/sizing.py), both growing with the chunk,
+# not the share. How it was chosen: docs/benchmarks.md, "Chunked prefill and interference" and "Prefill on two
+# GPUs, default flags".
 DEFAULT_CHUNK_TOKENS_PER_WORKER = 65536
+DEFAULT_CHUNK_WORKERS_MAX = 2
 
 
 def default_chunk_tokens(sequence_workers: int) -> int:
     """--max-num-batched-tokens' default on an engine whose prompts are sharded over `sequence_workers`
-    workers (the strategy's kv_workers: 1 on one worker or under tp)."""
-    return DEFAULT_CHUNK_TOKENS_PER_WORKER * sequence_workers
+    workers (the strategy's kv_workers: 1 on one worker or under tp): 65536, 131072 on two or more."""
+    return DEFAULT_CHUNK_TOKENS_PER_WORKER * min(sequence_workers, DEFAULT_CHUNK_WORKERS_MAX)
 
 
 @dataclass

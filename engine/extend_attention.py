@@ -116,7 +116,7 @@ class ExtendAttention:
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.pass_kv is not None:
-            out, _ = self.pass_kv.forward(q, torch.stack([k, v], dim=1), self._cached_block(layer))
+            out, _ = self.pass_kv.forward(q, self._pass_kv_block(layer, k, v))
             self.pool.write(layer, self.slots, k, v)
             return out
         new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
@@ -126,12 +126,15 @@ class ExtendAttention:
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
         return merge_partials(outs, lses, q.dtype)[0]
 
-    def _cached_block(self, layer: int) -> torch.Tensor:
-        """This worker's cached K/V of the sequence, from its pages -> [cached_local, 2, Hkv, D]."""
-        k_cache, v_cache = self.pool.layer(layer)                               # [pages, page, Hkv, D] each
-        k = k_cache.index_select(0, self.page_ids).flatten(0, 1)[:self.cached_local]
-        v = v_cache.index_select(0, self.page_ids).flatten(0, 1)[:self.cached_local]
-        return torch.stack([k, v], dim=1)
+    def _pass_kv_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This worker's pass-KV block: its cached K/V of the sequence from its pages, then the new k, v [n_w,
+        Hkv, D] -> [cached_local + n_w, 2, Hkv, D], filled in place (one of K or V's pages gathered at a time)."""
+        c = self.cached_local
+        block = torch.empty((c + k.shape[0], 2) + k.shape[1:], dtype=k.dtype, device=k.device)
+        for i, cache in enumerate(self.pool.layer(layer)):                     # [pages, page, Hkv, D]
+            block[:c, i] = cache.index_select(0, self.page_ids).flatten(0, 1)[:c]
+        block[c:, 0], block[c:, 1] = k, v
+        return block
 
     def _prefix_runs(self, layer: int, q: torch.Tensor) -> PrefixRuns | None:
         """With flash-attn-4, a chunk too small to fill the GPU against a long cached prefix on this worker

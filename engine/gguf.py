@@ -7,7 +7,8 @@ tensor slicing and the tokenizer work unchanged. The conversion is transformers'
 `gguf_file=` loading, through the `gguf` package): the architecture and shapes from the file's metadata,
 every tensor dequantized to float32, then stored in the engine's dtype. The cache key is the file (its
 absolute path, size and modification time) and the dtype; a second start finds the folder and converts
-nothing. Where the cache lives: $BURSTSERVE_CACHE, else ~/.cache/burstserve; folder `gguf/<key>`.
+nothing; two starts at once each convert, and the first to finish stores its folder (a rename) for both.
+Where the cache lives: $BURSTSERVE_CACHE, else ~/.cache/burstserve; folder `gguf/<key>`.
 
 What cannot be read is refused at start naming it: the `gguf` package missing, an architecture transformers
 cannot map, a tensor type the `gguf` package cannot dequantize, an architecture the engine does not run.
@@ -85,8 +86,12 @@ def converted_checkpoint(model: str, dtype: str) -> str:
         _convert(path, work, getattr(torch, dtype))
         with open(os.path.join(work, CONVERTED_MARK), "w") as f:
             f.write(f'{{"source": "{os.path.abspath(path)}", "dtype": "{dtype}"}}\n')
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(work, folder)
+        try:
+            os.rename(work, folder)        # atomic; a folder there is another start's finished conversion
+        except OSError:
+            if not os.path.isfile(os.path.join(folder, CONVERTED_MARK)):
+                raise ModelLoadError(f"cannot store the conversion of {path} at {folder}: a folder without "
+                                     f"{CONVERTED_MARK} is in the way (remove it)") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("converted %s in %.1f s", path, time.perf_counter() - start)
@@ -109,7 +114,7 @@ def _convert(path: str, out: str, dtype: torch.dtype) -> None:
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError, NotImplementedError, TypeError) as e:
+    except (ValueError, KeyError, NotImplementedError, TypeError, ImportError, OSError) as e:
         raise ModelLoadError(f"{path}: transformers cannot read this GGUF file: {type(e).__name__}: {e}") from None
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out)

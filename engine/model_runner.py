@@ -16,9 +16,8 @@ from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import (activation_bytes_per_token, chunk_rows_per_worker, fp8_gather_bytes, kv_bytes_per_token,
-                                 mlp_piece_bytes, pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu,
-                                 prefill_rows_reserved)
+from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
+                                 pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
 from engine.decode_graphs import DecodeGraphs
@@ -335,8 +334,14 @@ class ModelRunner:
         if placed.way != "ring" or self.engine.extend_pass != "kv" or self.kv_fp8:
             return False
         need = block_bytes(placed.cached_all, placed.shards, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
-                           self.dtype.itemsize)
-        return self.device.type != "cuda" or need <= self.pass_q_reserve_bytes
+                           self.dtype.itemsize, self.block_size)
+        fits = self.device.type != "cuda" or need <= self.pass_q_reserve_bytes
+        if not fits and not self._logged_pass_kv_fallback:
+            self._logged_pass_kv_fallback = True
+            log.info("worker %d: --extend-pass kv: an extend's K/V blocks (%.1f GiB) do not fit the %.1f GiB reserved "
+                     "for a chunk's pass-Q (none without chunked prefill, --kv-cache-tokens or flash-attn-4): it "
+                     "passes Q (logged once)", self.rank, need / 2**30, self.pass_q_reserve_bytes / 2**30)
+        return fits
 
     def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str,
                        graphed: bool = False) -> PrefillResult:
@@ -604,6 +609,7 @@ class ModelRunner:
         has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
         self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
         self.pass_q_reserve_bytes = 0              # what a chunk's pass-Q may hold (set below likewise)
+        self._logged_pass_kv_fallback = False
         if self.engine.kv_cache_tokens:
             tokens = self.engine.kv_cache_tokens
         elif self.device.type != "cuda":
@@ -618,9 +624,7 @@ class ModelRunner:
             budget = int(self.engine.gpu_memory_utilization * total) - (total - free) - self.layout.reserve_bytes()
             share = self.strategy.kv_share(self.max_model_len)
             chunk = self.engine.max_num_batched_tokens
-            chunk_rows = None if chunk is None else chunk_rows_per_worker(chunk, self.strategy.kv_share,
-                                                                          self.engine.extend_ring_min_tokens)
-            self.prefill_rows_max = prefill_rows_reserved(share, chunk_rows, self.engine.max_num_seqs,
+            self.prefill_rows_max = prefill_rows_reserved(share, chunk, self.engine.max_num_seqs,
                                                           EXTEND_GRAPH_MAX_TOKENS, gathers_context=not has_fa4)
             if chunk is not None and has_fa4 and self.strategy.kv_workers > 1:   # a sharded chunk passes its Q
                 self.pass_q_reserve_bytes = pass_q_bytes(min(chunk, self.max_model_len), self.cfg.num_heads,

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from engine.cluster import ClusterConfig
-from engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, DTYPES, EngineConfig, default_chunk_tokens, default_dtype
+from engine.config import (DEFAULT_CHUNK_TOKENS_PER_WORKER, DEFAULT_CHUNK_WORKERS_MAX, DTYPES, EngineConfig,
+                           default_chunk_tokens, default_dtype)
 from engine.errors import InvalidRequestError
 from engine.parallel import SP_STRATEGIES, STRATEGIES
 from kernels.attention import ATTENTION_BACKENDS
@@ -197,8 +198,9 @@ OPTIONS: tuple[Option, ...] = (
            "running requests decode between chunks and short new prompts go before the next chunk (default: on; "
            "--no-enable-chunked-prefill: every prompt in one prefill, the others wait for it)", default=True),
     Option("max_num_batched_tokens", int, "the largest chunk of chunked prefill (default "
-           f"{DEFAULT_CHUNK_TOKENS_PER_WORKER} per worker a prompt is sharded over: {2 * DEFAULT_CHUNK_TOKENS_PER_WORKER} "
-           f"on 2 workers, {DEFAULT_CHUNK_TOKENS_PER_WORKER} under tp)", metavar="N", at_least=1),
+           f"{DEFAULT_CHUNK_TOKENS_PER_WORKER} per worker a prompt is sharded over, up to "
+           f"{DEFAULT_CHUNK_WORKERS_MAX}: {default_chunk_tokens(2)} on 2 workers or more, "
+           f"{DEFAULT_CHUNK_TOKENS_PER_WORKER} on one or under tp)", metavar="N", at_least=1),
     Option("itl_target_ms", float, "with chunked prefill: while other requests decode, each chunk is sized so that "
            "it and one decode step take about MS milliseconds, from a cost model fitted to the engine's own "
            "prefill times; alone, chunks are N tokens. 0: chunks of N tokens always", metavar="MS", above=0,
@@ -277,7 +279,7 @@ def from_args(args: argparse.Namespace, options: Iterable[Option] = OPTIONS) -> 
 
 def chunk_tokens(values: Mapping, world_size: int) -> int | None:
     """EngineConfig.max_num_batched_tokens on world_size workers: the chunk of chunked prefill, None when it is
-    off; by default DEFAULT_CHUNK_TOKENS_PER_WORKER for each worker the strategy shards a prompt over."""
+    off; by default engine.config.default_chunk_tokens of the workers the strategy shards a prompt over."""
     if not values["enable_chunked_prefill"]:
         return None
     if values["max_num_batched_tokens"]:

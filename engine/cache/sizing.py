@@ -56,26 +56,20 @@ def pool_tokens_on_gpu(budget_bytes: int, kv_per_token: int, act_per_token: int,
     return max(joint, 0)
 
 
-def chunk_rows_per_worker(chunk_tokens: int, share_of, extend_ring_min_tokens: int) -> int:
-    """The most of one call's chunk_tokens new tokens a worker runs through the layers. A prompt, or a chunk
-    or prompt tail of at least extend_ring_min_tokens, is sharded over the workers like a prompt (share_of:
-    the strategy's kv_share, the whole chunk under tp); a smaller extend runs whole on every worker
-    (engine/extend_attention.py, way "whole")."""
-    return max(share_of(chunk_tokens), min(chunk_tokens, extend_ring_min_tokens - 1))
-
-
-def prefill_rows_reserved(share: int, chunk_rows: int | None, max_num_seqs: int, min_rows: int,
+def prefill_rows_reserved(share: int, chunk_tokens: int | None, max_num_seqs: int, min_rows: int,
                           gathers_context: bool) -> int:
     """The most tokens a worker runs through the layers in one call, which the activation reserve is for.
     Without chunked prefill: its share of the longest sequence (a prompt is prefilled in one call). With
-    --max-num-batched-tokens every earlier token of a long prompt is already in the paged KV cache, read
-    in place by flash-attn-4, so a call holds at most one chunk's rows on a worker (chunk_rows:
-    chunk_rows_per_worker) and the running sequences' decode rows: chunk_rows + max_num_seqs, and at least
-    `min_rows` (the largest small-extend CUDA graph). Where attention gathers the cached K/V into dense
-    tensors instead (no flash-attn-4), that gather grows with the context: the whole share stays."""
-    if chunk_rows is None or gathers_context:
+    --max-num-batched-tokens C every earlier token of a long prompt is already in the paged KV cache, read
+    in place by flash-attn-4, so a call holds at most C new tokens (a chunk, a short prompt, a chunk with the
+    running sequences' decode rows), all of them on one worker in the worst case (a ring extend levels the
+    workers' totals: after a prefix held unevenly one worker runs nearly all of a chunk; an extend below
+    --extend-ring-min-tokens runs whole on every worker): C + max_num_seqs, and at least `min_rows` (the
+    largest small-extend CUDA graph). Where attention gathers the cached K/V into dense tensors instead (no
+    flash-attn-4), that gather grows with the context: the whole share stays."""
+    if chunk_tokens is None or gathers_context:
         return share
-    return min(share, max(chunk_rows, min_rows) + max_num_seqs)
+    return min(share, max(chunk_tokens, min_rows) + max_num_seqs)
 
 
 def pass_q_bytes(chunk_tokens: int, num_heads: int, head_dim: int, itemsize: int) -> int:

@@ -23,11 +23,14 @@ from kernels.attention import AttentionBackend
 from kernels.merge import merge_into
 
 
-def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, head_dim: int, itemsize: int,
+                page_size: int) -> int:
     """What pass-KV holds at once for one layer: the worker's own block and the ring's two buffers, each up to
-    the largest worker's cached + new tokens of K and V."""
+    the largest worker's cached + new tokens of K and V, and while the own block is filled, one of K or V of
+    its cached pages gathered (ExtendAttention._pass_kv_block)."""
     largest = max(c + s.length for c, s in zip(cached, new_shards))
-    return 3 * largest * 2 * num_kv_heads * head_dim * itemsize
+    pages = max(-(-c // page_size) for c in cached) * page_size
+    return (3 * largest * 2 + pages) * num_kv_heads * head_dim * itemsize
 
 
 class PassKVAttention:
@@ -39,12 +42,11 @@ class PassKVAttention:
         self.new = BurstAttention(ring, backend, new_shards, rank, scale, overlap)      # the new keys' causal rule
         self.ring_pass = RingPass(ring, [c + s.length for c, s in zip(cached, new_shards)], rank, overlap)
 
-    def forward(self, q: torch.Tensor, kv_new: torch.Tensor, kv_cached: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
-        """q [n_r, H, D] and kv_new [n_r, 2, Hkv, D]: this worker's new tokens; kv_cached [c_r, 2, Hkv, D]: its
-        cached K/V of the sequence -> out [n_r, H, D] in q's dtype, lse [n_r, H] fp32."""
+    def forward(self, q: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n_r, H, D]: this worker's new tokens' queries; block [c_r + n_r, 2, Hkv, D]: its cached K/V of the
+        sequence, then its new tokens' -> out [n_r, H, D] in q's dtype, lse [n_r, H] fp32."""
         if q.shape[0] == 0:                 # no new tokens here: the blocks still pass through
-            self.ring_pass.run(torch.cat([kv_cached, kv_new]), lambda source, block: None)
+            self.ring_pass.run(block, lambda source, block: None)
             return q.clone(), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         acc = {}
 
@@ -61,6 +63,6 @@ class PassKVAttention:
             if block.shape[0] > cached:
                 absorb(*self.new.attend_block(q, block[cached:], source))
 
-        self.ring_pass.run(torch.cat([kv_cached, kv_new]), attend)
+        self.ring_pass.run(block, attend)
         return acc["out"].to(q.dtype), acc["lse"]
 

@@ -179,14 +179,14 @@ def test_every_option_fills_its_engine_config_field():
 
 
 def test_the_default_chunk_is_a_share_for_each_worker_a_prompt_is_sharded_over():
-    """Chunked prefill's default chunk gives every worker the same share of it on any number of workers
-    (a chunk is sharded like a prompt); tp runs every chunk whole on each worker, so its chunk stays one
-    share; a chunk the user gives, or chunking turned off, is kept as given."""
+    """Chunked prefill's default chunk is 65536 tokens for each worker a chunk is sharded over (as a prompt
+    is), up to two workers' worth; tp runs every chunk whole on each worker, so its chunk stays one share; a
+    chunk the user gives, or chunking turned off, is kept as given."""
     def chunk(workers, **options):
         return engine_config("tiny", ["cpu"] * workers, check_options(options)).max_num_batched_tokens
     share = DEFAULT_CHUNK_TOKENS_PER_WORKER
     for workers in (1, 2, 3, 4):
-        assert chunk(workers) == chunk(workers, sp_strategy="ulysses") == workers * share
+        assert chunk(workers) == chunk(workers, sp_strategy="ulysses") == min(workers, 2) * share
         assert chunk(workers, sp_strategy="tp") == chunk(workers, sp_strategy="tp-v3") == share
     assert chunk(2, sp_strategy="single") == share
     given = random.randrange(1, 1 << 20)

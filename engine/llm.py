@@ -24,8 +24,8 @@ from engine.cache.ledger import pages_for
 from engine.cluster import Head
 from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
-from engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from engine.parallel import STRATEGIES, get_strategy
@@ -57,7 +57,8 @@ class LLM:
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
     enable_chunked_prefill, max_num_batched_tokens: a prompt longer than max_num_batched_tokens (default
-        65536 for each worker a prompt is sharded over: engine/config.py default_chunk_tokens) is prefilled in chunks, the running sequences decoding between them,
+        engine/config.py default_chunk_tokens: 65536, 131072 on two workers or more) is prefilled in chunks,
+        the running sequences decoding between them,
         and a shorter one too while others decode when one call would hold them past itl_target_ms;
         enable_chunked_prefill=False prefills every prompt in one call.
     nnodes, master_addr, master_port, join_timeout: with nnodes > 1 this is the head of an engine over

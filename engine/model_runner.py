@@ -284,7 +284,8 @@ class ModelRunner:
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", chunk.reported_way))
+        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode",
+                                                            chunk.reported_way))
         if self.rank == 0:
             result.decode = self._sampled(decode_logits, step)
         return result

@@ -35,7 +35,8 @@ class Metrics:
         self.ring_hidden = Histogram("burstserve:ring_exchange_hidden_fraction",
                                      "Per prefill: share of the exchange time hidden behind attention.", lab,
                                      buckets=FRACTION_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("burstserve:prompt_tokens", "Prompt tokens of requests, those taken from the prefix cache included (prefix_cache_hits_total counts those).", lab, registry=r)
+        self.prompt_tokens = Counter("burstserve:prompt_tokens", "Prompt tokens of requests, those taken from the "
+                                     "prefix cache included (prefix_cache_hits_total counts those).", lab, registry=r)
         self.generation_tokens = Counter("burstserve:generation_tokens", "Generated tokens.", lab, registry=r)
         self.success = Counter("burstserve:request_success", "Finished requests.", lab + ["finished_reason"],
                                registry=r)

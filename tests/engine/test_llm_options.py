@@ -165,7 +165,8 @@ def test_every_option_fills_its_engine_config_field():
     value given to any option named like a field lands in that field."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     engine = engine_config("tiny", ["cpu"], check_options({}))
-    resolved = dict(model="tiny", devices=["cpu"], dtype="float32", max_num_batched_tokens=DEFAULT_CHUNK_TOKENS_PER_WORKER)
+    resolved = dict(model="tiny", devices=["cpu"], dtype="float32",
+                    max_num_batched_tokens=DEFAULT_CHUNK_TOKENS_PER_WORKER)
     assert dataclasses.asdict(engine) == dataclasses.asdict(EngineConfig(**resolved))
     for o in OPTIONS:
         if o.name in fields and o.name not in resolved:

@@ -145,7 +145,25 @@ def run(rank: int) -> None:
         for name, t in top:
             say(f"| {name.replace('|', '/')} | {t:.2f} | {kind_of(name)} |")
     if WORLD > 1:
+        per_worker(rank, rows, say)
         dist.destroy_process_group()
+
+
+def per_worker(rank: int, rows: list, say) -> None:
+    """Every worker's own figures side by side: a worker that waits at the ring (exposed) while its
+    peer stays busy points at an imbalance between the workers, not at the link."""
+    mine = [(rank, n, mean, exposed, ms) for n, _, mean, _, exposed, ms, *_ in rows]
+    every = [None] * WORLD
+    dist.all_gather_object(every, mine)
+    say("\n## every worker (ms): a worker's exposed wait against its peers' busy time\n")
+    say("| tokens | worker | wall mean | compute busy | attention | GEMM | Triton fused | NCCL (own stream) "
+        "| exposed exchange |\n|---|---|---|---|---|---|---|---|---|")
+    for i in range(len(rows)):
+        for worker_rows in every:
+            w, n, mean, exposed, ms = worker_rows[i]
+            busy = sum(v for k, v in ms.items() if k != "nccl")
+            say(f"| {n} | {w} | {mean * 1e3:.1f} | {busy:.1f} | {ms['attention']:.1f} | {ms['gemm']:.1f} | "
+                f"{ms['triton']:.1f} | {ms['nccl']:.1f} | {exposed * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

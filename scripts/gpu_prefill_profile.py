@@ -7,6 +7,7 @@ workers are this script's own processes (NCCL, as engine/worker.py sets them up)
 Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)
 LAYERS=N keeps the preset's first N layers (a proxy: e.g. llama3-70b's shapes with 20 of its 80 layers fit
 one GPU; per-layer time scales the figures to the whole model). KV=fp8 and QUANT=fp8: FP8 pages and linears.
+TRACE=folder: each worker's chrome trace of its profiled prefill (host ops and kernels) goes there.
 (The floor columns assume bf16 rates.)"""
 import dataclasses
 import os
@@ -28,6 +29,7 @@ WORLD = int(os.environ.get("CP", "1"))
 MODEL, DEVICE = os.environ.get("MODEL", "llama3-8b"), os.environ.get("DEVICE", "cuda")
 LAYERS = int(os.environ.get("LAYERS", "0"))       # 0: the preset's own   # DEVICE=cpu MODEL=tiny: a dry run
 GEMM_TFLOPS, ATTENTION_TFLOPS = 783.0, 644.0     # issue 13's kernel rates on one H200 (bf16 GEMM, causal attention)
+TRACE = os.environ.get("TRACE", "")              # a folder: each worker's chrome trace (host and GPU) goes there
 KINDS = ("attention", "gemm", "triton", "elementwise", "copy", "nccl")
 
 
@@ -110,15 +112,18 @@ def run(rank: int) -> None:
     for n in LENGTHS:
         prefill(n)                                   # warm this length
         timed = [prefill(n) for _ in range(3)]
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU} | ({ProfilerActivity.CPU} if TRACE else set())
+        with profile(activities=list(activities)) as prof:
             profiled, exposed = prefill(n)
+        if TRACE:                                    # each worker's timeline, for chrome://tracing or a script
+            prof.export_chrome_trace(os.path.join(TRACE, f"trace_{n}_worker{rank}.json"))
         ms, count, top = by_kind(prof)
         linear, attention = flops(cfg, n)
         walls = [w for w, _ in timed]
         rows.append((n, min(walls), sum(walls) / 3, profiled, exposed, ms, count, linear, attention))
         tops[n] = top
         new = n - 64                                 # a length never seen: its first call against its second
-        firsts.append((new, prefill(new)[0], prefill(new)[0]))
+        firsts.append((new, prefill(new)[0], prefill(new)[0]) if not TRACE else (new, 0.0, 0.0))
 
     say(f"## prefill on {WORLD} GPU(s), worker 0: wall time against GPU time by kind (ms) and the floor\n")
     say("| tokens | wall mean (min) | compute busy | attention | GEMM | Triton fused | other elementwise | copies "

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
 from engine.calls import Free, Prefill
+from engine.worker import host_threads
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
 WORLD = int(os.environ.get("CP", "1"))
@@ -80,6 +81,7 @@ def run(rank: int) -> None:
     dev = torch.device(devices[rank])
     if cuda:
         torch.cuda.set_device(dev)
+    torch.set_num_threads(host_threads(dev, WORLD))                    # as an engine worker
     if WORLD > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")

@@ -8,9 +8,11 @@ small pool keeps every answer right."""
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.cache import prefix_cache
+from engine.cache.page_pool import PagePool
 from engine.cache.prefix_cache import BLOCK, PrefixCache
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
@@ -218,3 +220,21 @@ def test_a_prefix_copy_copies_every_page(monkeypatch, max_runs, layerwise):
     assert src == scattered[::-1] and len(dst) == 10 and not set(src) & set(dst)
     assert len(page_pool.page_runs(src, dst)) >= 4                          # several runs, not one
     assert torch.equal(pool.k[:, dst], pool.k[:, src]) and torch.equal(pool.v[:, dst], pool.v[:, src])
+
+
+def test_page_pool_slots_follow_the_page_table_on_the_device_and_the_host():
+    """slots() (computed on the device from the page table) and host_slots() name, token by token, the slot
+    that slot() does, for random ranges of sequences whose pages were taken out of order."""
+    rng = random.Random()
+    pool = PagePool(1, 64, 16, 1, 8, torch.float32, torch.device("cpu"), 4, 64)
+    pool.add(1, rng.randrange(1, 200))
+    pool.add(2, rng.randrange(1, 300))
+    pool.extend(1, rng.randrange(1, 200))                 # sequence 1's later pages come after sequence 2's
+    for seq in (1, 2):
+        n = pool.lengths[seq]
+        for _ in range(50):
+            start = rng.randrange(0, n)
+            count = rng.randrange(0, n - start + 1)
+            expected = torch.tensor([pool.slot(seq, i) for i in range(start, start + count)], dtype=torch.int64)
+            assert torch.equal(pool.slots(seq, start, count), expected)
+            assert torch.equal(pool.host_slots(seq, start, count), expected)

@@ -101,19 +101,14 @@ def _setup_device(rank: int, engine: EngineConfig) -> torch.device:
     device = torch.device(engine.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(host_threads(device, engine.world_size))
+    torch.set_num_threads(host_threads(engine.world_size))
     return device
 
 
-def host_threads(device: torch.device, world_size: int) -> int:
-    """A worker's intra-op threads for its host ops. A CPU worker computes the model itself: its share of the
-    cores. A GPU worker's host ops are index arithmetic over at most a prompt's rows, and spread over many
-    threads they stall: the workers' OpenMP threads share the cores with each other and with NCCL's busy
-    proxy threads, and an op waits for its slowest thread (docs/benchmarks.md, "Prefill on two GPUs"). So one
-    thread, as vLLM's workers take; OMP_NUM_THREADS, where set, decides."""
-    if device.type != "cuda":
-        return max(1, (os.cpu_count() or 1) // world_size)
-    return max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
+def host_threads(world_size: int) -> int:
+    """A worker's intra-op threads: the workers share the host's cores (without a limit each would start
+    one thread per core, and an op over a prompt's rows waits for its slowest thread)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_method: str | None,

@@ -81,7 +81,7 @@ def run(rank: int) -> None:
     dev = torch.device(devices[rank])
     if cuda:
         torch.cuda.set_device(dev)
-    torch.set_num_threads(host_threads(dev, WORLD))                    # as an engine worker
+    torch.set_num_threads(host_threads(WORLD))                    # as an engine worker
     if WORLD > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")

@@ -111,19 +111,13 @@ class PagePool:
         return self.pages[seq_id][index // self.block_size] * self.block_size + index % self.block_size
 
     def slots(self, seq_id: int, start: int, count: int) -> torch.Tensor:
-        """[count] int64 slots of the sequence's tokens start .. start + count - 1, on the device (computed there:
-        only the page table travels)."""
-        return self._slots_on(seq_id, start, count, self.device)
+        """[count] int64 slots of the sequence's tokens start .. start + count - 1, on the device."""
+        return self.host_slots(seq_id, start, count).to(self.device)
 
     def host_slots(self, seq_id: int, start: int, count: int) -> torch.Tensor:
         """slots(), on the host."""
-        return self._slots_on(seq_id, start, count, torch.device("cpu"))
-
-    def _slots_on(self, seq_id: int, start: int, count: int, device: torch.device) -> torch.Tensor:
-        first = start // self.block_size
-        pages = torch.tensor(self.pages[seq_id][first:pages_for(start + count, self.block_size)],
-                             dtype=torch.int64).to(device)                      # the pages the tokens fall in
-        index = torch.arange(start, start + count, device=device) - first * self.block_size
+        index = torch.arange(start, start + count)
+        pages = torch.tensor(self.pages[seq_id], dtype=torch.int64)
         return pages[index // self.block_size] * self.block_size + index % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

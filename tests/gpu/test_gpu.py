@@ -153,13 +153,14 @@ def test_engine_bf16_on_one_gpu_matches_transformers_with_each_backend(hf_bf16_c
                     break
 
 
-@pytest.mark.parametrize("devices,ring_min", [("cuda:0", 4096), ("cuda:0,1", 4096), ("cuda:0,1", 0)])
-def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, devices, ring_min):
+@pytest.mark.parametrize("devices,ring_min,extend_pass", [("cuda:0", 4096, "q"), ("cuda:0,1", 4096, "q"),
+                                                         ("cuda:0,1", 0, "q"), ("cuda:0,1", 0, "kv")])
+def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, devices, ring_min, extend_pass):
     """Incremental prefills: a 5000-token prompt in chunks of 1024, then prompts that extend it (cache hit
     inside a page, on a page boundary) give transformers' next-token logits (bf16 noise). One GPU: one
     causal paged call per layer over the cached and new keys ("local"); two: the new tokens run whole on
-    both GPUs, one keeping their K/V (ring_min 4096), or over the K/V ring with the queries passed to the
-    cache (ring_min 0)."""
+    both GPUs, one keeping their K/V (ring_min 4096), or over the K/V ring (ring_min 0) with the queries
+    passed to the cache (extend_pass q) or the cached K/V passed with the new (kv)."""
     from engine import LLM
     if torch.cuda.device_count() < len(devices.split(",")):
         pytest.skip("needs 2 GPUs")
@@ -167,12 +168,13 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
     prompt = [random.randrange(2000) for _ in range(5000)]
     extended = [prompt + [random.randrange(2000) for _ in range(n)] for n in (700, 3)]
     with LLM(path, devices=devices, dtype="bfloat16", max_num_batched_tokens=1024,
-             extend_ring_min_tokens=ring_min) as llm:
+             extend_ring_min_tokens=ring_min, extend_pass=extend_pass) as llm:
         for p in [prompt] + extended + [prompt[:4096] + [7] * 300]:
             logits = llm.next_token_logits(p)
             ref = model(torch.tensor([p], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
             diff = (logits - ref).abs().max().item()
-            print(f"extend on {devices} (ring from {ring_min} tokens), prompt {len(p)}: max |logit diff| {diff:.4f}")
+            print(f"extend on {devices} (ring from {ring_min} tokens, pass {extend_pass}), prompt {len(p)}: "
+                  f"max |logit diff| {diff:.4f}")
             assert diff <= 0.1 * max(ref.abs().max().item(), 1.0), len(p)
 
 

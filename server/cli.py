@@ -23,7 +23,8 @@ def _add_engine_args(p) -> None:
                    f"package carries ({', '.join(PACKAGED_MODELS)}) or a preset of random weights "
                    f"({', '.join(preset_names())}); default: %(default)s")
     add_arguments(p, (o for o in OPTIONS if o.on_worker))
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default: %(default)s")
 
 
 def serve_parser(sub) -> None:
@@ -31,10 +32,13 @@ def serve_parser(sub) -> None:
     _add_engine_args(p)
     p.add_argument("--node-rank", type=int, default=0, help="0: `serve` runs the head (other hosts: `worker`)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a first token before 429")
-    p.add_argument("--max-request-body-bytes", type=int, default=128 << 20)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface; "
+                   "default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting for a first token before 429 (default: %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=128 << 20,
+                   help="a larger request body is refused with 413 (default: %(default)s)")
     add_arguments(p, (o for o in OPTIONS if not o.on_worker))
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")

@@ -182,10 +182,10 @@ def run_joined_workers(cluster: ClusterConfig, engine: EngineConfig, first_rank:
                        store: dist.TCPStore) -> int:
     """Starts this host's workers (ranks first_rank ..) and watches them: heartbeats to the head, a worker's
     failure reported under this node rank. Returns the exit code: 0 when the engine shut down."""
-    from engine.worker import worker_main
+    from engine.worker import spawned_worker_main
     ctx = mp.get_context("spawn")
     outputs = ctx.Queue()
-    procs = [ctx.Process(target=worker_main, daemon=True, name=f"burstserve-worker{first_rank + i}",
+    procs = [ctx.Process(target=spawned_worker_main, daemon=True, name=f"burstserve-worker{first_rank + i}",
                          args=(first_rank + i, engine, cluster.workers_init_method, None, outputs))
              for i in range(count)]
     for p in procs:
@@ -210,7 +210,7 @@ def run_joined_workers(cluster: ClusterConfig, engine: EngineConfig, first_rank:
     finally:
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
 
 
 def _local_failure(outputs, procs) -> str | None:

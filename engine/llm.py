@@ -36,7 +36,7 @@ from kernels.fp8 import quantization_refusal
 from kernels.kv_quant import kv_cache_refusal
 from engine.weights import weight_files
 from engine.control import close_parent_ends, make_pipes
-from engine.worker import worker_main
+from engine.worker import spawned_worker_main
 from kernels.arith import ceil_div
 from kernels.attention import backend_refusal
 
@@ -254,14 +254,14 @@ class LLM:
         self._closed = True
         try:
             self._requests.put(("shutdown",))
-        except Exception:  # queue already broken by a dead worker: terminate below
+        except Exception:  # queue already broken by a dead worker: killed below
             pass
         for p in self._procs:
             p.join(timeout=10)
         for p in self._procs:
             if p.is_alive():
-                log.warning("%s did not exit within 10 s of the shutdown: terminated", p.name)
-                p.terminate()
+                log.warning("%s did not exit within 10 s of the shutdown: killed", p.name)
+                p.kill()                  # (a worker ignores SIGTERM: engine/worker.py _owned_by_parent)
                 p.join(timeout=5)
         for q in (self._requests, self._outputs):   # release the queues' semaphores now, not at exit
             q.close()
@@ -314,7 +314,7 @@ class LLM:
         # the control plane (engine/control.py): pipes when every worker is here, gloo across hosts
         local = self._head is None and self.engine.world_size > 1
         writers, readers = make_pipes(ctx, self.engine.world_size) if local else ([], [None] * self._local_workers)
-        self._procs = [ctx.Process(target=worker_main, daemon=True, name=f"burstserve-worker{r}",
+        self._procs = [ctx.Process(target=spawned_worker_main, daemon=True, name=f"burstserve-worker{r}",
                                    args=(r, self.engine, init, self._requests if r == 0 else None, self._outputs,
                                          (writers if r == 0 else readers[r]) if local else None))
                        for r in range(self._local_workers)]
@@ -401,7 +401,7 @@ class LLM:
         self._results.clear()
         for p in self._procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
 
     def _check_alive(self) -> None:
         if self._dead:

@@ -9,7 +9,9 @@ locally; every other worker loops receiving and running those calls.
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -31,6 +33,31 @@ GIL_SWITCH_INTERVAL = 0.001
 # Operator's profiling switch: a file path; worker 0's scheduler loop runs under cProfile and its stats are
 # written there at shutdown (profiled; scripts/gpu_scheduler_profile.py reads them)
 PROFILE_ENV = "BURSTSERVE_PROFILE_SCHEDULER"
+PARENT_POLL_SECONDS = 0.5      # how often a spawned worker checks that the process that started it lives
+
+
+def spawned_worker_main(*args) -> None:
+    """worker_main in a process that `LLM` (engine/llm.py) or a joining host (engine/cluster.py) started."""
+    _owned_by_parent()
+    worker_main(*args)
+
+
+def _owned_by_parent() -> None:
+    """The process that started this worker shuts it down (a Shutdown call; SIGKILL after 10 s). SIGTERM and
+    SIGINT sent to the whole process group (timeout, systemd, Ctrl-C) are that process's to handle: a worker
+    dying of them first reads as an engine failure and leaks its queues' semaphores, so it ignores them. It
+    never outlives that process: a thread ends it within PARENT_POLL_SECONDS of the parent's death, however
+    the parent died."""
+    parent = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="burstserve-parent-watch").start()
 
 
 def worker_main(rank: int, engine: EngineConfig, init_method: str | None, requests, outputs, pipes=None) -> None:

@@ -612,6 +612,52 @@ def _error_event_problem(event: dict) -> str | None:
     return None
 
 
+# ---- A6. SIGTERM to the whole process group (timeout, systemd, Ctrl-C) -----------------------------------------
+def test_sigterm_to_the_process_group_is_a_clean_shutdown():
+    """`timeout` and systemd signal the whole group: the workers get SIGTERM with the server. The server shuts
+    them down in order, so its log names no failure and no leaked semaphore, and nothing of it is left."""
+    srv = LiveServer(BASE_ARGS, api_key=KEY, log_level="info")
+    try:
+        pid = srv.proc.pid
+        family = [pid, *descendants(pid)]
+        assert len(worker_pids(pid)) == 2
+        assert srv.post(C, {"model": MODEL, "prompt": _ids(0), "max_tokens": 4}).status_code == 200
+        running = threading.Thread(target=lambda: srv.post(C, {"model": MODEL, "prompt": _ids(1), "max_tokens": 3000,
+                                                               "ignore_eos": True}), daemon=True)
+        running.start()                                   # the workers are busy when the signal comes
+        time.sleep(1.0)
+        os.killpg(pid, signal.SIGTERM)
+        srv.proc.wait(timeout=30)
+        time.sleep(0.5)                                   # the resource tracker writes its warnings at exit
+        log = srv.log()
+        assert "engine failed" not in log and "exited with code" not in log, log[-3000:]
+        assert "leaked" not in log, log[-3000:]
+        assert not [p for p in family if alive(p)], log[-3000:]
+    finally:
+        srv.stop()
+
+
+def test_a_worker_ignores_sigterm_and_never_outlives_the_server():
+    """The server owns its workers: SIGTERM to a worker alone changes nothing (the server still answers);
+    SIGKILL to the server alone, which can shut nothing down, still leaves no worker behind."""
+    srv = LiveServer(BASE_ARGS, api_key=KEY)
+    try:
+        workers = worker_pids(srv.proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGTERM)
+        time.sleep(1.0)
+        assert all(alive(w) for w in workers), "a worker died of SIGTERM"
+        assert srv.post(C, {"model": MODEL, "prompt": _ids(2), "max_tokens": 4}).status_code == 200
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        deadline = time.time() + 5
+        while any(alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if alive(w)], "workers outlived the server"
+    finally:
+        srv.stop()
+
+
 # ---- A6. SIGTERM with requests in flight -------------------------------------------------------------------------
 def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
     srv = LiveServer([*BASE_ARGS, "--max-model-len", "8192"], api_key=KEY)

@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/rope.py; "dynamic" NTK is refused: its frequencies
                                                       # follow the longest sequence in a forward pass, which a KV
@@ -37,6 +38,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None   # {"rope_type": "linear"|"llama3"|"yarn", ...} (None: default RoPE)
     qkv_bias: bool = False             # Qwen2
+    qk_norm: bool = False              # Qwen3: an RMSNorm over each head of q and k (weights [D]) before RoPE
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
@@ -72,8 +74,8 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         max_pos = raw.get("max_position_embeddings", 0)
         if raw["sliding_window"] < max_pos:
             raise ModelLoadError(f"{source}: Mistral with sliding_window={raw['sliding_window']} is not supported")
-    if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: {arch.removesuffix('ForCausalLM')} with use_sliding_window=true is not supported")
     if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelLoadError(f"{source}: attention_bias / mlp_bias on {arch} is not supported")
     heads = raw["num_attention_heads"]
@@ -103,6 +105,7 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else rope,
         qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         bos_token_id=raw.get("bos_token_id"),

@@ -1,4 +1,4 @@
-"""The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2), readable top to bottom.
+"""The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2, Qwen3 dense), readable top to bottom.
 
 Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` callable, so the same
 model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
@@ -29,6 +29,8 @@ class LayerWeights:
     down: "torch.Tensor | Fp8Weight"       # [hidden, I]
     input_norm: torch.Tensor       # [hidden]
     post_norm: torch.Tensor        # [hidden]
+    q_norm: torch.Tensor | None = None    # [D] (Qwen3): each head of q RMS-normed before RoPE
+    k_norm: torch.Tensor | None = None    # [D] and of k
 
 
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -50,7 +52,20 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (h * d,), p + "self_attn.k_proj.bias": (kvd,),
                            p + "self_attn.v_proj.bias": (kvd,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return shapes
+
+
+def head_norms_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, h: int, hkv: int, d: int,
+                eps: float) -> None:
+    """Qwen3's norms on q and k, in place inside qkv [S, (H + 2 Hkv) D]: each head's D values RMS-normed in fp32,
+    back in qkv's dtype, then times the weight [D] (transformers' Qwen3RMSNorm, in its order)."""
+    n = qkv.shape[0]
+    for heads, start, weight in ((h, 0, q_norm), (hkv, h * d, k_norm)):
+        x = qkv[:, start:start + heads * d].view(n, heads, d)
+        xf = x.float()
+        x.copy_(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
 
 # A prefill's MLP runs this many rows at a time (LlamaModel.mlp): large enough that its GEMMs run at full
@@ -100,6 +115,8 @@ class LlamaModel:
             down=linear(w.pop(p + "mlp.down_proj.weight")),
             input_norm=w.pop(p + "input_layernorm.weight"),
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
+            q_norm=w.pop(a + "q_norm.weight") if self.cfg.qk_norm else None,
+            k_norm=w.pop(a + "k_norm.weight") if self.cfg.qk_norm else None,
         )
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
@@ -126,6 +143,8 @@ class LlamaModel:
             if whole_layers is not None:
                 layer = whole_layers.layer(i)
             qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
+            if layer.q_norm is not None:
+                head_norms_(qkv, layer.q_norm, layer.k_norm, h, hkv, d, eps)
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]

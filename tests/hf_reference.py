@@ -8,9 +8,10 @@ TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hid
 
 
 def make_config(kind: str):
-    """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling), 'qwen2' (qkv bias) or 'qwen2-yarn' (with YaRN
-    RoPE scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling), 'qwen2' (qkv bias), 'qwen2-yarn' (with YaRN RoPE
+    scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part) or 'qwen3'
+    (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     if kind == "llama-mha":
         return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
     if kind == "llama3-gqa":
@@ -22,6 +23,8 @@ def make_config(kind: str):
     if kind == "qwen2-yarn":
         return Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0,
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
+    if kind == "qwen3":
+        return Qwen3Config(**TINY_SHAPE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0)
     raise ValueError(kind)
 
 
@@ -30,10 +33,12 @@ def save_checkpoint(kind: str, path: str, seed: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(kind), torch_dtype=torch.float32).eval()
-    with torch.no_grad():   # biases are zero at init; make them matter
+    with torch.no_grad():   # biases are zero and norm weights one at init; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.3)
     model.save_pretrained(path)
     return model
 
@@ -122,11 +127,12 @@ def assert_same_logprobs(got: dict[int, float], want: dict[int, float], tol: flo
 def kv_rounded(model, round_kv):
     """transformers' model with every layer's K (after RoPE) and V passed through round_kv ([..., D] -> the
     same shape and dtype) before its attention sees them or its cache keeps them: the reference of a KV
-    cache that stores K/V rounded (an FP8 cache). Patches the model's RoPE function (Llama, Qwen2) and
+    cache that stores K/V rounded (an FP8 cache). Patches the model's RoPE function (Llama, Qwen2, Qwen3) and
     hooks each v_proj; both undone on exit."""
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen2 import modeling_qwen2
-    modules = (modeling_llama, modeling_qwen2)
+    from transformers.models.qwen3 import modeling_qwen3
+    modules = (modeling_llama, modeling_qwen2, modeling_qwen3)
     originals = [m.apply_rotary_pos_emb for m in modules]
 
     def rounded_rope(original):
@@ -136,7 +142,7 @@ def kv_rounded(model, round_kv):
         return rope
 
     def round_v(module, inputs, out):                                 # out [B, S, Hkv * D]
-        d = model.config.hidden_size // model.config.num_attention_heads
+        d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         return round_kv(out.unflatten(-1, (-1, d))).flatten(-2)
 
     hooks = [layer.self_attn.v_proj.register_forward_hook(round_v) for layer in model.model.layers]

@@ -170,7 +170,7 @@ class LayerGather:
             o=o.permute(1, 0, 2).flatten(1),                                    # [hidden, H D]
             gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
             down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
-            input_norm=local.input_norm, post_norm=local.post_norm)
+            input_norm=local.input_norm, post_norm=local.post_norm, q_norm=local.q_norm, k_norm=local.k_norm)
 
 
 class ZeroLayout(WeightLayout):

@@ -8,7 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
-KINDS = ["llama-mha", "llama3-gqa", "qwen2"]
+KINDS = ["llama-mha", "llama3-gqa", "qwen2", "qwen3"]
 NUM_TOKENS = 32
 
 
@@ -54,7 +54,7 @@ def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, st
     """tp and tp-v3 (Megatron V1 and V3) and burst-zero (BurstAttention+ZeRO: the burst ring over layers
     gathered whole from tp's slices, decode on the slices) on 2 workers, each reading only its slice of
     the weights: the same logits, greedy tokens and decoded tokens' logprobs (top 2 and the chosen) on
-    every checkpoint shape (MHA, GQA, Qwen2's q/k/v biases). burst-zero-sliced: burst-zero with prompts
+    every checkpoint shape (MHA, GQA, Qwen2's q/k/v biases, Qwen3's norms on q and k). burst-zero-sliced: burst-zero with prompts
     up to 500 tokens run on the slices (engine/parallel/zero_sliced.py), so the 1000-token one is gathered."""
     path, model, _ = checkpoint
     vocab = model.config.vocab_size

@@ -30,7 +30,7 @@ PLAIN_BOUND = 0.25    # the rounding's own effect on these tiny models' logits (
 STRATEGIES = ["burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto", "burst-zero"]
 
 
-@pytest.fixture(scope="module", params=["llama3-gqa", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3-gqa", "qwen2", "qwen3"])
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     return path, save_checkpoint(request.param, path, seed=random.randrange(1 << 30))

@@ -45,6 +45,32 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
             assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, (strategy, len(prompt)))
 
 
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("strategies-qwen3"))
+    return path, save_checkpoint("qwen3", path, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.parametrize("strategy,workers", [
+    *((name, 2) for name in ("burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "auto",
+                             "burst-zero")),
+    ("burst", 3), ("ring-rsa", 3), ("cqs", 3),
+])
+def test_qwen3_under_every_strategy_matches_transformers(qwen3_checkpoint, strategy, workers):
+    """Qwen3 dense (q and k normed per head before RoPE, a head_dim that is not hidden / heads): each
+    strategy's logits and greedy tokens are transformers' (the one-worker and 4-worker cases:
+    tests/engine/test_exactness.py)."""
+    path, model = qwen3_checkpoint
+    prompts = [[random.randrange(320) for _ in range(n)] for n in (1, 2 * workers - 1, 37, 300)]
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy,
+             **WHOLE) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
+            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, (strategy, len(prompt)))
+
+
 def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(checkpoint, monkeypatch):
     """BURSTSERVE_ZERO_GATHER_GROUP=data (the layer gathers queued behind the ring on one communicator, the
     fallback should two NCCL communicators at once not progress on some GPUs) changes no result."""

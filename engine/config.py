@@ -75,7 +75,8 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         if raw["sliding_window"] < max_pos:
             raise ModelLoadError(f"{source}: Mistral with sliding_window={raw['sliding_window']} is not supported")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: {arch.removesuffix('ForCausalLM')} with use_sliding_window=true is not supported")
+        family = arch.removesuffix("ForCausalLM")
+        raise ModelLoadError(f"{source}: {family} with use_sliding_window=true is not supported")
     if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelLoadError(f"{source}: attention_bias / mlp_bias on {arch} is not supported")
     heads = raw["num_attention_heads"]

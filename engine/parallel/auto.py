@@ -18,6 +18,13 @@ class AutoStrategy(PrefillStrategy):
         super().__init__(world_size)
         self.short, self.long = UlyssesStrategy(world_size), BurstStrategy(world_size)
 
+    def fallback_note(self, num_heads: int) -> str | None:
+        """The line to log at start when ulysses can never run here: the workers do not divide the heads."""
+        if self.world_size > 1 and num_heads % self.world_size:
+            return (f"--sp-strategy auto: the {num_heads} query heads do not divide over {self.world_size} workers, "
+                    f"which ulysses needs, so every prompt runs burst")
+        return None
+
     def for_prompt(self, num_tokens: int, ctx: PrefillContext) -> PrefillStrategy:
         short = num_tokens <= ctx.auto_ulysses_max_tokens
         heads_divide = self.world_size > 1 and ctx.num_heads % self.world_size == 0

@@ -105,6 +105,10 @@ class PrefillStrategy:
         """The strategy that prefills a prompt of num_tokens; it must keep self.shards' layout."""
         return self
 
+    def fallback_note(self, num_heads: int) -> str | None:
+        """A line for the log at start when this strategy will never run some of its ways here; else None."""
+        return None
+
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for one prefill, on this rank."""
         raise NotImplementedError

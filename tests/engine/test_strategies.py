@@ -178,3 +178,21 @@ def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint)
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="auto", auto_ulysses_max_tokens=-1)
     with pytest.raises(InvalidRequestError, match="zero_sliced_max_tokens must be >= 0, not -1"):
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="burst-zero", zero_sliced_max_tokens=-1)
+
+
+def test_auto_says_at_start_when_the_heads_do_not_divide(tmp_path, capfd):
+    """auto on workers that do not divide the query heads (3 of the checkpoint's 4) never runs ulysses: one
+    warning at start (in worker 0's log) says so, and a short prompt runs burst; where they divide, no such
+    line and ulysses."""
+    save_checkpoint("llama3-gqa", str(tmp_path), seed=random.randrange(1 << 30))
+    for workers, way in ((3, "burst"), (2, "ulysses")):
+        capfd.readouterr()
+        with LLM(str(tmp_path), devices="cpu", context_parallel_size=workers, sp_strategy="auto", **WHOLE) as llm:
+            out = llm.generate([[1, 2, 3] * 20], SamplingParams(max_tokens=2))[0]
+        assert out.metrics.prefill_stats["strategy"] == way
+        said = [line for line in capfd.readouterr().err.splitlines() if "do not divide" in line]
+        if workers == 3:
+            assert len(said) == 1 and said[0].endswith("--sp-strategy auto: the 4 query heads do not divide over 3 "
+                                                       "workers, which ulysses needs, so every prompt runs burst"), said
+        else:
+            assert said == [], said

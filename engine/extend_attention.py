@@ -41,8 +41,9 @@ from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.pass_kv import PassKVAttention
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
+from kernels.device import num_sms
 from kernels.merge import merge_partials
-from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, num_sms, paged_attention,
+from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, paged_attention,
                                      prefix_run_count, prefix_runs, split_prefix_attention)
 
 WAYS = ("local", "whole", "ring")

@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from engine.decode_attention import all_gather
+from kernels.device import num_sms
 from kernels.merge import merge_partials
-from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available, num_sms,
+from kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available,
                                      paged_attention, runs_filling_waves)
 
 log = logging.getLogger(__name__)

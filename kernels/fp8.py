@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import fp8_small_gemm, fused
+from kernels.device import below_fp8_capability
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                    # the largest finite float8_e4m3fn
@@ -132,11 +133,3 @@ def quantization_refusal(quantization: str, devices: list[str], dtype: str) -> s
     return below_fp8_capability(devices, "--quantization fp8 needs FP8 tensor cores")
 
 
-def below_fp8_capability(gpus: list[str], what: str) -> str | None:
-    """`what`, naming the first of these CUDA devices below compute capability 8.9 (FP8), or None."""
-    for d in gpus:
-        major, minor = torch.cuda.get_device_capability(torch.device(d))
-        if (major, minor) < (8, 9):
-            return (f"{what} (compute capability 8.9 or newer); {d} is "
-                    f"{torch.cuda.get_device_name(torch.device(d))}, capability {major}.{minor}")
-    return None

@@ -28,6 +28,7 @@ Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on the CPU
 import torch
 
 from kernels.arith import ceil_div, next_pow2
+from kernels.device import num_sms
 from kernels.triton_setup import LazyTriton
 
 tl = None                  # triton.language, bound by _build (the kernels resolve it as a global)
@@ -106,12 +107,8 @@ def _run_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def _num_sms(device: torch.device) -> int:
-    """The device's SM count (paged_attention.num_sms; imported here, as kernels.fp8 imports this module
-    and paged_attention imports kernels.fp8)."""
-    if device.type != "cuda":
-        return 4                                        # the interpreter: any count
-    from kernels.paged_attention import num_sms
-    return num_sms(device)
+    """The device's SM count (the interpreter on the CPU: any count)."""
+    return num_sms(device) if device.type == "cuda" else 4
 
 
 def _build() -> dict:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.arith import ceil_div, next_pow2
-from kernels.fp8 import below_fp8_capability
+from kernels.device import below_fp8_capability
 from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 FP8 = torch.float8_e4m3fn

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import ceil_div, next_pow2
+from kernels.device import num_sms
 from kernels.fp8_paged_attention import fp8_paged_decode
 from kernels.kv_quant import Fp8Pages
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
@@ -205,11 +206,6 @@ def fa4_available(device: torch.device) -> bool:
     except Exception as e:   # ImportError, or a broken CuTe-DSL install
         log.info("flash-attn-4 unavailable for paged attention: %s", e)
         return False
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_visible_keys(cu_seqlens_q, seq_lens_k, total_q, causal):

@@ -237,7 +237,7 @@ def _run(args) -> None:
                         else []
                     report.write_sweep(args.output_dir, rows + pending, meta)
             report.write_sweep(args.output_dir, rows, meta)
-            print(report.sweep_table(rows, meta) + report.decode_table(rows))
+            print(report.sweep_table(rows, meta) + report.failures(rows) + report.decode_table(rows))
         elif args.mode == "shared":
             from clients.shared import run_shared
             run_shared(args, url, _run_meta(args, url))

@@ -34,7 +34,7 @@ def write_result_files(output_dir: str, data: dict, columns: list[str], csv_rows
 
 def write_sweep(output_dir: str, rows: list[dict], meta: dict) -> None:
     write_result_files(output_dir, {"mode": "sweep", **meta, "rows": rows}, SWEEP_COLUMNS, rows,
-                       sweep_table(rows, meta) + decode_table(rows))
+                       sweep_table(rows, meta) + failures(rows) + decode_table(rows))
     plot_sweep(rows, os.path.join(output_dir, "ttft.png"))
     if decoded(rows):
         plot_tpot(rows, os.path.join(output_dir, "tpot.png"))
@@ -101,6 +101,19 @@ def unfinished_row(args, n: int, previous: dict | None) -> dict:
     return {**fields, "prompt_tokens": n, "batch": getattr(args, "batch", 1),
             "output_len": getattr(args, "output_len", 1), "repeats": 0, "error": UNFINISHED, "ttft_ms_samples": [],
             "warmup_ttft_ms_samples": [], "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0, "mean_server_prefill_ms": 0.0}
+
+
+def failures(rows: list[dict]) -> str:
+    """Under the table: why each failed cell failed (its error's first line), '' when none did."""
+    lines = [f"- `{r['label']}` at {r['prompt_tokens']} tokens, {failure(r)}: "
+             f"{(r['error'].strip().splitlines() or [''])[0][:300]}" for r in rows if r.get("error")]
+    return "\nFailed:\n" + "\n".join(lines) + "\n" if lines else ""
+
+
+def plot_label(label: str, rows: list[dict]) -> str:
+    """A configuration's legend entry: its label, and the lengths where it failed (the plot has no point there)."""
+    failed = [f"{failure(r)} at {r['prompt_tokens']}" for r in rows if r["label"] == label and r.get("error")]
+    return f"{label} ({', '.join(failed)})" if failed else label
 
 
 def failure(row: dict) -> str:
@@ -268,8 +281,8 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     for label in dict.fromkeys(r["label"] for r in rows):
         points = sorted((r["prompt_tokens"], r["mean_ttft_ms"] / 1e3) for r in rows
                         if r["label"] == label and not r.get("error"))
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
+        if points:                   # (a configuration that failed everywhere: the lines under the table)
+            ax.plot(*zip(*points), marker="o", label=plot_label(label, rows))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")

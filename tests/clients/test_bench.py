@@ -149,6 +149,22 @@ def test_failed_and_unfinished_cells():
     assert "| 8 | OOM |" in table and "| 4096 | timeout |" in table
 
 
+def test_a_failed_length_says_why_under_the_table_and_in_the_plots_legend(tmp_path):
+    """A failed cell reads OOM or error; the reason (the error's first line) is written under the table, and
+    the plot's legend names the lengths it has no point for."""
+    from clients import report
+    ok = {"label": "x", "prompt_tokens": 8, "mean_ttft_ms": 100.0, "std_ttft_ms": 0.0, "error": None}
+    refused = {"label": "x", "prompt_tokens": 16, "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0,
+               "error": "InvalidRequestError: 16 tokens is more than max_model_len 12\nTraceback ..."}
+    report.write_sweep(str(tmp_path), [ok, refused], {})
+    md = open(tmp_path / "results.md").read()
+    assert "| 16 | error |" in md
+    assert "- `x` at 16 tokens, error: InvalidRequestError: 16 tokens is more than max_model_len 12\n" in md
+    assert "Traceback" not in md and os.path.getsize(tmp_path / "ttft.png") > 0
+    assert report.plot_label("x", [ok, refused]) == "x (error at 16)" and report.plot_label("x", [ok]) == "x"
+    assert report.failures([ok]) == ""
+
+
 # ---- decode: --output-len and --batch ------------------------------------------------------------------------
 OLD_RESULTS = os.path.join(ROOT, "docs", "results", "2026-11-22-4xH200", "llama3-8b", "transformers-1", "results.json")
 

@@ -9,8 +9,8 @@ TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hid
 
 def make_config(kind: str):
     """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling), 'qwen2' (qkv bias), 'qwen2-yarn' (with YaRN RoPE
-    scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part) or 'qwen3'
-    (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16)."""
+    scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part), 'qwen3'
+    (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16) or 'qwen3-yarn'."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     if kind == "llama-mha":
         return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
@@ -25,6 +25,9 @@ def make_config(kind: str):
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
     if kind == "qwen3":
         return Qwen3Config(**TINY_SHAPE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0)
+    if kind == "qwen3-yarn":
+        return Qwen3Config(**TINY_SHAPE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
     raise ValueError(kind)
 
 

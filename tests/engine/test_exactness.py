@@ -80,12 +80,12 @@ def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, st
                     assert abs(logprob - ref_logp[i, token].item()) <= 1e-4, (strategy, len(prompt), i, token)
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_yarn_checkpoint_matches_transformers(tmp_path, workers):
-    """A Qwen2 checkpoint with YaRN RoPE scaling (x4 over 512 pretraining tokens: frequencies mixed per
-    dimension, cos and sin scaled by 0.1 ln 4 + 1): logits and greedy tokens are transformers' on prompts
-    within and past the pretraining length, and the engine allows 512 x 4 tokens of context."""
-    model = save_checkpoint("qwen2-yarn", str(tmp_path), seed=random.randrange(1 << 30))
+@pytest.mark.parametrize("kind,workers", [("qwen2-yarn", 1), ("qwen2-yarn", 3), ("qwen3-yarn", 2)])
+def test_yarn_checkpoint_matches_transformers(tmp_path, kind, workers):
+    """A Qwen2 (and a Qwen3) checkpoint with YaRN RoPE scaling (x4 over 512 pretraining tokens: frequencies
+    mixed per dimension, cos and sin scaled by 0.1 ln 4 + 1): logits and greedy tokens are transformers' on
+    prompts within and past the pretraining length, and the engine allows 512 x 4 tokens of context."""
+    model = save_checkpoint(kind, str(tmp_path), seed=random.randrange(1 << 30))
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in (37, 1000)]
     with LLM(str(tmp_path), devices="cpu", context_parallel_size=workers, dtype="float32") as llm:

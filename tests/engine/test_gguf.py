@@ -115,15 +115,17 @@ def test_gguf_files_it_cannot_read_are_refused_by_name(cache, tmp_path):
         sys.modules["gguf"] = saved
 
 
-def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2, monkeypatch):
-    """`burstserve serve --model smollm2-135m-instruct` (the README's first model): the wheel's GGUF file,
-    converted once; a chat question through the openai client gets a sensible answer. A packaged model whose
-    package is missing is refused saying what to install."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2, monkeypatch, workers):
+    """`burstserve serve --model smollm2-135m-instruct` (the README's first model) on 1 and 2 workers: the
+    wheel's GGUF file, converted once; a chat question through the openai client gets a sensible answer. A
+    packaged model whose package is missing is refused saying what to install."""
     from clients.server_process import RemoteServer
     from engine import gguf
     _, folder, _, _ = smollm2
     assert gguf.packaged_model("smollm2-135m-instruct") == smollm2_gguf() and gguf.packaged_model("tiny") is None
-    server = RemoteServer(["--model", "smollm2-135m-instruct", "--devices", "cpu", "--dtype", "float32"])
+    server = RemoteServer(["--model", "smollm2-135m-instruct", "--devices", "cpu", "-cp", str(workers),
+                           "--dtype", "float32"])
     try:
         assert server.client().models.list().data[0].id == "smollm2-135m-instruct"
         reply = server.client().chat.completions.create(

@@ -74,6 +74,33 @@ def test_a_trained_gguf_model_matches_transformers_and_answers(smollm2, workers)
     assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
 
 
+@pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "cqs", "auto"])
+def test_the_trained_model_under_every_strategy_that_splits_its_heads(smollm2, strategy):
+    """The other strategies that run SmolLM2's 9 query heads on 2 workers give transformers' greedy tokens and
+    first logprobs on the chat prompts (burst: the test above); those that split the heads over the workers
+    refuse 2 workers by name (ulysses, tp, tp-v3, burst-zero)."""
+    path, folder, model, tokenizer = smollm2
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    prompts = [_chat(tokenizer, q) for q in QUESTIONS[:2]]
+    with LLM(path, devices="cpu", context_parallel_size=2, sp_strategy=strategy,
+             enable_chunked_prefill=False) as llm:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.metrics.prefill_stats["strategy"] == ("burst" if strategy == "auto" else strategy)
+        tokens = out.outputs[0].token_ids
+        _, want = hf_next_logits_and_greedy(model, prompt, len(tokens))
+        assert_same_greedy(model, prompt, tokens, want, (strategy, len(prompt)))
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert abs(logprob - ref[token].item()) < 1e-3, (strategy, token, logprob, ref[token].item())
+    if strategy == "auto":
+        from engine.errors import InvalidRequestError
+        for refused in ("ulysses", "tp", "tp-v3", "burst-zero"):
+            with pytest.raises(InvalidRequestError, match="splits the 9 attention heads over the workers"):
+                LLM(path, devices="cpu", context_parallel_size=2, sp_strategy=refused)
+
+
 def test_the_conversion_is_made_once(smollm2):
     """A second start finds the converted folder (its mark untouched); the folder holds transformers' files."""
     path, folder, _, _ = smollm2

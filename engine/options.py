@@ -105,7 +105,8 @@ class Option:
         checked: a value its bounds or check refuse is refused by the parser (argparse's error, exit 2)
         rather than later by check_options; its choices are argparse's either way."""
         shown = self.type is not bool and self.default is not None and "default" not in self.help
-        kwargs = dict(dest=self.name, default=self.default, help=self.help + (" (default: %(default)s)" if shown else ""))
+        help_text = self.help + (" (default: %(default)s)" if shown else "")
+        kwargs = dict(dest=self.name, default=self.default, help=help_text)
         if self.type is bool:
             return kwargs | dict(action="store_false" if self.off_flag else argparse.BooleanOptionalAction)
         kwargs |= dict(type=self._cli_type(checked), metavar=self.metavar)

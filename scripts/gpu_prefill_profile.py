@@ -114,7 +114,8 @@ def run(rank: int) -> None:
     for n in LENGTHS:
         prefill(n)                                   # warm this length
         timed = [prefill(n) for _ in range(3)]
-        activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU} | ({ProfilerActivity.CPU} if TRACE else set())
+        activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
+        activities |= {ProfilerActivity.CPU} if TRACE else set()
         with profile(activities=list(activities)) as prof:
             profiled, exposed = prefill(n)
         if TRACE:                                    # each worker's timeline, for chrome://tracing or a script

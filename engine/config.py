@@ -205,8 +205,9 @@ class EngineConfig:
     extend_ring_min_tokens: int = 4096      # on several workers, an incremental prefill of at least this many new
                                             # tokens is sharded over them (K/V ring + pass-Q); fewer run whole on
                                             # every worker, one keeping their K/V (engine/extend_attention.py)
-    extend_pass: str = "q"                  # a sharded extend's cached tokens: "q" passes the new queries to them,
-                                            # "kv" their K/V around the ring (engine/parallel/pass_kv.py)
+    extend_pass: str = "kv"                 # a sharded extend's cached tokens: "kv" passes their K/V around the ring
+                                            # (engine/parallel/pass_kv.py; FP8 pages, or blocks that do not fit: "q"),
+                                            # "q" the new queries to them
     mixed_batch: bool | None = None         # a chunk after the first and the running sequences' decode step in
                                             # one forward pass (weights read once). None (auto): where the worker
                                             # replays it as CUDA graphs (engine/extend_graphs.py); eagerly the

@@ -116,13 +116,11 @@ class ExtendAttention:
                                host_sizes=([0, q.shape[0]], [self.key_count]))
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store = lambda: self.pool.write(layer, self.slots, k, v)       # noqa: E731  (behind the first exchange)
         if self.pass_kv is not None:
-            out, _ = self.pass_kv.forward(q, self._pass_kv_block(layer, k, v))
-            self.pool.write(layer, self.slots, k, v)
-            return out
-        new = self.ring_attention.forward(q, torch.stack([k, v], dim=1))
+            return self.pass_kv.forward(q, self._pass_kv_block(layer, k, v), store)[0]
+        new = self.ring_attention.forward(q, torch.stack([k, v], dim=1), store)
         cached = self._cached_partials_of_mine(layer, q)
-        self.pool.write(layer, self.slots, k, v)
         outs = torch.stack([new[0].float()] + [o for o, _ in cached])                         # [P, n_w, H, D]
         lses = torch.stack([new[1].float()] + [l for _, l in cached])                         # [P, n_w, H]
         return merge_partials(outs, lses, q.dtype)[0]

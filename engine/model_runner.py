@@ -164,7 +164,7 @@ class ModelRunner:
             logits = self.layout.prefill_on_slices(self.prefill_context, self.pool, slots, shards, token_ids)   # [V]
             return self._prefill_result(self.layout.sliced_name, logits, start, entered)
         chosen = self.strategy.for_prompt(num_tokens, self.prefill_context)   # auto: ulysses or burst
-        attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q [n, H, D], kv) -> [n, H, D]
+        attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q, kv, between) -> [n, H, D]
         exchange_alone = self._exchange_seconds_alone(chosen, shards)      # arithmetic (ExchangeTime)
         start, shard, slots = self._begin_prefill(seq_id, shards)           # slots [n]
         n, positions = shard.length, shard.positions()                      # [n]
@@ -174,9 +174,9 @@ class ModelRunner:
             positions = torch.arange(seq_parallel.padded)
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
-            self.pool.write(layer, slots, k[:n], v[:n])                 # (tp-v3: not the padding's K/V)
             kv = torch.stack([k, v], dim=1) if self.ring is not None else kv_view(k, v)   # [n, 2, Hkv, D]
-            return attention(q, kv)                                      # (a ring sends it: contiguous)
+            store = lambda: self.pool.write(layer, slots, k[:n], v[:n])   # noqa: E731  (tp-v3: not the padding's)
+            return attention(q, kv, store)                               # (a ring sends kv: contiguous)
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel,
                                     self.whole_layers)                                       # [n, hidden]

@@ -216,10 +216,11 @@ OPTIONS: tuple[Option, ...] = (
            "cache); fewer run whole on every worker, one worker keeping their K/V (one collective a layer). "
            "0: always sharded", metavar="N", at_least=0),
     Option("extend_pass", str, "on several workers, how a sharded extend (a prompt chunk, or a prompt past its cached "
-           "prefix, of at least --extend-ring-min-tokens) sees the cached tokens: q: every worker's new queries "
-           "gathered to each worker's cache and their partials sent back (one all-gather and one all-to-all a layer); "
-           "kv: each worker's cached K/V goes around the ring with the new K/V, attended while the next block travels "
-           "(bf16 pages, where the blocks fit the memory reserved for a chunk's pass-Q; else q)", choices=("q", "kv")),
+           "prefix, of at least --extend-ring-min-tokens) sees the cached tokens: kv: each worker's cached K/V goes "
+           "around the ring with the new K/V, attended while the next block travels (bf16 pages, where the blocks fit "
+           "the memory reserved for a chunk's pass-Q; else q); q: every worker's new queries gathered to each "
+           "worker's cache and their partials sent back (one all-gather and one all-to-all a layer)",
+           choices=("kv", "q")),
     Option("auto_ulysses_max_tokens", int, "--sp-strategy auto: the longest prompt that uses ulysses", at_least=0),
     Option("zero_sliced_max_tokens", int, "--sp-strategy burst-zero: prompts of at most N tokens run on the weight "
            "slices as they lie (tensor parallel, no layer gathered; K/V kept in burst's layout). Default: measured "

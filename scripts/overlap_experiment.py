@@ -8,8 +8,9 @@ on 2 GPUs; llama3-8b's 32 query and 8 KV heads, d 128, bf16; the engine's attent
 compute alone, exchange alone, both together; hidden = (compute + exchange - together) / exchange.
   normal priority        the engine: exchange issued on a normal-priority side stream, then the attention
   high priority          the same on a high-priority side stream (its CTAs are dispatched first)
-  a kernel in between    normal priority, and a short copy (as the layer's K/V store) between the exchange
+  a kernel in between    normal priority, and a copy as large as the layer's K/V store between the exchange
                          and the attention: the exchange's kernel is dispatched before the attention's grid
+  a tiny kernel between  the same with a one-element fill instead of the copy (what engine/parallel/ring.py does)
 Usage: [TOKENS=65536] python scripts/overlap_experiment.py   (markdown table; all of the node's GPUs)
 """
 import os
@@ -48,7 +49,8 @@ def rank_main(rank: int, world: int, port: int) -> None:
     kv = torch.randn(TOKENS, 2, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)   # [n, 2, Hkv, D]
     recv, scratch = torch.empty_like(kv), torch.empty_like(kv)
     attend = lambda: attn(q, kv[:, 0], kv[:, 1], True, HEAD_DIM ** -0.5)           # noqa: E731
-    store = lambda: scratch.copy_(kv)                                               # noqa: E731
+    nudge = torch.zeros(1, device=dev)
+    fills = {"store": lambda: scratch.copy_(kv), "tiny": nudge.zero_, None: None}
     side = {"normal": torch.cuda.Stream(dev, priority=0), "high": torch.cuda.Stream(dev, priority=-1)}
 
     def exchange(priority: str):
@@ -58,11 +60,11 @@ def rank_main(rank: int, world: int, port: int) -> None:
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                 w.wait()
 
-    def together(priority: str, between: bool):
+    def together(priority: str, between: str | None):
         def go():
             exchange(priority)
             if between:
-                store()
+                fills[between]()
             attend()
             torch.cuda.current_stream().wait_stream(side[priority])
         return go
@@ -72,11 +74,12 @@ def rank_main(rank: int, world: int, port: int) -> None:
         exchange("normal")
     t_exchange = timed(lambda: exchange("normal"), dev)
     t_attend = timed(attend, dev)
-    t_attend_store = timed(lambda: (store(), attend()), dev)
+    t_attend_store = timed(lambda: (fills["store"](), attend()), dev)
     rows = []
-    for name, priority, between, alone in (("normal priority (the engine)", "normal", False, t_attend),
-                                           ("high priority", "high", False, t_attend),
-                                           ("a kernel in between", "normal", True, t_attend_store)):
+    for name, priority, between, alone in (("normal priority", "normal", None, t_attend),
+                                           ("high priority", "high", None, t_attend),
+                                           ("a kernel in between", "normal", "store", t_attend_store),
+                                           ("a tiny kernel in between", "normal", "tiny", t_attend)):
         both = timed(together(priority, between), dev)
         rows.append((name, alone * 1e3, t_exchange * 1e3, both * 1e3, (alone + t_exchange - both) / t_exchange))
     if rank == 0:

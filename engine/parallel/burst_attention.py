@@ -37,11 +37,12 @@ class BurstAttention:
         self.ring = ring
         self.ring_pass = RingPass(ring, [s.length for s in shards], rank, overlap)
 
-    def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [n, H, D], kv [n, 2, Hkv, D] (this worker's block) -> out [n, H, D] in q's dtype."""
-        return self.forward(q, kv)[0]
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, between=None) -> torch.Tensor:
+        """q [n, H, D], kv [n, 2, Hkv, D] (this worker's block) -> out [n, H, D] in q's dtype. between():
+        the caller's work queued behind the first exchange (engine/parallel/ring.py, RingPass)."""
+        return self.forward(q, kv, between)[0]
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, between=None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> out [n, H, D] in q's dtype, lse [n, H] fp32. Every merge is computed in fp32; the
         accumulator itself is fp32 only while two or more merges remain, so one worker returns its
         block's result as it is and two merge once straight into it (one rounding either way, as
@@ -65,7 +66,7 @@ class BurstAttention:
             merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
             merges_left -= 1
 
-        self.ring_pass.run(travels, attend)
+        self.ring_pass.run(travels, attend, between)
         return acc["out"].to(q.dtype), acc["lse"]
 
     def attend_block(self, q, block, source):

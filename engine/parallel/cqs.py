@@ -91,8 +91,9 @@ class CQSAttention:
         self.lengths = [s.length for s in shards]
         self.plan = CQSPlan(self.workers)
 
-    def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [n, H, D], kv [n, 2, Hkv, D] (my group) -> out [n, H, D]."""
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, between) -> torch.Tensor:
+        """q [n, H, D], kv [n, 2, Hkv, D] (my group) -> out [n, H, D]; between() first (no ring)."""
+        between()
         n, h, d = q.shape
         hkv = kv.shape[2]
         packed = torch.cat([q.reshape(n, h * d), kv.reshape(n, 2 * hkv * d)], dim=1)      # [n, (H + 2Hkv) D]

@@ -42,11 +42,12 @@ class PassKVAttention:
         self.new = BurstAttention(ring, backend, new_shards, rank, scale, overlap)      # the new keys' causal rule
         self.ring_pass = RingPass(ring, [c + s.length for c, s in zip(cached, new_shards)], rank, overlap)
 
-    def forward(self, q: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, block: torch.Tensor, between=None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n_r, H, D]: this worker's new tokens' queries; block [c_r + n_r, 2, Hkv, D]: its cached K/V of the
-        sequence, then its new tokens' -> out [n_r, H, D] in q's dtype, lse [n_r, H] fp32."""
+        sequence, then its new tokens' -> out [n_r, H, D] in q's dtype, lse [n_r, H] fp32. between(): the
+        caller's work queued behind the first exchange (engine/parallel/ring.py, RingPass)."""
         if q.shape[0] == 0:                 # no new tokens here: the blocks still pass through
-            self.ring_pass.run(block, lambda source, block: None)
+            self.ring_pass.run(block, lambda source, block: None, between)
             return q.clone(), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         acc = {}
 
@@ -63,6 +64,6 @@ class PassKVAttention:
             if block.shape[0] > cached:
                 absorb(*self.new.attend_block(q, block[cached:], source))
 
-        self.ring_pass.run(block, attend)
+        self.ring_pass.run(block, attend, between)
         return acc["out"].to(q.dtype), acc["lse"]
 

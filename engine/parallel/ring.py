@@ -36,7 +36,7 @@ class RingCommunicator:
         self.next_rank = (rank + 1) % world_size
         self.prev_rank = (rank - 1) % world_size
         self.is_cuda = device.type == "cuda"
-        # Normal priority: a high-priority side stream measured worse (scripts/overlap_experiment.py).
+        # Normal priority: a high-priority side stream measured worse (docs/design.md, "ring.py").
         self.comm_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self._pending_timings: list[_Handle] = []
         self.stats = OverlapStats()
@@ -113,17 +113,24 @@ class RingCommunicator:
 
 
 class RingPass:
-    """Sends one block per worker around the whole ring: `run(local, compute)` calls
+    """Sends one block per worker around the whole ring: `run(local, compute, between)` calls
     compute(source_rank, block) for every worker's block, own first, while the next block is
     already in flight into the other of two buffers (unless overlap is off). Block sizes follow
-    `lengths` (tokens per worker), known to every worker; the trailing shape is the local block's."""
+    `lengths` (tokens per worker), known to every worker; the trailing shape is the local block's.
+
+    `between()` (optional) is work of the caller's that needs no block, queued after the first exchange
+    and before the first compute: the layer's K/V store. On a GPU the exchange's kernel waits on another
+    stream for the block it sends; with nothing queued between, it becomes ready at the same moment as the
+    attention after it, the GPU hands out the attention's whole grid first, and the exchange runs after the
+    attention instead of beside it. A kernel of some length in between lets the exchange's kernel start
+    first (a one-element kernel is too short: docs/design.md, "ring.py")."""
 
     def __init__(self, ring: RingCommunicator | None, lengths: list[int], rank: int, overlap: bool = True):
         self.ring, self.lengths, self.rank, self.overlap = ring, lengths, rank, overlap
         self.world_size = len(lengths)
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
 
-    def run(self, local: torch.Tensor, compute) -> None:
+    def run(self, local: torch.Tensor, compute, between=None) -> None:
         current = local
         for step in range(self.world_size):
             source = (self.rank - step) % self.world_size
@@ -133,6 +140,8 @@ class RingPass:
                 handle = self.ring.exchange(current, incoming)
                 if not self.overlap:
                     self.ring.wait(handle)
+            if step == 0 and between is not None:
+                between()
             compute(source, current)
             if handle is not None and self.overlap:
                 self.ring.wait(handle)

@@ -21,8 +21,8 @@ class RingSelfAttention:
         for s in shards:
             self.columns.append(self.columns[-1] + s.length)
 
-    def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D] in q's dtype."""
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, between) -> torch.Tensor:
+        """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D] in q's dtype; between() behind the first exchange."""
         n, h, d = q.shape
         hkv = kv.shape[2]
         qf = q.float().view(n, hkv, h // hkv, d)                                   # [n, Hkv, g, D]
@@ -35,7 +35,7 @@ class RingSelfAttention:
             block.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
             scores[..., self.columns[source]:self.columns[source + 1]] = block
 
-        self.ring_pass.run(kv[:, 0].contiguous(), score_block)                    # round 1: K
+        self.ring_pass.run(kv[:, 0].contiguous(), score_block, between)           # round 1: K
         probs = torch.softmax(scores, dim=-1)
         out = torch.zeros(n, hkv, h // hkv, d, dtype=torch.float32, device=q.device)
 

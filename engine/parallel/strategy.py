@@ -4,7 +4,10 @@ A strategy is built for the runner's world size W (`engine.parallel.get_strategy
 answers:
   shards / shard_of / tokens_per_rank   how a prompt of N tokens is cut over the W workers;
   attention(ctx, shards, rank)          the attention callable of one prefill:
-                                        (q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D];
+                                        (q [n, H, D], kv [n, 2, Hkv, D], between) -> out [n, H, D],
+                                        where between() is the caller's work that needs no attention
+                                        (the layer's K/V store): a ring queues it behind its first
+                                        exchange (engine/parallel/ring.py, RingPass), the rest call it first;
   replicated_kv                         where the K/V lives: one shard per worker (False), or every
                                         token on every worker, for its own heads (True, tp); this
                                         decides where decoded tokens go, the decode all-gather's
@@ -42,7 +45,8 @@ from engine.parallel.weight_layout import WeightLayout
 from kernels.arith import ceil_div
 from kernels.attention import AttentionBackend
 
-Attention = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (q [n, H, D], kv [n, 2, Hkv, D]) -> [n, H, D]
+# (q [n, H, D], kv [n, 2, Hkv, D], between: () -> None) -> [n, H, D]
+Attention = Callable[[torch.Tensor, torch.Tensor, Callable[[], None]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ class PrefillStrategy:
         return None
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
-        """attention(q [n, H, D], kv [n, 2, Hkv, D]) -> out [n, H, D] for one prefill, on this rank."""
+        """attention(q [n, H, D], kv [n, 2, Hkv, D], between) -> out [n, H, D] for one prefill, on this rank."""
         raise NotImplementedError
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:

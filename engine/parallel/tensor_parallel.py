@@ -107,7 +107,10 @@ class TensorParallelStrategy(PrefillStrategy):
         return [shards[0].length] * self.world_size
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
-        return lambda q, kv: ctx.backend(q, kv[:, 0], kv[:, 1], True, ctx.scale)[0]   # one causal kernel call
+        def attend(q, kv, between):                                      # one causal kernel call
+            between()
+            return ctx.backend(q, kv[:, 0], kv[:, 1], True, ctx.scale)[0]
+        return attend
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
         return tp_slices(cfg, rank, self.world_size) if self.replicated_kv else {}

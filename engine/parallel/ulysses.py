@@ -31,8 +31,9 @@ class UlyssesAttention:
             self._sort = sort
         return self._sort
 
-    def __call__(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D]."""
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, between) -> torch.Tensor:
+        """q [n, H, D], kv [n, 2, Hkv, D] -> out [n, H, D]; between() first (no ring)."""
+        between()
         h = q.shape[1]
         if h % self.world_size:
             raise ValueError(f"ulysses needs the {h} query heads to divide by {self.world_size} workers")

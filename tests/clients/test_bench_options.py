@@ -66,7 +66,7 @@ def test_the_defaults_reach_llm_as_before_by_keyword():
                                 attention_backend="auto", overlap=True, max_model_len=4096, max_num_seqs=16,
                                 quantization="none", kv_cache_dtype="auto", zero_sliced_max_tokens=None,
                                 async_scheduling=True, kv_cache_tokens=None, kv_offload_gb=None,
-                                max_num_batched_tokens=None, enable_chunked_prefill=True, extend_pass="q",
+                                max_num_batched_tokens=None, enable_chunked_prefill=True, extend_pass="kv",
                                 enable_prefix_caching=True), mode      # no seed: shared's --seed is the prompts'
         values = check_options({k: v for k, v in llm_args.items() if k != "model"})
         assert values["enable_chunked_prefill"] is True and values["seed"] == BY_NAME["seed"].default
@@ -76,12 +76,12 @@ def test_every_flag_reaches_llm_by_keyword():
     args = _parse("sweep", "--offline", "--model", "llama3-8b", "--devices", "cuda", "-cp", "2", "--dtype", "float16",
                   "-q", "fp8", "--kv-cache-dtype", "fp8", "--sp-strategy", "burst-zero", "--attention-backend", "cudnn",
                   "--no-overlap", "--no-async-scheduling", "--no-enable-chunked-prefill", "--zero-sliced-max-tokens", "0",
-                  "--extend-pass", "kv")
+                  "--extend-pass", "q")
     assert offline_llm_args(args, 100) == dict(
         model="llama3-8b", devices="cuda", context_parallel_size=2, dtype="float16", quantization="fp8",
         kv_cache_dtype="fp8",
         sp_strategy="burst-zero", attention_backend="cudnn", overlap=False, async_scheduling=False,
-        enable_chunked_prefill=False, max_num_batched_tokens=None, extend_pass="kv", zero_sliced_max_tokens=0,
+        enable_chunked_prefill=False, max_num_batched_tokens=None, extend_pass="q", zero_sliced_max_tokens=0,
         max_model_len=100, max_num_seqs=64, kv_cache_tokens=None, kv_offload_gb=None)
     args = _parse("shared", "--offline", "--context-parallel-size", "4", "--quantization", "fp8",
                   "--max-num-batched-tokens", "8192", "--async-scheduling", "--enable-chunked-prefill")

@@ -41,13 +41,14 @@ WAYS = [(1, 64, 4096, {"local": 3}), (2, 50, 4096, {"whole": 3}), (2, 128, 4096,
 @pytest.mark.parametrize("workers,chunk,ring_min,ways", WAYS)
 def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_min, ways):
     """Every way of an incremental prefill (engine/extend_attention.py): "local" on one worker, "whole"
-    below extend_ring_min_tokens (every worker runs the chunk, one keeps its K/V), "ring" at or above it."""
+    below extend_ring_min_tokens (every worker runs the chunk, one keeps its K/V), "ring" at or above it
+    (with --extend-pass q: the queries passed to the cache; the default kv's "ring-kv" is the next test's)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     lengths = [chunk + 1, 2 * chunk, 3 * chunk + 5, 401]      # 2 chunks (the last of 1 token), exact, uneven
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in lengths]
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
-             max_num_batched_tokens=chunk, extend_ring_min_tokens=ring_min) as llm:
+             max_num_batched_tokens=chunk, extend_ring_min_tokens=ring_min, extend_pass="q") as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
         assert stats["chunks"] == 4 and stats["strategy"] == "extend" and stats["cached_tokens"] == 0
@@ -56,7 +57,7 @@ def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_m
 
 @pytest.mark.parametrize("workers,chunk", [(2, 50), (3, 37), (4, 100)])
 def test_ring_extends_that_pass_the_cached_kv_match_transformers(checkpoint, workers, chunk):
-    """--extend-pass kv: every sharded chunk's cached K/V goes around the ring with its new K/V
+    """--extend-pass kv (the default): every sharded chunk's cached K/V goes around the ring with its new K/V
     (engine/parallel/pass_kv.py) rather than its queries to the cache, and the logits and greedy tokens are
     still transformers'; the chunks report the way "ring-kv". Prompts of 2 chunks (the last of one token:
     a worker with no new token passes the blocks on), exact chunks, and uneven ones."""
@@ -64,7 +65,7 @@ def test_ring_extends_that_pass_the_cached_kv_match_transformers(checkpoint, wor
     vocab = model.config.vocab_size
     prompts = [[random.randrange(vocab) for _ in range(n)] for n in (chunk + 1, 2 * chunk, 3 * chunk + 5, 401)]
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
-             max_num_batched_tokens=chunk, extend_ring_min_tokens=0, extend_pass="kv") as llm:
+             max_num_batched_tokens=chunk, extend_ring_min_tokens=0) as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
         assert stats["chunks"] == 4 and stats["extend_ways"] == {"ring-kv": 3}, stats
@@ -266,11 +267,12 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
 def test_whole_chunks_stay_within_a_sequences_pages_on_a_worker(checkpoint):
     """A prompt near max_model_len on 2 workers, chunks of 64: the pool lets one sequence hold a level share
     (129 tokens: 9 pages of 16) on a worker. Two chunks run whole (one per worker), the last would take its
-    keeper to 154 tokens (10 pages), so it runs on the ring, placed level; transformers' tokens."""
+    keeper to 154 tokens (10 pages), so it runs on the ring (passing the cached K/V), placed level;
+    transformers' tokens."""
     path, model = checkpoint
     prompt = [random.randrange(model.config.vocab_size) for _ in range(250)]
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_model_len=256, block_size=16,
              kv_cache_tokens=4096, max_num_batched_tokens=64, itl_target_ms=None, enable_prefix_caching=False) as llm:
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
-    assert out.metrics.prefill_stats["extend_ways"] == {"whole": 2, "ring": 1}
+    assert out.metrics.prefill_stats["extend_ways"] == {"whole": 2, "ring-kv": 1}
     assert out.outputs[0].token_ids == hf_next_logits_and_greedy(model, prompt, 4)[1]

@@ -423,11 +423,15 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
     options = ({"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 1000} if strategy == "burst-zero-sliced"
                else {"sp_strategy": "burst-zero", "zero_sliced_max_tokens": 0} if strategy == "burst-zero"
                else {"sp_strategy": strategy})     # burst-zero: every prompt gathered (unset: measured at start)
-    with LLM(path, devices="cuda:0,1", dtype="bfloat16", auto_ulysses_max_tokens=1000, **options) as llm:
+    # in one prefill each: with streams decoding, a GPU's chunking cuts even a short prompt to keep their gap, and a
+    # prompt's strategy is its last chunk's
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", auto_ulysses_max_tokens=1000, enable_chunked_prefill=False,
+             **options) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         assert outs[-1].metrics.prefill_stats.get("shared_prefill")
         if strategy == "burst-zero-sliced":
-            assert [o.metrics.prefill_stats["strategy"] for o in outs[:3]] == ["burst-zero-sliced"] * 2 + ["burst-zero"]
+            ways = [(o.metrics.prefill_stats["strategy"], o.metrics.prefill_stats.get("chunks")) for o in outs[:3]]
+            assert [w for w, _ in ways] == ["burst-zero-sliced"] * 2 + ["burst-zero"], ways
         for prompt, out in zip(prompts, outs):
             ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
@@ -445,7 +449,8 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
     runs on the slices (one over it gathered), both with transformers' greedy tokens up to bf16 near-ties."""
     from engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
-    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy="burst-zero") as llm:
+    with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy="burst-zero",
+             enable_chunked_prefill=False) as llm:                 # each prompt in one prefill, its strategy seen
         limits = [info["zero_sliced_max_tokens"] for info in llm.worker_info]
         print(f"burst-zero on 2 GPUs: prompts of up to {limits} tokens on the slices")
         assert limits[0] == limits[1] > 0
@@ -454,7 +459,8 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
         prompts = [[random.randrange(2000) for _ in range(n)] for n in lengths]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         ways = ["burst-zero-sliced" if n <= limits[0] else "burst-zero" for n in lengths]
-        assert [o.metrics.prefill_stats["strategy"] for o in outs] == ways
+        seen = [(o.metrics.prefill_stats["strategy"], o.metrics.prefill_stats.get("chunks")) for o in outs]
+        assert [w for w, _ in seen] == ways, seen
         for prompt, out in zip(prompts, outs):
             _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 8, with_scales=True)
             for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):

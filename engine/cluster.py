@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.errors import ClusterError
+from engine.messages import WorkerFailed, WorkerReady
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +221,10 @@ def _local_failure(outputs, procs) -> str | None:
             msg = outputs.get_nowait()
         except queue.Empty:
             break
-        if msg[0] == "error":
-            return f"worker {msg[1]} failed: {msg[2]}"
-        if msg[0] == "ready":
-            log.info("worker %d ready", msg[1])
+        if isinstance(msg, WorkerFailed):
+            return msg.describe()
+        if isinstance(msg, WorkerReady):
+            log.info("worker %d ready", msg.rank)
     for p in procs:
         if p.exitcode not in (None, 0):
             return f"{p.name} exited with code {p.exitcode}"

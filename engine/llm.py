@@ -26,6 +26,7 @@ from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.gguf import converted_checkpoint, gguf_file, packaged_model
+from engine.messages import AbortRequest, AddRequest, EngineStats, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from engine.parallel import STRATEGIES, get_strategy
@@ -209,8 +210,8 @@ class LLM:
             sink = q.put
         self._results[request_id] = sink
         self._arrivals[request_id] = time.time()
-        self._requests.put(("add", Request(request_id, prompt_token_ids, params, time.time(), return_logits,
-                                           structured)))
+        self._requests.put(AddRequest(Request(request_id, prompt_token_ids, params, time.time(), return_logits,
+                                              structured)))
         return request_id
 
     def structured_request(self, params: SamplingParams) -> StructuredRequest | None:
@@ -230,7 +231,7 @@ class LLM:
         self._queues.pop(request_id, None)
         requests = self._requests
         if not self._dead and not self._closed and requests is not None:
-            requests.put(("abort", request_id))
+            requests.put(AbortRequest(request_id))
 
     def results(self, request_id: str, poll_seconds: float = 0.2) -> Iterator[StepOutput]:
         """Yields the request's tokens as they arrive; raises EngineDeadError if a worker dies."""
@@ -253,7 +254,7 @@ class LLM:
             return
         self._closed = True
         try:
-            self._requests.put(("shutdown",))
+            self._requests.put(StopScheduler())
         except Exception:  # queue already broken by a dead worker: killed below
             pass
         for p in self._procs:
@@ -326,10 +327,10 @@ class LLM:
         info = {}
         while len(info) < len(self._procs):
             msg = self._next_message()
-            if msg[0] == "ready":
-                info[msg[1]] = msg[2]
-            elif msg[0] == "error":
-                self._fail(f"worker {msg[1]} failed to start: {msg[2]}\n{msg[3]}")
+            if isinstance(msg, WorkerReady):
+                info[msg.rank] = msg.info
+            elif isinstance(msg, WorkerFailed):
+                self._fail(f"worker {msg.rank} failed to start: {msg.error}\n{msg.trace}")
                 raise EngineDeadError(self._dead)
         self.worker_info = [info[r] for r in range(len(self._procs))]
         log.info("engine ready: %d worker(s) on %s, attention kernel %s", len(self._procs),
@@ -364,15 +365,13 @@ class LLM:
                 if not self._closed:
                     self._fail("the engine's output queue closed")
                 return
-            if msg[0] == "out":
-                self._route(msg[1])
-            elif msg[0] == "outs":      # a decode step's tokens, one message
-                for item in msg[1]:
+            if isinstance(msg, Tokens):
+                for item in msg.items:
                     self._route(item)
-            elif msg[0] == "stats":
-                self.stats = msg[1]
-            elif msg[0] == "error":
-                self._fail(f"worker {msg[1]} failed: {msg[2]}\n{msg[3]}")
+            elif isinstance(msg, EngineStats):
+                self.stats = msg.values
+            elif isinstance(msg, WorkerFailed):
+                self._fail(f"{msg.describe()}\n{msg.trace}")
                 return
 
     def _dead_host(self) -> str | None:

@@ -31,6 +31,7 @@ from engine import step_plan as plans
 from engine.cache.kv_manager import KVManager
 from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
+from engine.messages import AbortRequest, AddRequest, EngineStats, StopScheduler, Tokens
 from engine.outputs import Request, StepOutput
 from engine.sampling import row_sampling, rows_logprobs, sample_rows
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, StepInFlight, token_tensor
@@ -371,7 +372,7 @@ class Scheduler:
             if seq.seq_id in running:
                 self._commit(seq, token, logprobs[i] if logprobs else None, token_computed=seq.seq_id in fed)
         outputs, self._step_outputs = self._step_outputs, None
-        self.outputs.put(("outs", outputs))
+        self.outputs.put(Tokens(outputs))
 
     @staticmethod
     def _decode_call(batch: list[RunningSequence]) -> Decode:
@@ -401,7 +402,7 @@ class Scheduler:
             else:
                 self._commit(seq, sampled[i], logprobs[i] if logprobs else None)
         outputs, self._step_outputs = self._step_outputs, None
-        self.outputs.put(("outs", outputs))
+        self.outputs.put(Tokens(outputs))
 
     # preemption
 
@@ -449,7 +450,7 @@ class Scheduler:
                                         state[:2] == self._published[:2]):
             return
         self._published, self._published_at = state, now
-        self.outputs.put(("stats", {"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
+        self.outputs.put(EngineStats({"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
                                     "kv_capacity_per_worker": self.kv.capacity_per_worker,
                                     "kv_pages_free": self.kv.free_pages(), "num_preemptions": state[3],
                                     "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
@@ -472,12 +473,12 @@ class Scheduler:
                     continue
                 return True
             block = False
-            if msg[0] == "shutdown":
+            if isinstance(msg, StopScheduler):
                 return False
-            if msg[0] == "add":
-                self.state.waiting.append(msg[1])
-            elif msg[0] == "abort":
-                self.state.aborted.add(msg[1])
+            if isinstance(msg, AddRequest):
+                self.state.waiting.append(msg.request)
+            elif isinstance(msg, AbortRequest):
+                self.state.aborted.add(msg.request_id)
 
     def _drop_aborted(self) -> None:
         s = self.state
@@ -548,7 +549,7 @@ class Scheduler:
         if self._step_outputs is not None:
             self._step_outputs.append(item)
         else:
-            self.outputs.put(("out", item))
+            self.outputs.put(Tokens([item]))
         if reason is None:
             self.state.running.append(seq)
         elif self.kv.prefix_cache is not None and reason != "abort":

@@ -22,6 +22,7 @@ from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, F
                           PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate)
 from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
+from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 
@@ -78,7 +79,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
             PipeControl(writers=pipes) if rank == 0 else PipeControl(reader=pipes))
         runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
         freeze_heap()
-        outputs.put(("ready", rank, runner.info()))
+        outputs.put(WorkerReady(rank, runner.info()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
             scheduler = Scheduler(call, requests, outputs, runner, max_model_len, cfg.eos_token_ids)
@@ -87,7 +88,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         else:
             _follow(runner, control)
     except BaseException as e:  # report every failure to the engine before dying: never hang it
-        outputs.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        outputs.put(WorkerFailed(rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1)
     finally:
         if runner is not None:     # before the group: graphs that captured NCCL calls hold its communicator
@@ -218,21 +219,21 @@ def main(argv: list[str] | None = None) -> None:
         prompts = json.load(f)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        requests.put(("add", Request(str(i), ids, params, time.time())))
+        requests.put(AddRequest(Request(str(i), ids, params, time.time())))
     runner = threading.Thread(target=worker_main, args=(0, engine, None, requests, outputs))
     runner.start()
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     done = 0
     while done < len(prompts):
         msg = outputs.get()
-        if msg[0] == "error":
-            raise SystemExit(f"worker {msg[1]} failed: {msg[2]}")
-        for item in [msg[1]] if msg[0] == "out" else msg[1] if msg[0] == "outs" else []:
+        if isinstance(msg, WorkerFailed):
+            raise SystemExit(msg.describe())
+        for item in msg.items if isinstance(msg, Tokens) else []:
             tokens[item.request_id].append(item.token_id)
             done += item.finish_reason is not None
     for i in range(len(prompts)):
         print(json.dumps({"prompt": i, "token_ids": tokens[str(i)]}), flush=True)
-    requests.put(("shutdown",))
+    requests.put(StopScheduler())
     runner.join()
 
 

@@ -10,8 +10,8 @@ the scales' last dimension contiguous);
 block_table [B, max_blocks] int32; seq_lens_k [B] int32: sequence b's keys, its queries the last ones
 (causal aligned to the end: query i of m sees keys 0 .. n - m + i).
 
-The arithmetic (scripts/fp8_attention_error.py chose it: with an outlier channel in K it keeps attention
-within 0.054 of fp64 where FlashAttention-3's one scale per (block, KV head) gives 0.158):
+The arithmetic (chosen by its error against fp64: with an outlier channel in K it keeps attention within 0.054
+where FlashAttention-3's one scale per (block, KV head) gives 0.158; docs/research/2026-11-25-fp8-kv-cache.md):
 - Q in e4m3 with its own scale per (token, head), amax / 448, computed in the kernel;
 - scores = (q8 . k8) * q_scale[row] * k_scale[key]: the cache's per-token scales on the columns, exact;
 - probabilities P against the tile's own row maximum (<= 1, the largest exactly 1; FlashAttention-3 takes
@@ -27,8 +27,8 @@ page's keys contiguous, e.g. stored [blocks, Hkv, D, page]) are read K-major by 
 byte-wise transpose (scripts/hopper_codegen.py prefill-vt), the same values and result.
 `q_split=True` (a launch option, for measuring): Q as two e4m3 parts, the second the first's rounding remainder
 with its own scale per (token, head), and Q . K as two FP8 dots. With an outlier channel in K, Q's rounding is
-most of this arithmetic's error (0.046 alone of 0.057 at 4K tokens); split, the whole is 0.036
-(`python scripts/fp8_attention_error.py 4096 --parts`), for twice the first dot's work.
+most of this arithmetic's error (0.046 alone of 0.057 at 4K tokens); split, the whole is 0.036, for twice the
+first dot's work.
 
 One program per (query tile, query head, sequence), heavy tiles first; keys in tiles of BN (a page or part
 of one): the tiles every query of the program sees without a mask, then the diagonal's, masked.

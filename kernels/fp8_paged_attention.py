@@ -83,10 +83,9 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
                    num_stages=2, waves=4, block_keys=64):
-    """The launch's defaults are the fastest of `scripts/gpu_fp8_decode_variants.py`'s settings on an H100 and
-    on an H200, at 1 x 128K, 16 x 8K and 1 x 1M (docs/results/log.md, "FP8 decode: the scores as K @ Q^T"
-    and "FP8 decode: whole tiles unmasked"): 2-warp programs over tiles of 64 keys, 4 waves of them, 2
-    pipeline stages (3 took 2-8% longer on the H200 and the same on the H100)."""
+    """The launch's defaults are the fastest settings measured on Hopper GPUs at 1 x 128K, 16 x 8K and 1 x 1M
+    (docs/benchmarks.md, "FP8 KV cache"): 2-warp programs over tiles of 64 keys, 4 waves of them, 2 pipeline
+    stages (3 took as long or longer)."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv
@@ -185,7 +184,7 @@ def _build() -> dict:
         whole = tl.minimum(end, n // BN)                                           # tiles [start, whole): full
         # the scales are 2-byte loads 16 bytes apart (one a slot and KV head), which Triton's pipeliner does
         # not copy ahead like the K/V tiles: each tile's are asked for one iteration before it (else every
-        # tile waits a memory round trip for them; docs/results/log.md)
+        # tile waits a memory round trip for them)
         k_scale_next, v_scale_next = _tile_scales(table_ptr, ks_ptr, vs_ptr, b, g, start, whole, table_stride,
                                                   HKV, BS, BN)
         for t in tl.range(start, whole, num_stages=STAGES):

@@ -6,9 +6,8 @@ torch._scaled_mm, in Triton kernels that read the weight at the memory's rate.
            or None where these kernels do not apply (the caller runs torch._scaled_mm)
 
 Why: at a decode step's M the GEMM is its weight's bytes, and cuBLAS's FP8 kernel there tiles 128 x 128
-outputs with K whole, so llama3-8b's 4096- and 6144-wide outputs make 32-48 programs for 132 SMs: on one
-H200 the FP8 weights streamed at 2.1 TB/s, slower than bf16's split-K GEMVs over twice the bytes
-(docs/results/log.md, "FP8 weights at a decode step").
+outputs with K whole, so llama3-8b's 4096- and 6144-wide outputs make 32-48 programs for 132 SMs: the FP8
+weights streamed at well under the memory's rate, slower than bf16's split-K GEMVs over twice the bytes.
 
 How:
 - operands swapped: acc^T [BLOCK_N, BLOCK_M] = W tile [BLOCK_N, BLOCK_K] @ x tile^T, so the weight's rows
@@ -61,7 +60,7 @@ def choose_split(n_tiles: int, k_tiles: int, num_sms: int, waves: int) -> int:
 
 
 def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3, warps=4, waves=3, serial=False):
-    """The launch's defaults: see docs/results/log.md, "FP8 weights at a decode step". serial: the split's
+    """The launch's defaults are the fastest measured at decode shapes (docs/benchmarks.md, "FP8 linears"). serial: the split's
     partials summed by the run that finishes last, not by a second kernel (not measured yet: off)."""
     m, k = xq.shape
     n = w.shape[0]
@@ -146,7 +145,7 @@ def _build() -> dict:
             xt = tl.load(x_at + k, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)   # [BM, BK]
             # Hopper's FP8 MMAs accumulate with fewer bits than fp32: the sum is moved into fp32 registers
             # every 128 products (torch._scaled_mm's default, use_fast_accum off, asks cuBLAS for fp32 sums
-            # too; Triton's own default on sm_90 never moves them: GPU test, docs/results/log.md)
+            # too; Triton's own default on sm_90 never moves them: tests/gpu/test_kernels_gpu.py)
             acc = tl.dot(wt, tl.trans(xt), acc, max_num_imprecise_acc=PROMOTE)
         at = rows[None, :] * N + cols[:, None]                                     # [BN, BM] in [M, N]
         if SPLIT:

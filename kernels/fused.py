@@ -262,8 +262,7 @@ def _build() -> dict:
 
     # sizes and strides specialized (Triton compiles one variant per pattern of "divisible by 16" and "== 1"
     # among them, a handful for a model): unspecialized, it cannot prove a row 16-byte aligned and moves
-    # every element alone (2-byte loads, byte stores), at under half the memory's rate (docs/results/log.md,
-    # "The row kernels moved a value at a time"). The two norms declare their columns contiguous
+    # every element alone (2-byte loads, byte stores), at under half the memory's rate. The two norms declare their columns contiguous
     # in runs of 8 only, so both move their rows as 8-value vectors and sum them in one order. Left to
     # itself, Triton takes 16 values a thread in rms_norm_fp8 (its FP8 store) and 8 in rms_norm, and the
     # fused norm would no longer give rms_norm-then-quantize_fp8's bits.

@@ -7,7 +7,7 @@ KV head).
 
 The row's largest element lands on +-448, which e4m3 holds exactly (a power-of-two scale would put it
 anywhere in (224, 448], rounded like any other: with an outlier channel in K, the element that decides the
-scores; attention error 0.20 against 0.035 so: docs/results/log.md, "The FP8 KV format's rounding error").
+scores; attention error 0.20 against 0.035 with this scale, docs/research/2026-11-25-fp8-kv-cache.md).
 The scale keeps a mantissa; bf16, so 2 bytes a row. Rounding: the division in fp32, the cast to e4m3 round
 to nearest even. A dequantized value, 4 x 8 significant bits, is exact in fp32, so re-quantizing the
 values of an fp32 model gives back the same bytes and scale, and the kernels that apply the scale to
@@ -142,8 +142,7 @@ def store_kv_fp8(k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tens
 
 def _rows_ok(k, v) -> bool:
     """The kernel's layout: [n, Hkv, D] with heads and elements contiguous within a row, D a power of 2; bf16
-    or fp32 (fp16 rows go through the torch ops: on one H200 the kernel's fp16 values differed from theirs,
-    docs/results/log.md "FP8 pages in the engine")."""
+    or fp32 (fp16 rows go through the torch ops: on a GPU the kernel's fp16 values differed from theirs)."""
     d = k.shape[-1]
     return (all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)) and d & (d - 1) == 0
             and k.dtype in (torch.bfloat16, torch.float32))
@@ -252,8 +251,7 @@ def _build() -> dict:
 
     # gather's size specialized: 16-byte loads and stores (kernels/fused.py's note). quantize's row strides
     # stay unspecialized: specialized, its fp32 rows' write-back (round_kv_) did not give the torch ops' bits
-    # on an H200 (tests/gpu/test_kernels_gpu.py, fp8_kv_round; docs/results/log.md, "The row kernels moved a
-    # value at a time"); not yet found why
+    # on a GPU (tests/gpu/test_kernels_gpu.py, fp8_kv_round); not yet found why
     return {"quantize": triton.jit(quantize_kernel, do_not_specialize=["k_row", "v_row"]),
             "gather": triton.jit(gather_kernel)}
 

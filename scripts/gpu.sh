@@ -532,7 +532,7 @@ part_8x() {   # 8 GPUs: one 1M-token prompt end to end (million), the 4-GPU colu
   esac
 }
 
-part_final() {   # end of session on all GPUs: GPU tests, the server answering streaming 32K prompts, overlap
+part_final() {   # end of session on all GPUs: GPU tests, the server answering streaming 32K prompts
   echo "GPUs: $(nvidia-smi -L | wc -l)"
   [ -n "${SKIP_TESTS:-}" ] || timeout 360 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
   python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
@@ -547,7 +547,6 @@ part_final() {   # end of session on all GPUs: GPU tests, the server answering s
       | tee -a "$out/server_ttft.json"
   kill -TERM $server; wait $server
   grep -E "kernel|listening|Shutting|shutting" "$out/server.log" | head -5
-  timeout 120 python3 scripts/overlap_experiment.py 2>&1 | grep -v -i warn | tee "$out/overlap.md"
 }
 
 part_profile() {   # profile decode | prefill | chunk | mixed: where a step's time goes (markdown tables)

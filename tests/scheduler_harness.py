@@ -7,6 +7,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, resolve_model
+from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.scheduler import Scheduler
@@ -36,22 +37,22 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
             scheduler.run()
         except Exception as e:          # seen by the test, not lost in the thread
             failure.append(repr(e))
-            outputs.put(("error", repr(e)))
+            outputs.put(WorkerFailed(0, repr(e)))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     got: dict[str, list] = {}
     for batch in batches:
         for rid, prompt, params in batch:
-            requests.put(("add", Request(rid, prompt, params, time.time())))
+            requests.put(AddRequest(Request(rid, prompt, params, time.time())))
         left = len(batch)
         while left:
-            kind, item = outputs.get(timeout=120)[:2]
-            assert kind != "error", item
-            for out in (item if kind == "outs" else [item] if kind == "out" else []):
+            msg = outputs.get(timeout=120)
+            assert not isinstance(msg, WorkerFailed), msg
+            for out in (msg.items if isinstance(msg, Tokens) else []):
                 got.setdefault(out.request_id, []).append(out)
                 left -= out.finish_reason is not None
-    requests.put(("shutdown",))
+    requests.put(StopScheduler())
     thread.join(timeout=60)
     assert not failure, failure
     return got, calls, scheduler

@@ -136,8 +136,8 @@ class PagePool:
         src, dst = self.pages[source_id][:n], self.pages[seq_id]
         runs = page_runs(src, dst)
         if len(runs) <= LAYERWISE_RUNS:        # a contiguous copy per run and layer: on GPUs about twice as fast
-            for s, d, length in runs:          # as the strided copy below (docs/results/log.md, "The host tier,
-                for cache in self._tensors():  # later the same session")
+            for s, d, length in runs:          # as the strided copy below (measured)
+                for cache in self._tensors():
                     for layer in cache:
                         layer[d:d + length].copy_(layer[s:s + length])
             return

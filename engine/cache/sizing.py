@@ -9,8 +9,7 @@ context, other processes) and a reserve for the activations of the longest prefi
 run: a prefill of T tokens on one worker needs about T x `activation_bytes_per_token` besides its
 K/V, and one piece of its MLP's intermediates (`mlp_piece_bytes`). The estimate sums every tensor a
 layer holds, so it errs on the safe side (before the MLP ran in pieces it was a little above a measured
-prefill's peak: docs/results/log.md, Prefill: time to first token, `llama3-8b` preset, every strategy on
-4 GPUs (bf16, batch 1), its peak GiB/GPU column). The longest prefill is the prompt a worker's pool could hold,
+prefill's peak). The longest prefill is the prompt a worker's pool could hold,
 or max_model_len's share when that is shorter; with chunked prefill (--max-num-batched-tokens) on
 flash-attn-4, one chunk's tokens (prefill_rows_reserved): the KV pool then takes nearly all the memory,
 and a prompt several times longer fits (tests/engine/test_sizing.py's arithmetic; docs/benchmarks.md,

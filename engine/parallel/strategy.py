@@ -22,7 +22,7 @@ answers:
                                         its prefill, a row's logits, prompt logprobs' scoring. All but
                                         burst-zero run the weights as they lie; burst-zero's ZeroLayout
                                         (engine/parallel/zero.py) gathers each layer whole for a prefill
-                                        and decodes on the slices (engine/helix_decode.py);
+                                        and decodes on the slices (engine/parallel/helix_decode.py);
   sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
                                         the parallel linears (engine/parallel/sequence_parallel.py);
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks);
@@ -31,7 +31,7 @@ answers:
                                         over its workers: LLM asks before any worker starts, and never
                                         compares the name.
 Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
-weight slices (its layout's decode_attention: engine/helix_decode.py).
+weight slices (its layout's decode_attention: engine/parallel/helix_decode.py).
 """
 from dataclasses import dataclass
 from typing import Callable, Mapping

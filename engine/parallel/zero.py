@@ -10,7 +10,7 @@ than tp.
   shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group of its
   own, before layer i computes) and dropped after use, so at most two layers are whole at a time.
 - Decode: tensor-parallel on the shards as they lie (no weight moves: NVIDIA's "Helix" shape,
-  engine/helix_decode.py): projections and MLP on the worker's heads and MLP slice with tp's
+  engine/parallel/helix_decode.py): projections and MLP on the worker's heads and MLP slice with tp's
   all-reduces; attention over the sequence-sharded KV cache, every head on every worker.
 The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head. ZeroLayout (at the end) is
 what ModelRunner asks of these weights (engine/parallel/weight_layout.py): the vocabulary split, the layer
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from engine.config import ModelConfig
 from engine.decode_attention import stacked, start_all_gather
-from engine.helix_decode import HelixDecodeAttention
+from engine.parallel.helix_decode import HelixDecodeAttention
 from engine.model import AttendFn, LayerWeights, LlamaModel
 from engine.parallel.burst_attention import BurstStrategy
 from engine.parallel.sharding import Shard

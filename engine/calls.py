@@ -155,8 +155,7 @@ class PrefillResult:
     exchange_seconds: float | None = None      # all layers' exchanges alone (arithmetic)
     hidden_fraction: float | None = None
     peak_memory_bytes: int | None = None
-    extend_way: str | None = None              # an extend: "local", "whole", "ring" or "ring-kv"
-                                               # (engine/extend_attention.py)
+    extend_way: str | None = None              # an extend: its ExtendWay's value (engine/cache/page_planner.py)
     graphed: bool = False                      # an extend replayed as a CUDA graph
     logits: torch.Tensor | None = None         # [V] fp32, CPU (worker 0)
     prompt_logprobs: list | None = None        # (worker 0, when asked)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.ledger import pages_for
+from engine.cache.page_planner import ExtendWay
 from engine.cache.page_pool import PagePool
 from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
@@ -46,26 +47,23 @@ from kernels.merge import merge_partials
 from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, paged_attention,
                                      prefix_run_count, prefix_runs, split_prefix_attention)
 
-WAYS = ("local", "whole", "ring")
-
-
 class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
                  new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
-                 overlap: bool = True, group=None, way: str = "ring", fp8: bool = False,
+                 overlap: bool = True, group=None, way: ExtendWay = ExtendWay.RING, fp8: bool = False,
                  pass_kv_cached: list[int] | None = None):
         """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
         where this worker's new tokens' K/V go (empty if it keeps none); new_shards: the n new tokens
         over the workers (way "whole": all on one; "local" under tp: the strategy's one shard);
         pass_kv_cached (way "ring", bf16 pages): every worker's cached tokens of the sequence, by rank, to
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
-        assert way in WAYS, way
+        way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
-        mine = new_shards[0 if way == "local" else rank].length
-        self.keeps_new = way != "ring" and mine > 0           # its paged call covers the new keys, causally
+        mine = new_shards[0 if way == ExtendWay.LOCAL else rank].length
+        self.keeps_new = way != ExtendWay.RING and mine > 0           # its paged call covers the new keys, causally
         keys = cached_local + (mine if self.keeps_new else 0)
         pages = pool.pages[seq_id][:pages_for(keys, pool.block_size)] if keys else []
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
@@ -73,31 +71,31 @@ class ExtendAttention:
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
         self.key_count = keys
         self.has_keys = keys > 0
-        queries = sum(s.length for s in new_shards) if way != "local" else mine
+        queries = sum(s.length for s in new_shards) if way != ExtendWay.LOCAL else mine
         self.cu = {m: torch.tensor([0, m], dtype=torch.int32, device=device)                 # built once, not per layer
                    for m in {queries, mine}}
         self.ring_attention = (BurstAttention(ring, backend, new_shards, rank, scale, overlap, fp8=fp8)
-                               if way == "ring" and pass_kv_cached is None else None)
+                               if way == ExtendWay.RING and pass_kv_cached is None else None)
         self.pass_kv = None
-        if way == "ring" and pass_kv_cached is not None:
+        if way == ExtendWay.RING and pass_kv_cached is not None:
             assert not fp8 and pass_kv_cached[rank] == cached_local, (pass_kv_cached, rank, cached_local)
             self.pass_kv = PassKVAttention(ring, backend, new_shards, pass_kv_cached, rank, scale, overlap)
             self.page_ids = torch.tensor(pages or [0], dtype=torch.long, device=device)       # [pages]
 
     @property
-    def reported_way(self) -> str:
-        """The way in a prefill's figures: "ring-kv" for a ring that passes the cached K/V."""
-        return "ring-kv" if self.pass_kv is not None else self.way
+    def reported_way(self) -> ExtendWay:
+        """The way in a prefill's figures: RING_KV for a ring that passes the cached K/V."""
+        return ExtendWay.RING_KV if self.pass_kv is not None else self.way
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [m, H, D], k and v [m, Hkv, D] -> out [m, H, D]: this worker's new tokens ("ring"), or all n
         of them ("local", "whole")."""
-        if self.way == "ring":
+        if self.way == ExtendWay.RING:
             return self._ring(layer, q, k, v)
         if self.keeps_new:
             self.pool.write(layer, self.slots, k, v)
         out, lse = self._local_partial(layer, q, k, v)
-        if self.way == "local":
+        if self.way == ExtendWay.LOCAL:
             return out
         return merge_over_workers(out, lse, self.world_size, self.group)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
-from engine.cache.page_planner import PagePlanner
+from engine.cache.page_planner import ExtendWay, PagePlanner
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
                                  pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
@@ -61,7 +61,7 @@ def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PlacedExtend:
     """Where an incremental prefill's new tokens went (ModelRunner._place_extend), on this worker."""
-    way: str                      # engine/extend_attention.py's "local", "whole" or "ring"
+    way: ExtendWay                # LOCAL, WHOLE or RING (engine/extend_attention.py)
     shards: list                  # the new tokens over the workers (Shard, positions within the new tokens)
     positions: torch.Tensor       # [m] int64 (host): the rows this worker runs, within the new tokens
     cached: int                   # the sequence's tokens on this worker before them
@@ -300,7 +300,7 @@ class ModelRunner:
         way = self.pages.extend_way(num_tokens, held, reserved)
         shards = self.pages.extend_shards(held, num_tokens, way)
         shard = self.strategy.shard_of(shards, self.rank)
-        positions = torch.arange(num_tokens) if way == "whole" else shard.positions()   # [m], within the new tokens
+        positions = torch.arange(num_tokens) if way == ExtendWay.WHOLE else shard.positions()   # [m], of the new tokens
         cached, cached_all = self.ledger.tokens(seq_id, self.rank), list(held)
         self.ledger.extend(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, start))
         host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
@@ -311,7 +311,7 @@ class ModelRunner:
         (engine/extend_graphs.py): its way runs every new token on every worker in order ("whole", or "local"
         on one worker or tp), and a graph is that large. The same answer on every worker (their ledgers agree)."""
         n = placed.shards_tokens
-        return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != "ring"
+        return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != ExtendWay.RING
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
 
     def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: "PlacedExtend",
@@ -328,14 +328,14 @@ class ModelRunner:
                                  placed.cached_all if self._passes_kv(placed) else None)
         if restore_waits:
             attend = AfterRestore(attend, restore_waits)
-        last = (0, n - 1) if way == "whole" else owner_of_position(shards, n - 1)
+        last = (0, n - 1) if way == ExtendWay.WHOLE else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
     def _passes_kv(self, placed: "PlacedExtend") -> bool:
         """Does a "ring" extend pass the cached K/V around the ring (engine/parallel/pass_kv.py) rather than
         its queries to them? With --extend-pass kv on bf16 pages, where the blocks fit what the pool left for
         a chunk's pass-Q (on a GPU; a CPU worker's memory is taken as used). The same answer on every worker."""
-        if placed.way != "ring" or self.engine.extend_pass != "kv" or self.kv_fp8:
+        if placed.way != ExtendWay.RING or self.engine.extend_pass != "kv" or self.kv_fp8:
             return False
         need = block_bytes(placed.cached_all, placed.shards, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
                            self.dtype.itemsize, self.block_size)

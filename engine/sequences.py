@@ -50,7 +50,7 @@ class ChunkedPrefill:
     largest: int = 0
     adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
     queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
-    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way ("local", "whole", "ring")
+    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way (ExtendWay: engine/cache/page_planner.py)
     graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
     mixed: int = 0                # of them, with the running sequences' decode step in the same call
 

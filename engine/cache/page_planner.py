@@ -10,8 +10,18 @@ three ways (engine/extend_attention.py): "local" (one worker, or replicated K/V)
 runs the new tokens, the worker holding fewest of the sequence keeps their K/V) or "ring" (sharded over
 the workers, placed to level their totals).
 """
+from enum import StrEnum
+
 from engine.cache.ledger import KVLedger, Ranges, pages_for
 from engine.parallel.sharding import balanced_shards, whole_keeper, whole_shards
+
+
+class ExtendWay(StrEnum):
+    """How an extend runs over the workers (engine/extend_attention.py); its value is its name in the figures."""
+    LOCAL = "local"          # one worker, or replicated K/V
+    WHOLE = "whole"          # every worker runs the new tokens, one keeps their K/V
+    RING = "ring"            # sharded over the workers, the cache seen by passing the queries (pass-Q)
+    RING_KV = "ring-kv"      # the same, the cached K/V passed around the ring (pass-KV): reported, never planned
 
 
 class PagePlanner:
@@ -29,29 +39,29 @@ class PagePlanner:
         """A prompt of num_tokens over the workers (the strategy's shards)."""
         return self.strategy.shards(num_tokens)
 
-    def extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> str:
+    def extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> ExtendWay:
         """How an extend of num_tokens new tokens runs over workers holding `held` tokens of the sequence:
         "local" on one worker or under replicated K/V; "whole" below --extend-ring-min-tokens when the keeper
         (the worker holding fewest) has the pages free (beyond `reserved` pages per worker: a decode step's
         in the same call) and stays within the pages one sequence may hold on a worker, so a whole chunk
         never takes a worker past its pages; else "ring" (level placement)."""
         if self.world_size == 1 or self.strategy.replicated_kv:
-            return "local"
+            return ExtendWay.LOCAL
         if num_tokens >= self.extend_ring_min_tokens:
-            return "ring"
+            return ExtendWay.RING
         keeper = whole_keeper(held)                                      # whole_shards places them there
         after = pages_for(held[keeper] + num_tokens, self.block_size)
         free = self.ledger.free_pages()[keeper] - (reserved[keeper] if reserved else 0)
         fits = after - pages_for(held[keeper], self.block_size) <= free and after <= self.max_pages_per_seq
-        return "whole" if fits else "ring"
+        return ExtendWay.WHOLE if fits else ExtendWay.RING
 
-    def extend_shards(self, held: list[int], num_tokens: int, way: str):
+    def extend_shards(self, held: list[int], num_tokens: int, way: ExtendWay):
         """Where an extend's new tokens go, over workers holding `held` tokens of the sequence, for its way
         (page plans pass "ring"): "whole": all on the worker holding fewest; "ring": in zigzag order, sized to
         level the workers' totals; under replicated K/V, the strategy's one shard."""
         if self.strategy.replicated_kv:
             return self.strategy.shards(num_tokens)
-        return whole_shards(num_tokens, held) if way == "whole" else balanced_shards(num_tokens, held)
+        return whole_shards(num_tokens, held) if way == ExtendWay.WHOLE else balanced_shards(num_tokens, held)
 
     def ranges(self, shards, offset: int) -> list[Ranges]:
         """By rank, the positions (offset + shard ranges) each worker stores of a prefill or a chunk."""
@@ -86,7 +96,7 @@ class PagePlanner:
         held = list(held)
         while num_tokens > 0:
             n = min(chunk or num_tokens, num_tokens)
-            take = self.tokens_per_rank(self.extend_shards(held, n, "ring"))   # plans: level
+            take = self.tokens_per_rank(self.extend_shards(held, n, ExtendWay.RING))   # plans: level
             held = [h + t for h, t in zip(held, take)]
             num_tokens -= n
         return [pages_for(h, self.block_size) for h in held]

@@ -27,11 +27,12 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from engine.cache.page_planner import ExtendWay
 from engine.config import ModelConfig
 from engine.decode_attention import stacked, start_all_gather
-from engine.parallel.helix_decode import HelixDecodeAttention
 from engine.model import AttendFn, LayerWeights, LlamaModel
 from engine.parallel.burst_attention import BurstStrategy
+from engine.parallel.helix_decode import HelixDecodeAttention
 from engine.parallel.sharding import Shard
 from engine.parallel.tensor_parallel import (gate_up_row_index, local_kv_heads, qkv_row_index, tp_check, tp_local_config,
                                              tp_slices)
@@ -205,7 +206,7 @@ class ZeroLayout(WeightLayout):
     def extend_attention(self, attend) -> tuple[AttendFn, "LayerGather | None"]:
         """A "whole" extend (the same rows on every worker) runs on the slices as decode does, no weight
         moved; a "ring" one on whole layers, as a prefill."""
-        if attend.way == "whole":
+        if attend.way == ExtendWay.WHOLE:
             return self.decode_attention(attend), None
         return attend, self.whole_layers
 

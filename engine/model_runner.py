@@ -268,7 +268,7 @@ class ModelRunner:
         placed = self._place_extend(seq_id, token_ids.shape[0], start, step_pages)
         if self._graphed_extend(placed, len(seq_ids)):
             self._wait_restore(waits)
-            step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
+            step_inputs = self._place_decode_tokens(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
             result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", placed.way,
@@ -277,7 +277,7 @@ class ModelRunner:
                 result.decode = self._sampled(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        step_inputs = self._decode_inputs(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
+        step_inputs = self._place_decode_tokens(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
 
@@ -376,7 +376,7 @@ class ModelRunner:
 
     def _decode_logits(self, call: Decode) -> torch.Tensor:
         """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
-        step_inputs = self._decode_inputs(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
+        step_inputs = self._place_decode_tokens(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
         fed = (None if call.fed_from is None else
                (self.fed_tokens, host_to_device(torch.tensor(call.fed_from), self.device)))
         if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
@@ -419,7 +419,7 @@ class ModelRunner:
                 logprobs[i] = entry
         return DecodeResult(tokens.tolist(), logits[host_rows].cpu() if host_rows else logits[:0].cpu(), logprobs)
 
-    def _decode_inputs(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def _place_decode_tokens(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
         positions, slots (scratch where another worker stores the token), keys held here, table rows."""
         slots, lens, rows = [], [], []

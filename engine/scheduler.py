@@ -31,10 +31,11 @@ from engine import step_plan as plans
 from engine.cache.kv_manager import KVManager
 from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
-from engine.messages import AbortRequest, AddRequest, EngineStats, StopScheduler, Tokens
+from engine.messages import AbortRequest, AddRequest, StopScheduler, Tokens
 from engine.outputs import Request, StepOutput
 from engine.sampling import row_sampling, rows_logprobs, sample_rows
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, StepInFlight, token_tensor
+from engine.stats_publisher import StatsPublisher
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,7 @@ class Scheduler:
         self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
         self.next_seq_id = 0
         self._step_outputs: list[StepOutput] | None = None    # collecting a decode step's outputs
-        self._published: tuple | None = None
-        self._published_at = 0.0
+        self.stats = StatsPublisher(outputs, self.kv)
         self._collected_at = 0.0                                 # when the last step in flight was read back
         self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
@@ -93,7 +93,7 @@ class Scheduler:
 
     def run(self) -> None:
         while True:
-            self._publish_stats()
+            self.stats.publish(self.state, self.num_preemptions, self.recomputed_tokens)
             pumping = not self.state.busy() and self.kv.stores_queued()
             if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
                 self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
@@ -128,7 +128,7 @@ class Scheduler:
         seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
-        if twin is not None and not self._room_beside(self.kv.pages.fork_pages(twin.seq_id)):
+        if twin is not None and not self._make_room_beside(self.kv.pages.fork_pages(twin.seq_id)):
             twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
         looked_up = time.perf_counter()
@@ -175,7 +175,7 @@ class Scheduler:
         if self._advance(job, plan.tokens):
             self.state.prefilling = None
 
-    def _room_beside(self, need: list[int], keep_entry: int | None = None) -> bool:
+    def _make_room_beside(self, need: list[int], keep_entry: int | None = None) -> bool:
         """Makes room for `need` pages beside the prompt being prefilled in chunks, if they fit -> did they?"""
         evict = self.policy.room_beside(self.state, need, keep_entry)
         if evict is None:
@@ -186,9 +186,9 @@ class Scheduler:
     def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int]):
         """The sequence starts from a copy of the longest cached prefix of ids (in the pool, or restored from
         the host tier) that fits with its extension -> that Hit (None: none fits; a prefill, as admitted)."""
-        for hit in self.kv.cached_prefixes(ids):
+        for hit in self.kv.look_up_prefixes(ids):
             need = self.kv.hit_pages(hit, len(ids) - hit.length, self.policy.chunk_tokens)
-            if self._room_beside(need, keep_entry=None if hit.on_host else hit.entry):
+            if self._make_room_beside(need, keep_entry=None if hit.on_host else hit.entry):
                 self.kv.adopt(hit, seq.seq_id)
                 return hit
         return None
@@ -435,33 +435,7 @@ class Scheduler:
         raise RuntimeError(f"a sequence of {seq_tokens} tokens does not fit in the empty KV cache "
                            f"({self.kv.free_pages()} free pages per worker); LLM.check_fits should have refused it")
 
-    # requests in, figures out
-
-    def _publish_stats(self) -> None:
-        """Sends worker 0's figures when they change (at most every 0.25 s while busy)."""
-        cache, s = self.kv.prefix_cache, self.state
-        kv = self.kv.tokens_per_worker()                         # in use; prefix-cache entries count as free (vLLM)
-        waiting = len(s.waiting) + len(s.preempted) + (s.prefilling is not None)
-        state = (len(s.running), waiting, tuple(kv), self.num_preemptions,
-                 cache.queries if cache else 0, cache.hits if cache else 0, self.recomputed_tokens,
-                 self.kv.host_hits, self.kv.stored_bytes)
-        now = time.monotonic()
-        if state == self._published or (now - self._published_at < 0.25 and s.running and
-                                        state[:2] == self._published[:2]):
-            return
-        self._published, self._published_at = state, now
-        self.outputs.put(EngineStats({"running": state[0], "waiting": state[1], "kv_tokens_per_worker": kv,
-                                    "kv_capacity_per_worker": self.kv.capacity_per_worker,
-                                    "kv_pages_free": self.kv.free_pages(), "num_preemptions": state[3],
-                                    "prefix_cache_queries": state[4], "prefix_cache_hits": state[5],
-                                    "num_recomputed_tokens": state[6],
-                                    "kv_tokens_cached_per_worker": self.kv.tokens_per_worker(cached=True),
-                                    "kv_host_tokens_per_worker": self.kv.host_tokens_per_worker(),
-                                    "kv_host_capacity_per_worker": self.kv.host_capacity_per_worker,
-                                    "prefix_cache_host_hits": self.kv.host_hits,
-                                    "kv_host_evicted_tokens": self.kv.host_evicted_tokens,
-                                    "kv_offload_stored_bytes": self.kv.stored_bytes,
-                                    "kv_offload_restored_bytes": self.kv.restored_bytes}))
+    # requests in
 
     def _poll(self, block: bool) -> bool:
         """Takes every pending message; False on shutdown."""
@@ -543,7 +517,7 @@ class Scheduler:
         """Sends one sampled token back; the sequence runs on or is freed (token_computed: a step in flight
         computes this token's K/V, kept with the cache when it ends)."""
         seq.generated.append(token)
-        reason = self._finish_reason(seq, token)
+        reason = self._accept_token(seq, token)
         item = StepOutput(seq.request.request_id, token, logprobs, reason, time.time(), prefill=prefill,
                           logits=logits, prompt_logprobs=prompt_logprobs)
         if self._step_outputs is not None:
@@ -558,7 +532,9 @@ class Scheduler:
         else:
             self.kv.free([seq.seq_id])
 
-    def _finish_reason(self, seq: RunningSequence, token: int) -> str | None:
+    def _accept_token(self, seq: RunningSequence, token: int) -> str | None:
+        """Advances the sequence's grammar (if any) by its new token -> why the sequence ends ("stop", "length",
+        "abort"), or None: it runs on."""
         params = seq.request.params
         grammar_ended = False
         if seq.grammar is not None:
@@ -569,8 +545,4 @@ class Scheduler:
             grammar_ended = seq.grammar.terminated   # its stop token accepted: ends even with ignore_eos
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos) or grammar_ended:
             return "stop"
-        if len(seq.generated) >= params.max_tokens:
-            return "length"
-        if len(seq.request.prompt_token_ids) + len(seq.generated) >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if seq.ends_by_length(len(seq.generated), self.max_model_len) else None

@@ -30,6 +30,11 @@ class RunningSequence:
         """How its next token is sampled (seeded requests: the same noise for the same token index)."""
         return row_sampling(self.request.params, len(self.generated))
 
+    def ends_by_length(self, generated: int, max_model_len: int) -> bool:
+        """Does it end once it has `generated` tokens: its max_tokens, or the model's length reached?"""
+        prompt = len(self.request.prompt_token_ids)
+        return generated >= self.request.params.max_tokens or prompt + generated >= max_model_len
+
     def tokens_to_recompute(self) -> int:
         """Its prompt and generated tokens: what a recompute after preemption prefills."""
         return len(self.request.prompt_token_ids) + len(self.generated)
@@ -50,7 +55,7 @@ class ChunkedPrefill:
     largest: int = 0
     adopt_seconds: float = 0.0    # finding the cached prefix and copying it (worker 0's view)
     queued_seconds: float = 0.0   # from its arrival to this scheduler taking it up
-    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way (ExtendWay: engine/cache/page_planner.py)
+    extend_ways: dict = field(default_factory=dict)   # incremental prefills by way (ExtendWay)
     graphed: int = 0              # of them, replayed as CUDA graphs (engine/extend_graphs.py)
     mixed: int = 0                # of them, with the running sequences' decode step in the same call
 

@@ -160,8 +160,7 @@ class Policy:
 
     def _last_token_in_flight(self, seq: RunningSequence) -> bool:
         """Does the token being computed for seq surely end it (its max_tokens, or max_model_len)?"""
-        n = len(seq.generated) + 1
-        return n >= seq.request.params.max_tokens or len(seq.request.prompt_token_ids) + n >= self.max_model_len
+        return seq.ends_by_length(len(seq.generated) + 1, self.max_model_len)
 
     # rules 2 and 5
 

@@ -66,7 +66,7 @@ print(f"{engine.model}, {cfg.num_layers} layers, context {ctx}: ModelRunner.deco
 
 # the step's host parts (wall time each, summed over n steps): the inputs built on the host, the graph's
 # input copy and launch, the sampling and the wait for the tokens (which holds the replay's GPU time)
-parts = {"_decode_inputs": 0.0, "graphs.run": 0.0, "_sampled": 0.0}
+parts = {"_place_decode_tokens": 0.0, "graphs.run": 0.0, "_sampled": 0.0}
 
 
 def timed_part(name, fn):
@@ -78,7 +78,7 @@ def timed_part(name, fn):
     return wrapper
 
 
-runner._decode_inputs = timed_part("_decode_inputs", runner._decode_inputs)
+runner._place_decode_tokens = timed_part("_place_decode_tokens", runner._place_decode_tokens)
 runner.graphs.run = timed_part("graphs.run", runner.graphs.run)
 runner._sampled = timed_part("_sampled", runner._sampled)
 torch.cuda.synchronize()

@@ -123,10 +123,10 @@ class KVManager:
             return 0
         return len(self.prefix_cache.entries[seq_id])
 
-    def cached_prefixes(self, ids: list[int]) -> list[Hit]:
-        """The longest cached prefixes of ids to copy, best first: the pool's, or the host tier's where that
-        holds enough more (RESTORE_GAIN); after the pool's, the host tier's (restored when the pool's copy does
-        not fit beside its source). Counted as a query of the prefix cache (`adopt` counts the hit)."""
+    def look_up_prefixes(self, ids: list[int]) -> list[Hit]:
+        """Counts a query of the prefix cache (`adopt` counts the hit) -> the longest cached prefixes of ids to
+        copy, best first: the pool's, or the host tier's where that holds enough more (RESTORE_GAIN); after the
+        pool's, the host tier's (restored when the pool's copy does not fit beside its source)."""
         if self.prefix_cache is None:
             return []
         self.prefix_cache.queries += len(ids)

@@ -390,7 +390,7 @@ class ModelRunner:
         kept = self.fed_tokens[:b]
         logprobs = None
         if self.rank == 0:
-            tokens = logits.argmax(dim=-1) if sampling is None else sample_rows(logits, sampling)
+            tokens = sample_rows(logits, sampling)
             kept.copy_(tokens)
             rows = [i for i, r in enumerate(sampling or []) if r.logprobs is not None]
             if rows:
@@ -405,10 +405,7 @@ class ModelRunner:
     def _sampled(self, logits: torch.Tensor, call: Decode) -> DecodeResult:
         """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""
         sampling, host_rows = call.sampling, call.host_rows
-        if sampling is None:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = sample_rows(logits, sampling)                           # [B] on the device
+        tokens = sample_rows(logits, sampling)                               # [B] on the device
         logprobs = None
         wanted = [i for i, r in enumerate(sampling or []) if r.logprobs is not None and i not in host_rows]
         if wanted:

@@ -80,14 +80,20 @@ def noise_seed(seed: int, step: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """logits [R, V] fp32 (any device) -> tokens [R] int64 on the same device, all rows at once:
+def step_rules(rows: list[RowSampling]) -> list[RowSampling] | None:
+    """A decode step's rules, or None where every row is greedy without logprobs: the step's argmax only."""
+    return None if all(r.greedy and r.logprobs is None for r in rows) else rows
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling] | None) -> torch.Tensor:
+    """logits [R, V] fp32 (any device) -> tokens [R] int64 on the same device, all rows at once (rows None:
+    every row greedy):
     temperature, top-k, top-p (the smallest set of most likely tokens reaching top_p), then a draw
     by the exponential race (argmax of p / E, E ~ Exp(1): a draw from p). Greedy rows: the argmax.
     With a response_format these are grammar-masked logits (-inf where forbidden), so the filters act
     on the allowed tokens only. A few batched kernels plus one noise kernel per seeded row."""
     greedy = logits.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    sampled = [i for i, r in enumerate(rows or []) if not r.greedy]
     if not sampled:
         return greedy
     device = logits.device

@@ -33,7 +33,7 @@ from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDec
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.messages import AbortRequest, AddRequest, StopScheduler, Tokens
 from engine.outputs import Request, StepOutput
-from engine.sampling import row_sampling, rows_logprobs, sample_rows
+from engine.sampling import row_sampling, rows_logprobs, sample_rows, step_rules
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, StepInFlight, token_tensor
 from engine.stats_publisher import StatsPublisher
 from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
@@ -342,10 +342,8 @@ class Scheduler:
         flight whose token is its input (not yet on the host, not yet in seq.generated); None: the host's."""
         ahead = int(fed_from is not None)
         tokens = [0 if ahead else s.generated[-1] for s in batch]
-        positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 + ahead for s in batch]
-        sampling = [row_sampling(s.request.params, len(s.generated) + ahead) for s in batch]
-        if all(r.greedy and r.logprobs is None for r in sampling):
-            sampling = None                                                  # argmax only
+        positions = [s.next_input_position() + ahead for s in batch]
+        sampling = step_rules([row_sampling(s.request.params, len(s.generated) + ahead) for s in batch])
         pending = self.call(DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from))
         return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
 
@@ -379,11 +377,9 @@ class Scheduler:
         """The batch's decode step: seq ids, last tokens, their positions, sampling rules (None: argmax only),
         the rows sampled on the host."""
         tokens = [s.generated[-1] for s in batch]
-        positions = [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in batch]
+        positions = [s.next_input_position() for s in batch]
         host_rows = [i for i, s in enumerate(batch) if s.grammar is not None]   # masked on the host
-        sampling = [s.sampling() for s in batch]
-        if all(r.greedy and r.logprobs is None for r in sampling):
-            sampling = None                                                # argmax only
+        sampling = step_rules([s.sampling() for s in batch])
         return Decode([s.seq_id for s in batch], tokens, positions, sampling, host_rows)
 
     def _finish_decode(self, batch: list[RunningSequence], host_rows: list[int], decoded: DecodeResult) -> None:

@@ -30,6 +30,10 @@ class RunningSequence:
         """How its next token is sampled (seeded requests: the same noise for the same token index)."""
         return row_sampling(self.request.params, len(self.generated))
 
+    def next_input_position(self) -> int:
+        """The position of its last token, the next decode step's input."""
+        return len(self.request.prompt_token_ids) + len(self.generated) - 1
+
     def ends_by_length(self, generated: int, max_model_len: int) -> bool:
         """Does it end once it has `generated` tokens: its max_tokens, or the model's length reached?"""
         prompt = len(self.request.prompt_token_ids)

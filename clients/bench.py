@@ -28,16 +28,8 @@ import sys
 from dataclasses import replace
 
 from clients import report
-from engine.options import BY_NAME, Option, add_arguments, from_args
-
-# The engine options an offline run gives LLM, each a row of engine/options.py's table: the flags, values and
-# defaults of `burstserve serve`, so that one configuration's flags work in both (over HTTP --serve's arguments
-# carry them; --devices and -cp are added to those). The other LLM arguments are the bench's own: --model,
-# max_model_len (the longest request) and max_num_seqs (from --batch).
-OFFLINE_OPTIONS = ("devices", "context_parallel_size", "dtype", "quantization", "kv_cache_dtype", "sp_strategy",
-                   "attention_backend", "overlap", "async_scheduling", "enable_chunked_prefill",
-                   "max_num_batched_tokens", "extend_pass", "zero_sliced_max_tokens", "kv_cache_tokens",
-                   "kv_offload_gb")
+from clients.offline_options import OFFLINE_OPTIONS
+from engine.options import BY_NAME, Option, add_arguments
 ADDED_TO_SERVE = ("devices", "context_parallel_size")     # _device_args
 # `bench sweep --sp-strategy` takes these too, beside the engine's strategies: transformers' model run as a
 # user would, the engine not started (clients/hf_baseline.py, clients/torch_cp.py)
@@ -164,12 +156,6 @@ def offline_option_rows(baselines: bool = False) -> list[Option]:
             o = replace(o, choices=o.choices + BASELINES, help=o.help + BASELINES_HELP)
         rows.append(replace(o, help=f"{where}: {o.help}"))
     return rows
-
-
-def offline_options(args) -> dict:
-    """The engine options of an offline run, by LLM keyword, as its command line gave them (from_args of
-    OFFLINE_OPTIONS alone: shared's --seed, of the random prompts, is no engine seed)."""
-    return from_args(args, [BY_NAME[name] for name in OFFLINE_OPTIONS])
 
 
 def _at_least(low: int):

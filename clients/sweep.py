@@ -14,6 +14,7 @@ import statistics
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from clients.offline_options import offline_options
 from clients.stats import RequestTiming, batch_throughput, summarize
 from clients.ttft_probe import stream_batch
 
@@ -138,9 +139,7 @@ def sweep_http(url: str, lengths: list[int], repeats: int, warmup: int, output_l
 
 def offline_llm_args(args, max_model_len: int, max_num_seqs: int = 64, **extra) -> dict:
     """The LLM arguments of an offline run from its command line: --model, the engine options the bench takes
-    from engine/options.py's table (clients/bench.py OFFLINE_OPTIONS, by keyword as parsed), with `extra`
-    ones added."""
-    from clients.bench import offline_options
+    from engine/options.py's table (clients/offline_options.py, by keyword as parsed), with `extra` ones added."""
     # the context is the longest request; the engine sizes its KV page pool from it and the memory it may
     # use (gpu_memory_utilization's default; 1M tokens a worker on CPU). A request that cannot fit even
     # alone fails as OOM; a batch larger than the pool is preempted and recomputed, as a server would

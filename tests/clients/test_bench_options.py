@@ -1,4 +1,4 @@
-"""`burstserve bench`'s engine options (clients/bench.py OFFLINE_OPTIONS) are engine/options.py's rows: the
+"""`burstserve bench`'s engine options (clients/offline_options.py OFFLINE_OPTIONS) are engine/options.py's rows: the
 flags, defaults and choices of `burstserve serve` (sweep's --sp-strategy also taking the baselines), every
 flag spelling the bench took before still taken, and their values handed to LLM by keyword; and every
 `bench` command line of scripts/gpu.sh (its DRY mode printing them) still parses. Nothing here starts a worker."""

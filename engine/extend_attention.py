@@ -37,6 +37,7 @@ import torch.distributed as dist
 from engine.cache.ledger import pages_for
 from engine.cache.page_planner import ExtendWay
 from engine.cache.page_pool import PagePool
+from engine.chunk_sizer import MIN_CHUNK
 from engine.decode_attention import all_gather_rows, merge_over_workers
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.pass_kv import PassKVAttention
@@ -165,3 +166,24 @@ class ExtendAttention:
         recv = recv.view(self.world_size, mine, *packed.shape[1:])
         return [(recv[w, ..., :-1], recv[w, ..., -1]) for w in range(self.world_size)]
 
+
+@torch.inference_mode()
+def warm_extend_kernels(pool: PagePool, backend: AttentionBackend, scale: float, num_heads: int, num_kv_heads: int,
+                        head_dim: int, dtype: torch.dtype) -> None:
+    """Builds the flash-attn-4 kernels an incremental prefill uses in its "local" and "whole" ways (the causal
+    paged call over cached + new keys, the unmasked one over cached keys, and a small late chunk's prefix runs
+    with their causal call over the chunk), so that none is built under load: a kernel built on first use
+    while streams decode stalls every one of them for the whole build (a second or more). Reads only the
+    scratch page; the results are dropped. Each worker alone, at start."""
+    m, hkv, device = MIN_CHUNK, num_kv_heads, pool.device
+    q = torch.randn(m, num_heads, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(m, hkv, head_dim, device=device, dtype=dtype) for _ in range(2))
+    pages = [0] * pages_for(2 * m, pool.block_size)                      # the scratch page, 2 m keys' worth
+    keys = len(pages) * pool.block_size
+    table = guarded_table(torch.tensor([pages], dtype=torch.int32, device=device))
+    cu = torch.tensor([0, m], dtype=torch.int32, device=device)
+    lens = torch.tensor([keys], dtype=torch.int32, device=device)
+    for causal in (True, False):
+        paged_attention(q, *pool.layer(0), table, cu, lens, scale, causal=causal, rows_see_keys=True)
+    runs = prefix_runs(pages, keys, pool.block_size, m, 2, device)
+    split_prefix_attention(q, k, v, *pool.layer(0), runs, scale, backend)

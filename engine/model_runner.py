@@ -3,29 +3,21 @@
 Every worker runs the same method with the same arguments (worker 0 broadcasts the call); the
 logits come back on worker 0 only.
 """
-import gc
 import logging
-import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import ExtendWay, PagePlanner
 from engine.cache.page_pool import PagePool
-from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
-                                 pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_attention import DecodeAttention, DecodeStep, all_gather
+from engine.decode_attention import DecodeAttention, DecodeStep
 from engine.decode_graphs import DecodeGraphs
-from engine.chunk_sizer import MIN_CHUNK
-from engine.extend_attention import ExtendAttention
-from engine.extend_graphs import MAX_TOKENS as EXTEND_GRAPH_MAX_TOKENS, ExtendGraphs
+from engine.extend_attention import ExtendAttention, warm_extend_kernels
+from engine.extend_graphs import ExtendGraphs
 from engine.devices import host_to_device, synchronize
-from engine.errors import ModelLoadError
 from engine.model import hf_weight_shapes
 from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
 from engine.parallel.exchange_time import ExchangeTime
@@ -35,14 +27,14 @@ from engine.parallel.sharding import Shard, owner_of_position
 from engine.parallel.weight_layout import global_rank
 from engine.prompt_logprobs import as_entries
 from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
-from engine.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free, HostFree,
-                          Offload, Prefill, PrefillResult, PumpStores, Reinstate, Restore, Retire, Truncate)
+from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
 from engine.step_tokens import PendingTokens
 from engine.weights import load_weights, random_weights, weight_bytes
+from engine.worker_cache import AfterRestore, PlacedExtend, WorkerCache, host_tier
+from engine.worker_memory import check_weights_fit, peak_memory_all_workers, size_pool
 from kernels.attention import select_backend
 from kernels.kv_quant import SCALE_BYTES, is_fp8
-from kernels.paged_attention import (FP8_GATHER_SEGMENT, fa4_available, guarded_table, paged_attention, prefix_runs,
-                                     split_prefix_attention)
+from kernels.paged_attention import fa4_available
 
 log = logging.getLogger(__name__)
 
@@ -58,38 +50,6 @@ def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v], dim=1)
 
 
-@dataclass
-class PlacedExtend:
-    """Where an incremental prefill's new tokens went (ModelRunner._place_extend), on this worker."""
-    way: ExtendWay                # LOCAL, WHOLE or RING (engine/extend_attention.py)
-    shards: list                  # the new tokens over the workers (Shard, positions within the new tokens)
-    positions: torch.Tensor       # [m] int64 (host): the rows this worker runs, within the new tokens
-    cached: int                   # the sequence's tokens on this worker before them
-    cached_all: list[int]         # ... on every worker, by rank
-    host_slots: torch.Tensor      # [n_w] int64 (host): where this worker keeps new K/V (n_w = its shard's length)
-    keeps: bool                   # it keeps some of them
-
-    @property
-    def shards_tokens(self) -> int:
-        return sum(s.length for s in self.shards)
-
-
-class AfterRestore:
-    """An extend's attention whose layer i first makes the compute stream wait for layer i's copies of a
-    restore from the host tier (engine/cache/host_pool.py): the copy of later layers hides under the compute
-    of earlier ones. Otherwise the attention it wraps (its attributes too)."""
-
-    def __init__(self, attend, layer_waits: list):
-        self.attend, self.layer_waits = attend, layer_waits
-
-    def __call__(self, layer: int, q, k, v):
-        torch.cuda.current_stream().wait_event(self.layer_waits[layer])
-        return self.attend(layer, q, k, v)
-
-    def __getattr__(self, name):
-        return getattr(self.attend, name)
-
-
 class ModelRunner:
     def __init__(self, engine: EngineConfig, cfg: ModelConfig, rank: int, device: torch.device, data_group=None,
                  max_model_len: int = 1 << 20):
@@ -100,7 +60,7 @@ class ModelRunner:
         self.strategy = get_strategy(engine.sp_strategy, self.world_size)   # how a prefill spans the workers
         shapes = hf_weight_shapes(cfg)
         slices = self.strategy.weight_slices(cfg, rank)                     # tp: this worker's part of each
-        self._check_weights_fit(weight_bytes(shapes, dtype.itemsize, slices), device)
+        check_weights_fit(engine, rank, weight_bytes(shapes, dtype.itemsize, slices), device)
         if engine.is_preset:
             weights = random_weights(shapes, device, dtype, engine.seed, slices)
         else:
@@ -122,7 +82,11 @@ class ModelRunner:
         self.dtype, self.attn_cfg = dtype, attn
         self.block_size = engine.page_size
         self.max_model_len = max_model_len
-        num_pages = self._num_pages()
+        size = size_pool(engine, cfg, attn.num_kv_heads, dtype, self.strategy, self.layout, device, rank, data_group,
+                         max_model_len)
+        num_pages, self.prefill_rows_max, self.pass_q_reserve_bytes = size.pages, size.prefill_rows_max, \
+            size.pass_q_reserve_bytes
+        self._logged_pass_kv_fallback = False
         share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
         self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, attn.num_kv_heads, cfg.head_dim, dtype,
                              device, max_seqs=engine.max_num_seqs + 1,
@@ -130,7 +94,9 @@ class ModelRunner:
                              kv_cache_dtype=engine.kv_cache_dtype)
         self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
         self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
-        self.host_ledger, self.host = self._host_tier()   # --kv-offload-gb (engine/cache/host_pool.py), or None
+        host = host_tier(engine, cfg, attn.num_kv_heads, dtype.itemsize, self.pool, rank, device, data_group,
+                         self.strategy.replicated_kv)   # --kv-offload-gb (engine/cache/host_pool.py), or (None, None)
+        self.cache = WorkerCache(self.pool, self.ledger, self.pages, self.strategy, rank, *host)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         self.decode_attend = self.layout.decode_attention(self.decode_attention)   # (burst-zero: Helix's)
         # prompts this short run on the weight slices (burst-zero; else 0)
@@ -139,7 +105,10 @@ class ModelRunner:
         # engine/step_tokens.py; a batch holds up to max_num_seqs + 1 (a short prompt beside one prefilled in chunks)
         self.fed_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=device)
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
-        self._warm_extend_kernels()
+        if device.type == "cuda" and fa4_available(device) and not self.kv_fp8:   # none built under load
+            warm_extend_kernels(self.pool, self.backend, self.scale, attn.num_heads, attn.num_kv_heads, cfg.head_dim,
+                                dtype)
+            self._sync()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective), for the
         # block the ring sends (FP8 pages: FP8 bytes and a scale a row)
         message = ((2, attn.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.uint8) if self.kv_fp8 else \
@@ -201,10 +170,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
         start = time.perf_counter()
-        shard = self.strategy.shard_of(shards, self.rank)
-        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
-        self.pool.add(seq_id, shard.length)
-        return start, shard, self.pool.slots(seq_id, 0, shard.length)
+        shard, slots = self.cache.place_prompt(seq_id, shards)
+        return start, shard, slots
 
     def _prefill_result(self, strategy: str, logits: torch.Tensor, start: float, entered: float, stats=None,
                         exchange_alone: float = 0.0) -> PrefillResult:
@@ -219,7 +186,7 @@ class ModelRunner:
             share = 1.0 - stats.exposed_seconds / exchange_alone
             result.exchange_seconds, result.hidden_fraction = exchange_alone, min(1.0, max(0.0, share))
         if self.device.type == "cuda":
-            result.peak_memory_bytes = self._peak_memory_all_workers()
+            result.peak_memory_bytes = peak_memory_all_workers(self.device, self.world_size, self.data_group)
         if self.rank == 0:
             result.logits = logits.cpu()
         result.wrapup_seconds = time.perf_counter() - end   # stats and logits after the prefill
@@ -236,19 +203,19 @@ class ModelRunner:
         seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
         self._sync()
         start_time = time.perf_counter()
-        waits = self.host.layer_waits(seq_id) if self.host is not None else None   # a restore still copying
-        placed = self._place_extend(seq_id, token_ids.shape[0], start)
+        waits = self.cache.restore_waits(seq_id)                          # a restore still copying
+        placed = self.cache.place_extend(seq_id, token_ids.shape[0], start)
         if self._graphed_extend(placed):
-            self._wait_restore(waits)
+            self.cache.wait_restore(waits)
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
-            return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", placed.way,
+            return self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend", placed.way,
                                                               graphed=True))
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed, waits)
         attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
         hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
         logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
-        return self._restored(seq_id, self._extend_result(logits, start, start_time, "extend", attend.reported_way))
+        return self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend", attend.reported_way))
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
@@ -263,21 +230,21 @@ class ModelRunner:
         seq_ids, decode_tokens, decode_positions = step.seq_ids, step.token_ids, step.positions
         self._sync()
         start_time = time.perf_counter()
-        waits = self.host.layer_waits(seq_id) if self.host is not None else None   # a restore still copying
+        waits = self.cache.restore_waits(seq_id)                          # a restore still copying
         step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
-        placed = self._place_extend(seq_id, token_ids.shape[0], start, step_pages)
+        placed = self.cache.place_extend(seq_id, token_ids.shape[0], start, step_pages)
         if self._graphed_extend(placed, len(seq_ids)):
-            self._wait_restore(waits)
-            step_inputs = self._place_decode_tokens(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
+            self.cache.wait_restore(waits)
+            step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode", placed.way,
+            result = self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend+decode", placed.way,
                                                                 graphed=True))
             if self.rank == 0:
                 result.decode = self._sampled(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        step_inputs = self._place_decode_tokens(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
+        step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
         self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
 
@@ -287,26 +254,13 @@ class ModelRunner:
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._restored(seq_id, self._extend_result(logits, start, start_time, "extend+decode",
+        result = self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend+decode",
                                                             chunk.reported_way))
         if self.rank == 0:
             result.decode = self._sampled(decode_logits, step)
         return result
 
-    def _place_extend(self, seq_id: int, num_tokens: int, start: int, reserved: list[int] | None = None) -> "PlacedExtend":
-        """Places num_tokens new tokens after the sequence's `start` cached ones (its way, the ledger, this
-        worker's pages). reserved: pages per worker a decode step in the same call takes (see PagePlanner.extend_way)."""
-        held = self.ledger.seqs[seq_id].tokens
-        way = self.pages.extend_way(num_tokens, held, reserved)
-        shards = self.pages.extend_shards(held, num_tokens, way)
-        shard = self.strategy.shard_of(shards, self.rank)
-        positions = torch.arange(num_tokens) if way == ExtendWay.WHOLE else shard.positions()   # [m], of the new tokens
-        cached, cached_all = self.ledger.tokens(seq_id, self.rank), list(held)
-        self.ledger.extend(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, start))
-        host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
-        return PlacedExtend(way, shards, positions, cached, cached_all, host_slots, keeps=shard.length > 0)
-
-    def _graphed_extend(self, placed: "PlacedExtend", decode_rows: int = 0) -> bool:
+    def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
         """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
         (engine/extend_graphs.py): its way runs every new token on every worker in order ("whole", or "local"
         on one worker or tp), and a graph is that large. The same answer on every worker (their ledgers agree)."""
@@ -314,7 +268,7 @@ class ModelRunner:
         return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != ExtendWay.RING
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
 
-    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: "PlacedExtend",
+    def _begin_extend(self, seq_id: int, token_ids: torch.Tensor, start: int, placed: PlacedExtend,
                       restore_waits: list | None = None):
         """An eager extend of the n new tokens `placed` put after the sequence's `start` cached ones ->
         ((worker, row) whose hidden state is the last token's, the rows this worker runs: token ids [m]
@@ -331,7 +285,7 @@ class ModelRunner:
         last = (0, n - 1) if way == ExtendWay.WHOLE else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
-    def _passes_kv(self, placed: "PlacedExtend") -> bool:
+    def _passes_kv(self, placed: PlacedExtend) -> bool:
         """Does a "ring" extend pass the cached K/V around the ring (engine/parallel/pass_kv.py) rather than
         its queries to them? With --extend-pass kv on bf16 pages, where the blocks fit what the pool left for
         a chunk's pass-Q (on a GPU; a CPU worker's memory is taken as used). The same answer on every worker."""
@@ -376,7 +330,7 @@ class ModelRunner:
 
     def _decode_logits(self, call: Decode) -> torch.Tensor:
         """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
-        step_inputs = self._place_decode_tokens(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
+        step_inputs = self.cache.place_decode_tokens(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
         fed = (None if call.fed_from is None else
                (self.fed_tokens, host_to_device(torch.tensor(call.fed_from), self.device)))
         if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
@@ -416,19 +370,6 @@ class ModelRunner:
                 logprobs[i] = entry
         return DecodeResult(tokens.tolist(), logits[host_rows].cpu() if host_rows else logits[:0].cpu(), logprobs)
 
-    def _place_decode_tokens(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
-        positions, slots (scratch where another worker stores the token), keys held here, table rows."""
-        slots, lens, rows = [], [], []
-        for s in seq_ids:
-            if self.rank in self.ledger.advance(s):
-                slots.append(self.pool.append(s))
-            else:
-                slots.append(0)                                             # page 0: scratch
-            lens.append(self.pool.lengths[s])
-            rows.append(self.pool.rows[s])
-        return torch.tensor([token_ids, positions, slots, lens, rows], dtype=torch.int64)
-
     def decode_forward(self, step_inputs: torch.Tensor, num_pages: int | None = None) -> torch.Tensor:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
@@ -461,91 +402,6 @@ class ModelRunner:
             return 0.0
         return self.exchange_time.layer_seconds([s.length for s in shards]) * self.cfg.num_layers
 
-    @torch.inference_mode()
-    def fork(self, call: Fork) -> None:
-        """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
-        fill each worker's first slots; what the source decoded since is not copied)."""
-        source_id, seq_id = call.source_id, call.seq_id
-        counts = self.ledger.prompt_tokens(source_id)
-        self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
-        self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
-
-    @torch.inference_mode()
-    def adopt(self, call: Adopt) -> None:
-        """A new sequence whose cache starts as a copy of the source's tokens before `position` (a
-        cached prefix: on every worker, the source's first slots there, whole pages copied)."""
-        counts = self.ledger.add_prefix_of(call.source_id, call.seq_id, call.position)
-        self.pool.copy_prefix(call.source_id, call.seq_id, counts[self.rank])
-
-    @torch.inference_mode()
-    def offload(self, call: Offload) -> int:
-        """A host entry of the sequence's id: a copy of its tokens before `position` (every worker its own
-        first slots) -> the bytes this worker copies."""
-        counts = self.host_ledger.add_prefix_of(call.seq_id, call.seq_id, call.position, tier=self.ledger)
-        return self.host.store(self.pool, call.seq_id, call.seq_id, counts[self.rank])
-
-    @torch.inference_mode()
-    def restore(self, call: Restore) -> int:
-        """A new sequence whose cache starts as a copy of the host entry's tokens before `position` (on every
-        worker, the entry's first slots there, whole pages copied) -> the bytes this worker copies."""
-        counts = self.ledger.add_prefix_of(call.host_id, call.seq_id, call.position, tier=self.host_ledger)
-        self.pool.add(call.seq_id, counts[self.rank])
-        return self.host.load(self.pool, call.host_id, call.seq_id, counts[self.rank])
-
-    def pump_stores(self) -> None:
-        """Issues the next STORE_IN_FLIGHT bytes of the host tier's queued stores (before every call)."""
-        if self.host is not None and self.host.queued:
-            self.host.pump(STORE_IN_FLIGHT)
-
-    def pump_idle(self, call: PumpStores) -> None:
-        """The engine is idle: the next slice of the queued stores (pump_stores, which every call runs first)."""
-        self.pump_stores()
-
-    def host_free(self, call: HostFree) -> None:
-        for h in call.host_ids:
-            self.host.free(h)
-            self.host_ledger.remove(h)
-
-    def retire(self, call: Retire) -> None:
-        """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""
-        for s in call.seq_ids:
-            self.pool.retire(s)
-
-    def truncate(self, call: Truncate) -> None:
-        """A prefix-cache entry keeps only its tokens before `position` (its tail's pages freed on every worker)."""
-        self._pages_unused(call.seq_id)
-        self.pool.truncate(call.seq_id, self.ledger.truncate(call.seq_id, call.position)[self.rank])
-
-    def reinstate(self, call: Reinstate) -> None:
-        """Retired sequences decode again on the pages they kept (a preempted sequence's entry taken back)."""
-        for s in call.seq_ids:
-            self.pool.reinstate(s)
-
-    def free(self, call: Free) -> None:
-        for s in call.seq_ids:
-            self._pages_unused(s)
-            self.pool.free(s)
-            self.ledger.remove(s)
-
-    @staticmethod
-    def _wait_restore(waits: list | None) -> None:
-        """The compute stream waits for the whole of a restore still copying (a graph replays every layer)."""
-        if waits:
-            torch.cuda.current_stream().wait_event(waits[-1])
-
-    def _pages_unused(self, seq_id: int) -> None:
-        """Before the sequence's pages go back to the pool: the compute stream waits for the host tier's copies
-        out of them or into them (whoever takes them next writes them)."""
-        if self.host is not None:
-            self.host.pages_unused(seq_id)
-
-    def _restored(self, seq_id: int, result: PrefillResult) -> PrefillResult:
-        """An extend's result, with the restore from the host tier that preceded it (its copy's seconds and bytes)."""
-        done = self.host.restore_seconds(seq_id) if self.host is not None else None
-        if done is not None:
-            result.restore_seconds, result.restored_bytes = done
-        return result
-
     def release_graphs(self) -> None:
         """Destroys the decode and extend CUDA graphs; called before the process group is destroyed. A
         graph that captured an NCCL collective holds a reference to its communicator, and destroying the
@@ -569,155 +425,17 @@ class ModelRunner:
                 "kv_cache_dtype": "fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
                 "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
                 "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max,
-                "kv_host_capacity_tokens": self.host_ledger.num_pages * self.block_size if self.host else 0}
+                "kv_host_capacity_tokens": self.cache.host_ledger.num_pages * self.block_size if self.cache.host else 0}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)
         return x
 
-    def _host_tier(self) -> "tuple[KVLedger | None, HostPool | None]":
-        """The host-memory tier under the prefix cache: --kv-offload-gb GiB of pages shaped like the pool's (the
-        fewest over the workers, so every worker's tier is the same size), and its ledger; (None, None) at 0."""
-        gib = self.engine.kv_offload_gb
-        if not gib:
-            return None, None
-        page_bytes = self.block_size * kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize,
-                                                          self.engine.kv_cache_dtype)
-        agreed = torch.tensor([int(gib * 2**30) // page_bytes], dtype=torch.int64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.data_group)
-        pages = int(agreed)
-        if pages < 1:
-            raise ModelLoadError(f"--kv-offload-gb {gib} holds no KV page (a page is {page_bytes / 2**20:.1f} MiB "
-                                 f"on a worker): raise it, or 0 for no host tier")
-        start = time.perf_counter()
-        host = HostPool(self.pool, pages)
-        log.info("worker %d: KV host tier of %d pages x %d tokens (%.2f GiB%s, %.1f s)", self.rank, pages,
-                 self.block_size, host.bytes() / 2**30, ", pinned" if host.cuda else "", time.perf_counter() - start)
-        return KVLedger(self.world_size, self.block_size, pages, replicated=self.strategy.replicated_kv), host
-
-    def release_host_tier(self) -> None:
-        """Unpins the host tier's memory (at shutdown)."""
-        if self.host is not None:
-            self.host.release()
-            self.host = None
-
-    def _num_pages(self) -> int:
-        """Pages per worker: --kv-cache-tokens, else sized from memory (engine/cache/sizing.py); the
-        smallest over the workers, so that every worker's pool is the same size."""
-        kv_per_token = kv_bytes_per_token(self.cfg, self.attn_cfg.num_kv_heads, self.dtype.itemsize,
-                                          self.engine.kv_cache_dtype)
-        has_fa4 = int(self.device.type == "cuda" and fa4_available(self.device))
-        self.prefill_rows_max = None               # no limit but the pool's (set below where memory is sized)
-        self.pass_q_reserve_bytes = 0              # what a chunk's pass-Q may hold (set below likewise)
-        self._logged_pass_kv_fallback = False
-        if self.engine.kv_cache_tokens:
-            tokens = self.engine.kv_cache_tokens
-        elif self.device.type != "cuda":
-            tokens = pool_tokens_on_cpu(kv_per_token)
-        else:
-            # the blocks freed while the weights were built (fused qkv and gate_up copied from their parts) go
-            # back to the device first: held in torch's cache they would count as in use and shrink the pool
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # less what the layout leaves free (burst-zero: the layers and the embedding gathered whole)
-            budget = int(self.engine.gpu_memory_utilization * total) - (total - free) - self.layout.reserve_bytes()
-            share = self.strategy.kv_share(self.max_model_len)
-            chunk = self.engine.max_num_batched_tokens
-            self.prefill_rows_max = prefill_rows_reserved(share, chunk, self.engine.max_num_seqs,
-                                                          EXTEND_GRAPH_MAX_TOKENS, gathers_context=not has_fa4)
-            if chunk is not None and has_fa4 and self.strategy.kv_workers > 1:   # a sharded chunk passes its Q
-                self.pass_q_reserve_bytes = pass_q_bytes(min(chunk, self.max_model_len), self.cfg.num_heads,
-                                                         self.cfg.head_dim, self.dtype.itemsize)
-                budget -= self.pass_q_reserve_bytes
-            if self.kv_fp8 and self.engine.max_num_batched_tokens is not None:   # a chunk gathers its context
-                gathered = min(share, FP8_GATHER_SEGMENT + self.engine.max_num_batched_tokens)
-                budget -= fp8_gather_bytes(gathered, self.attn_cfg.num_kv_heads, self.cfg.head_dim, self.dtype.itemsize)
-            budget -= mlp_piece_bytes(self.cfg, self.dtype.itemsize)
-            tokens = pool_tokens_on_gpu(budget, kv_per_token, activation_bytes_per_token(self.cfg, self.dtype.itemsize),
-                                        self.prefill_rows_max)
-            log.info("worker %d: %.1f of %.1f GiB in use after weights (%.1f GiB of tensors); KV pool of %d tokens "
-                     "(%.1f GiB) at gpu_memory_utilization %.2f, activations reserved for %d tokens in one call",
-                     self.rank, (total - free) / 2**30, total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
-                     tokens, tokens * kv_per_token / 2**30,
-                     self.engine.gpu_memory_utilization, self.prefill_rows_max)
-        if tokens < self.block_size:
-            raise ModelLoadError(f"worker {self.rank} ({self.device}) has no memory left for the KV cache "
-                                 f"(room for {max(tokens, 0)} tokens, a page is {self.block_size}): raise "
-                                 f"--gpu-memory-utilization (now {self.engine.gpu_memory_utilization}), lower "
-                                 f"--max-model-len, or set --kv-cache-tokens")
-        # one MIN over the workers: the pages, and flash-attn-4 on every worker (1) / on none (-1 negated)
-        agreed = torch.tensor([tokens // self.block_size, has_fa4, -has_fa4], dtype=torch.int64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.data_group)
-        pages, on_every, on_some = agreed.tolist()
-        check_same_kernels(self.rank, self.device, bool(has_fa4), bool(on_every), bool(-on_some))
-        return pages
-
-    @torch.inference_mode()
-    def _warm_extend_kernels(self) -> None:
-        """Builds at start the flash-attn-4 kernels an incremental prefill uses in its "local" and "whole"
-        ways (the causal paged call over cached + new keys, the unmasked one over cached keys, and a small
-        late chunk's prefix runs with their causal call over the chunk), so that none is built under
-        load: a kernel built on first use while streams decode stalls every one of them for the whole build
-        (a second or more). Reads only the scratch page; the results are dropped. Each worker alone."""
-        if self.device.type != "cuda" or not fa4_available(self.device) or self.kv_fp8:
-            return
-        m, h, hkv, d = MIN_CHUNK, self.attn_cfg.num_heads, self.attn_cfg.num_kv_heads, self.cfg.head_dim
-        q = torch.randn(m, h, d, device=self.device, dtype=self.dtype)
-        k, v = (torch.randn(m, hkv, d, device=self.device, dtype=self.dtype) for _ in range(2))
-        pages = [0] * pages_for(2 * m, self.block_size)                      # the scratch page, 2 m keys' worth
-        keys = len(pages) * self.block_size
-        table = guarded_table(torch.tensor([pages], dtype=torch.int32, device=self.device))
-        cu = torch.tensor([0, m], dtype=torch.int32, device=self.device)
-        lens = torch.tensor([keys], dtype=torch.int32, device=self.device)
-        for causal in (True, False):
-            paged_attention(q, *self.pool.layer(0), table, cu, lens, self.scale, causal=causal,
-                            rows_see_keys=True)
-        runs = prefix_runs(pages, keys, self.block_size, m, 2, self.device)
-        split_prefix_attention(q, k, v, *self.pool.layer(0), runs, self.scale, self.backend)
-        self._sync()
-
-    def _check_weights_fit(self, nbytes: int, device: torch.device) -> None:
-        """Refuses, before allocating anything, weights larger than this GPU's share for the model
-        (--gpu-memory-utilization of its memory), or, on CPU, than the host's memory over all its CPU
-        workers, with the numbers."""
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            budget, where = self.engine.gpu_memory_utilization * total, f"{self.engine.gpu_memory_utilization:.2f} x"
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget, where = total / self.world_size, f"1/{self.world_size} of the host's"
-        if nbytes > budget:
-            raise ModelLoadError(
-                f"worker {self.rank} ({device}) would hold {nbytes / 2**30:.1f} GiB of weights with "
-                f"--sp-strategy {self.engine.sp_strategy} over {self.world_size} device(s), more than "
-                f"{where} {total / 2**30:.1f} GiB = {budget / 2**30:.1f} GiB: use --sp-strategy tp or burst-zero "
-                f"over more devices (they split the weights), or a smaller model")
-
-    def _peak_memory_all_workers(self) -> int:
-        """The largest peak of allocated GPU memory over the workers (bytes)."""
-        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
-        if self.world_size > 1:
-            peak = all_gather(peak, self.world_size, self.data_group)
-        return int(peak.max())
-
     def _sync(self) -> None:
         """Waits for the work queued so far, but the host tier's copies: a store out of the GPU runs beside
         compute, and what reads a restore waits for it on the GPU (engine/cache/host_pool.py)."""
-        if self.host is not None and self.device.type == "cuda":
+        if self.cache.host is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         else:
             synchronize(self.device)
 
-
-def check_same_kernels(rank: int, device: torch.device, has_fa4: bool, fa4_on_every: bool, fa4_on_some: bool) -> None:
-    """Refuses workers that differ in flash-attn-4: with it a worker captures CUDA graphs whose small
-    extends make other collectives than the eager path of a worker without it, so the workers would wait on
-    each other for ever at the first such extend. Every worker raises (one all-reduce told them all)."""
-    if fa4_on_some and not fa4_on_every:
-        where = "runs here but not on every worker" if has_fa4 else "does not run here but runs on other workers"
-        raise ModelLoadError(f"worker {rank} ({device}): flash-attn-4 {where}; install the same "
-                             "packages (pip install 'burstserve[flash-attn]') on every host, with GPUs of one kind "
-                             "(SM90 or newer)")

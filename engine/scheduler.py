@@ -51,7 +51,7 @@ def mixed_batch_limit(runner) -> int | None:
     asked = runner.engine.mixed_batch
     if asked is not None:
         return None if asked else 0
-    graphs = getattr(runner, "extend_graphs", None)
+    graphs = runner.extend_graphs
     return graphs.mixed_max_tokens if graphs is not None else 0
 
 
@@ -65,12 +65,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.device = runner.device                                  # where tokens are sampled
-        self.kv = KVManager(runner.ledger, runner.pages, call, engine.enable_prefix_caching,
-                            getattr(runner, "host_ledger", None), getattr(runner, "host", None))
+        cache = runner.cache                                         # engine/worker_cache.py
+        self.kv = KVManager(cache.ledger, cache.pages, call, engine.enable_prefix_caching, cache.host_ledger, cache.host)
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
-                                runner.ledger.block_size, min_chunk_tokens(runner.device.type)) if chunk else None
+                                cache.ledger.block_size, min_chunk_tokens(runner.device.type)) if chunk else None
         self.policy = plans.Policy(self.kv, engine.max_num_seqs, max_model_len, chunk, self.sizer,
                                    mixed_batch_limit(runner), engine.async_scheduling)
         self.state = SchedulerState()
@@ -163,7 +163,7 @@ class Scheduler:
         """The prompt is prefilled chunk by chunk, its first chunk in this turn (alone: not with a decode
         step), the others in the turns the policy gives them. After a restore from the host tier that is still
         copying, while others decode, its first chunk waits for a later turn (they decode meanwhile); alone, it
-        runs now, each layer waiting for its own copy (engine/model_runner.py AfterRestore)."""
+        runs now, each layer waiting for its own copy (engine/worker_cache.py AfterRestore)."""
         self.state.prefilling = job
         if self.state.running and self.kv.restore_pending(job.seq.seq_id):
             return

@@ -24,6 +24,7 @@ from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from engine.model_runner import ModelRunner
+from engine.worker_cache import WorkerCache
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
             except Exception:          # a broken device: the group is still destroyed
                 log.exception("worker %d: releasing the CUDA graphs failed", rank)
             try:
-                runner.release_host_tier()
+                runner.cache.release_host_tier()
             except Exception:
                 log.exception("worker %d: unpinning the KV host tier failed", rank)
         if dist.is_initialized():
@@ -151,17 +152,20 @@ def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_met
     return None, dist.new_group(backend="gloo") if gloo_control else None
 
 
-# One handler per call (engine/calls.py): what each worker runs for it.
+# One handler per call (engine/calls.py): what each worker runs for it; the cache's calls run on the runner's
+# WorkerCache (engine/worker_cache.py), the others on the runner.
+CACHE_CALLS = {Fork: WorkerCache.fork, Adopt: WorkerCache.adopt, Truncate: WorkerCache.truncate,
+               Retire: WorkerCache.retire, Reinstate: WorkerCache.reinstate, Free: WorkerCache.free,
+               Offload: WorkerCache.offload, Restore: WorkerCache.restore, HostFree: WorkerCache.host_free,
+               PumpStores: WorkerCache.pump_idle}
 HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndDecode: ModelRunner.extend_and_decode,
-            Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, Fork: ModelRunner.fork,
-            Adopt: ModelRunner.adopt, Truncate: ModelRunner.truncate, Retire: ModelRunner.retire,
-            Reinstate: ModelRunner.reinstate, Free: ModelRunner.free, Offload: ModelRunner.offload,
-            Restore: ModelRunner.restore, HostFree: ModelRunner.host_free, PumpStores: ModelRunner.pump_idle}
+            Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, **CACHE_CALLS}
 
 
 def run_call(runner: ModelRunner, message):
-    """Runs one call on this worker's runner -> its result (engine/calls.py)."""
-    return HANDLERS[type(message)](runner, message)
+    """Runs one call on this worker's runner (or its cache) -> its result (engine/calls.py)."""
+    kind = type(message)
+    return HANDLERS[kind](runner.cache if kind in CACHE_CALLS else runner, message)
 
 
 def _make_call(runner: ModelRunner, control, world_size: int):
@@ -171,9 +175,9 @@ def _make_call(runner: ModelRunner, control, world_size: int):
             control.send(message)
         if isinstance(message, Shutdown):
             return None
-        runner.pump_stores()              # the next part of the host tier's queued stores, around each call
+        runner.cache.pump_stores()              # the next part of the host tier's queued stores, around each call
         result = run_call(runner, message)
-        runner.pump_stores()
+        runner.cache.pump_stores()
         return result
     return call
 
@@ -181,9 +185,9 @@ def _make_call(runner: ModelRunner, control, world_size: int):
 def _follow(runner: ModelRunner, control) -> None:
     """Another worker: runs worker 0's calls in order until Shutdown."""
     while not isinstance(message := control.receive(), Shutdown):
-        runner.pump_stores()
+        runner.cache.pump_stores()
         run_call(runner, message)
-        runner.pump_stores()
+        runner.cache.pump_stores()
 
 
 def main(argv: list[str] | None = None) -> None:

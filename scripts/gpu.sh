@@ -556,7 +556,9 @@ part_profile() {   # profile decode | prefill | chunk | mixed: where a step's ti
   case "$what" in
     decode)
       for ctx in ${CONTEXTS:-8192 131072}; do
-        timeout 200 python3 scripts/gpu_decode_profile.py "$ctx" 2>&1 | grep -v -i "warn\|exe_args" | tee "$out/profile_$ctx.txt"
+        # CP=G SP=strategy (environment): on G GPUs, one process each; KIND=cpu: on CPU workers
+        DEVICE=${DEVICE:-$KIND} timeout 200 python3 scripts/gpu_decode_profile.py "$ctx" 2>&1 | grep -v -i "warn\|exe_args" \
+            | tee "$out/profile_$ctx.txt"
       done ;;
     prefill)
       CP=${CP:-1} DEVICE=${DEVICE:-$KIND} timeout 540 python3 scripts/gpu_prefill_profile.py "${LENGTHS:-8192,32768,131072}" \

@@ -34,7 +34,7 @@ for m in range(256, 1025, 128):
         if i:
             times.append(time.perf_counter() - t0)
         graphed = result.graphed
-        runner.truncate(Truncate(0, ctx))
+        runner.cache.truncate(Truncate(0, ctx))
     ms = sum(times) / len(times) * 1e3
     flop = 4.0 * m * (ctx + m / 2) * cfg.num_heads * cfg.head_dim * cfg.num_layers
     runs = runner.extend_graphs.runs.get(m) if runner.extend_graphs else None

@@ -107,7 +107,7 @@ def run(rank: int) -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall0
-        runner.free(Free([s]))
+        runner.cache.free(Free([s]))
         return wall, result.exposed_seconds or 0.0
 
     rows, firsts, tops = [], [], {}

@@ -1,5 +1,6 @@
-"""engine/calls.py: one message type per call worker 0 makes, each run by one ModelRunner handler that
-takes exactly that type; results as their own types."""
+"""engine/calls.py: one message type per call worker 0 makes, each run by one handler that takes exactly that
+type (a ModelRunner method, or for the cache's calls a WorkerCache method on the runner's cache); results as
+their own types."""
 import dataclasses
 import inspect
 import random
@@ -9,7 +10,8 @@ import torch
 
 import engine.calls as calls
 from engine.model_runner import ModelRunner
-from engine.worker import HANDLERS, run_call
+from engine.worker import CACHE_CALLS, HANDLERS, run_call
+from engine.worker_cache import WorkerCache
 
 RESULTS = {calls.PrefillResult, calls.DecodeResult}
 
@@ -22,7 +24,8 @@ def _call_types() -> set[type]:
 def test_every_call_has_one_handler_that_takes_that_type():
     assert set(HANDLERS) == _call_types() - {calls.Shutdown}
     for kind, handler in HANDLERS.items():
-        assert handler is getattr(ModelRunner, handler.__name__)
+        owner = WorkerCache if kind in CACHE_CALLS else ModelRunner
+        assert handler is getattr(owner, handler.__name__)
         hints = typing.get_type_hints(handler, localns=vars(calls))
         params = list(inspect.signature(handler).parameters)
         assert params == ["self", "call"], (kind, params)
@@ -31,7 +34,7 @@ def test_every_call_has_one_handler_that_takes_that_type():
 
 def test_a_call_reaches_the_handler_of_its_type_with_its_fields(monkeypatch):
     """run_call dispatches by exact type (a DecodeAhead goes to decode_ahead, not to a Decode's handler), the
-    runner and the message passed whole."""
+    runner (its cache for the cache's calls) and the message passed whole."""
     seen = []
     for kind, handler in list(HANDLERS.items()):
         monkeypatch.setitem(HANDLERS, kind, lambda runner, message, name=handler.__name__:
@@ -41,9 +44,10 @@ def test_a_call_reaches_the_handler_of_its_type_with_its_fields(monkeypatch):
     messages = [calls.Prefill(rng.randrange(9), ids), calls.Extend(1, ids, rng.randrange(100)),
                 calls.Decode([1, 2], [3, 4], [5, 6]), calls.DecodeAhead([1], [2], [3], fed_from=[0]),
                 calls.Free([rng.randrange(9)]), calls.Adopt(1, 2, rng.randrange(64))]
-    runner = object()
+    runner = type("Runner", (), {"cache": object()})()
     assert [run_call(runner, m) for m in messages] == ["prefill", "extend", "decode", "decode_ahead", "free", "adopt"]
-    assert all(r is runner and got is sent for (_, r, got), sent in zip(seen, messages))
+    owners = [runner] * 4 + [runner.cache] * 2
+    assert all(r is owner and got is sent for (_, r, got), sent, owner in zip(seen, messages, owners))
 
 
 def test_a_prefill_result_reports_its_figures_only():

@@ -214,7 +214,7 @@ def test_workers_that_differ_in_flash_attn_4_are_refused_by_name():
     """One worker with flash-attn-4 and one without would make different collectives at the first small
     extend (graphs against the eager path) and wait on each other for ever: refused at start, each worker
     saying which side it is on. Workers that agree (all with, all without) start."""
-    from engine.model_runner import check_same_kernels
+    from engine.worker_memory import check_same_kernels
     check_same_kernels(0, torch.device("cpu"), False, False, False)
     check_same_kernels(1, torch.device("cuda:1"), True, True, True)
     with pytest.raises(ModelLoadError, match=r"worker 1 \(cuda:1\): flash-attn-4 runs here but not on every worker"):

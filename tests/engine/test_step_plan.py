@@ -30,8 +30,8 @@ def _snapshot(scheduler, runner) -> tuple:
     host = None
     if kv.host is not None:     # the KV host tier: its ledger, its pages, its index
         h = kv.host_cache
-        host = (copy.deepcopy(kv.host.seqs), list(kv.host.pages_used), copy.deepcopy(runner.host.pages),
-                list(runner.host._free), copy.deepcopy(h.entries), list(h.entries), dict(h.used), kv.host_hits)
+        host = (copy.deepcopy(kv.host.seqs), list(kv.host.pages_used), copy.deepcopy(runner.cache.host.pages),
+                list(runner.cache.host._free), copy.deepcopy(h.entries), list(h.entries), dict(h.used), kv.host_hits)
     return ledger, pages, prefix, queues, sizer, host
 
 

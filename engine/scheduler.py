@@ -29,14 +29,14 @@ import torch
 
 from engine import step_plan as plans
 from engine.cache.kv_manager import KVManager
-from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
+from engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
-from engine.messages import AbortRequest, AddRequest, StopScheduler, Tokens
+from engine.decode_steps import DecodeSteps
+from engine.messages import AbortRequest, AddRequest, StopScheduler
 from engine.outputs import Request, StepOutput
-from engine.sampling import row_sampling, rows_logprobs, sample_rows, step_rules
-from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, StepInFlight, token_tensor
+from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from engine.stats_publisher import StatsPublisher
-from engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
+from engine.token_outputs import TokenOutputs
 
 log = logging.getLogger(__name__)
 IDLE_PUMP_SECONDS = 0.002     # idle with host-tier stores queued: a slice is issued this often
@@ -62,9 +62,7 @@ class Scheduler:
         worker), its engine options, model shapes and device."""
         engine = runner.engine
         self.call, self.requests, self.outputs = call, requests, outputs
-        self.max_model_len = max_model_len
-        self.eos_token_ids = set(eos_token_ids)
-        self.device = runner.device                                  # where tokens are sampled
+        self.tokens = TokenOutputs(outputs, runner.device, eos_token_ids, max_model_len)
         cache = runner.cache                                         # engine/worker_cache.py
         self.kv = KVManager(cache.ledger, cache.pages, call, engine.enable_prefix_caching, cache.host_ledger, cache.host)
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
@@ -77,13 +75,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
         self.next_seq_id = 0
-        self._step_outputs: list[StepOutput] | None = None    # collecting a decode step's outputs
         self.stats = StatsPublisher(outputs, self.kv)
-        self._collected_at = 0.0                                 # when the last step in flight was read back
-        self.grammars: dict[TokenizerSource, GrammarBackend] = {}   # built at the first response_format
+        self.decode = DecodeSteps(call, self.state, self.tokens, self._commit, self._emit)
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
-                           plans.ReadBack: lambda plan: self._drain(), plans.Preempt: self._preempt_newest,
+                           plans.ReadBack: lambda plan: self.decode.drain(), plans.Preempt: self._preempt_newest,
                            plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: lambda plan: self._refuse_head(),
                            plans.Idle: lambda plan: None}
 
@@ -99,7 +95,7 @@ class Scheduler:
                 self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
                 time.sleep(IDLE_PUMP_SECONDS)
             if not self._poll(block=not self.state.busy() and not pumping):
-                self._drain()
+                self.decode.drain()
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it
                 self._drop_aborted()
@@ -125,7 +121,7 @@ class Scheduler:
         """As a copy of a running twin's prompt, from the longest cached prefix (the rest in chunks), in
         chunks, or in one call; a copy only where its pages fit beside a prompt being prefilled in chunks."""
         queued = time.time() - request.arrival_time
-        seq = RunningSequence(request, self.next_seq_id, grammar=self._grammar(request))
+        seq = RunningSequence(request, self.next_seq_id, grammar=self.tokens.new_grammar(request))
         self.next_seq_id += 1
         twin = self._running_twin(request)
         if twin is not None and not self._make_room_beside(self.kv.pages.fork_pages(twin.seq_id)):
@@ -249,47 +245,25 @@ class Scheduler:
         elif decode is None:
             result = self.call(Extend(job.seq.seq_id, chunk, job.done))
         else:
-            step = self._decode_call(decode)
+            step = self.decode.call_for(decode)
             result = self.call(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
-            self._finish_decode(decode, step.host_rows, result.decode)   # before the prompt joins the running
+            self.decode.finish(decode, step.host_rows, result.decode)   # before the prompt joins the running
         job.call_seconds += time.perf_counter() - called
         if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
             log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms", n,
                       job.done, result.extend_way or "prefill", result.prefill_seconds * 1e3,
                       self.sizer.predict(n, job.done) * 1e3, self.state.step_seconds * 1e3)
         self._observe(n, job.done, result)
-        self._count_chunk(job, n, result, decode is not None)
+        job.count(n, result, mixed=decode is not None)
         if job.done < len(ids):
             return False
         logits = result.logits
         if job.resumed:                       # its cache is whole again: it samples on, no first-token stats
             self._emit(job.seq, logits)
             return True
-        stats = result.stats()
-        stats.update(prefill_seconds=job.prefill_seconds, call_seconds=job.call_seconds, chunks=job.chunks,
-                      cached_tokens=job.cached, host_cached_tokens=job.host_cached,
-                      smallest_chunk=job.smallest, largest_chunk=job.largest,
-                      adopt_seconds=job.adopt_seconds, queued_seconds=job.queued_seconds,
-                      extend_ways=dict(job.extend_ways), graphed_extends=job.graphed,
-                      mixed_chunks=job.mixed)
-        if job.restore_seconds is not None:
-            stats["restore_seconds"] = job.restore_seconds
         job.seq.prompt_logits = logits
-        self._emit(job.seq, logits, prefill=stats, keep_logits=job.seq.request.return_logits)
+        self._emit(job.seq, logits, prefill=job.prompt_stats(result), keep_logits=job.seq.request.return_logits)
         return True
-
-    @staticmethod
-    def _count_chunk(job: ChunkedPrefill, n: int, result: PrefillResult, mixed: bool) -> None:
-        job.prefill_seconds += result.prefill_seconds
-        if result.restore_seconds is not None:
-            job.restore_seconds = result.restore_seconds
-        job.done += n
-        job.chunks += 1
-        job.smallest, job.largest = min(job.smallest or n, n), max(job.largest, n)
-        if result.extend_way is not None:
-            job.extend_ways[result.extend_way] = job.extend_ways.get(result.extend_way, 0) + 1
-        job.graphed += int(result.graphed)
-        job.mixed += int(mixed)
 
     def _observe(self, new_tokens: int, context: int, result: PrefillResult) -> None:
         """A prefill or extend call's time, for the chunk sizer's cost model."""
@@ -316,89 +290,13 @@ class Scheduler:
     def _decode(self, plan: plans.DecodeStep) -> None:
         self.state.decode_owed = False
         if self.policy.pipelines(plan.batch):
-            self.state.inflight = self._launch(plan.batch, None)   # read back by the next StepAhead, or _drain
+            self.state.inflight = self.decode.launch(plan.batch, None)   # read back by the next StepAhead, or drain
         else:
-            self._decode_batch(plan.batch)
-
-    def _decode_batch(self, batch: list[RunningSequence]) -> None:
-        step = self._decode_call(batch)
-        called = time.perf_counter()
-        decoded = self.call(step)
-        self.state.step_seconds = time.perf_counter() - called
-        self._finish_decode(batch, step.host_rows, decoded)
+            self.decode.run(plan.batch)
 
     def _decode_ahead(self, plan: plans.StepAhead) -> None:
-        """Asynchronous scheduling (vLLM's async scheduling; engine/step_tokens.py): the next step is launched
-        while the one in flight runs, its input tokens taken on the device from the step in flight's, and
-        only then is the step in flight read back, so the host's work between two steps (reading tokens,
-        sending them out, scheduling, launching) no longer leaves the GPU idle."""
-        prev, self.state.inflight = self.state.inflight, None
-        if plan.batch:
-            self.state.inflight = self._launch(plan.batch, plan.rows)
-        self._collect(prev)
-
-    def _launch(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
-        """Launches a decode step without waiting for its tokens. fed_from: per row, the row of the step in
-        flight whose token is its input (not yet on the host, not yet in seq.generated); None: the host's."""
-        ahead = int(fed_from is not None)
-        tokens = [0 if ahead else s.generated[-1] for s in batch]
-        positions = [s.next_input_position() + ahead for s in batch]
-        sampling = step_rules([row_sampling(s.request.params, len(s.generated) + ahead) for s in batch])
-        pending = self.call(DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from))
-        return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
-
-    def _drain(self) -> None:
-        """Reads back the step in flight, if any (before anything but another decode step)."""
-        if self.state.inflight is not None:
-            prev, self.state.inflight = self.state.inflight, None
-            self._collect(prev)
-
-    def _collect(self, step: StepInFlight) -> None:
-        """Waits for a launched step's tokens and commits them, as _finish_decode does. Its rows of sequences
-        that ended at the step before (a stop token read back after this step was launched) are dropped; a
-        sequence in the step now in flight has that step computing its new token's K/V."""
-        tokens, logprobs = step.pending.result()
-        now = time.perf_counter()
-        self.state.step_seconds = now - (self._collected_at if step.fed else step.launched)
-        self._collected_at = now
-        fed = {s.seq_id for s in self.state.inflight.batch} if self.state.inflight is not None else set()
-        running = {s.seq_id for s in self.state.running}
-        stepped = {s.seq_id for s in step.batch}
-        self.state.running = [s for s in self.state.running if s.seq_id not in stepped]
-        self._step_outputs = []
-        for i, (seq, token) in enumerate(zip(step.batch, tokens)):
-            if seq.seq_id in running:
-                self._commit(seq, token, logprobs[i] if logprobs else None, token_computed=seq.seq_id in fed)
-        outputs, self._step_outputs = self._step_outputs, None
-        self.outputs.put(Tokens(outputs))
-
-    @staticmethod
-    def _decode_call(batch: list[RunningSequence]) -> Decode:
-        """The batch's decode step: seq ids, last tokens, their positions, sampling rules (None: argmax only),
-        the rows sampled on the host."""
-        tokens = [s.generated[-1] for s in batch]
-        positions = [s.next_input_position() for s in batch]
-        host_rows = [i for i, s in enumerate(batch) if s.grammar is not None]   # masked on the host
-        sampling = step_rules([s.sampling() for s in batch])
-        return Decode([s.seq_id for s in batch], tokens, positions, sampling, host_rows)
-
-    def _finish_decode(self, batch: list[RunningSequence], host_rows: list[int], decoded: DecodeResult) -> None:
-        """Commits a decode step's tokens (grammar rows sampled here from their masked logits)."""
-        sampled, logits, logprobs = decoded.tokens, decoded.host_logits, decoded.logprobs
-        masked = {}
-        if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
-            rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])
-            masked = {i: (logits[j], rows[j]) for j, i in enumerate(host_rows)}
-        stepped = {s.seq_id for s in batch}
-        self.state.running = [s for s in self.state.running if s.seq_id not in stepped]
-        self._step_outputs = []           # sent as one message: one pickle and queue put per step, not per token
-        for i, seq in enumerate(batch):
-            if i in masked:
-                self._emit(seq, masked[i][0], sample_logits=masked[i][1])
-            else:
-                self._commit(seq, sampled[i], logprobs[i] if logprobs else None)
-        outputs, self._step_outputs = self._step_outputs, None
-        self.outputs.put(Tokens(outputs))
+        """Asynchronous scheduling: the next step launched, then the one in flight read back (DecodeSteps)."""
+        self.decode.ahead(plan.batch, plan.rows)
 
     # preemption
 
@@ -470,17 +368,6 @@ class Scheduler:
 
     # tokens
 
-    def _grammar(self, request: Request) -> SequenceGrammar | None:
-        """A fresh matcher for a constrained request (each of n choices has its own); the grammar is
-        compiled at the first request with this response_format, then taken from the cache."""
-        if request.structured is None:
-            return None
-        source = request.structured.source
-        backend = self.grammars.get(source)
-        if backend is None:
-            backend = self.grammars[source] = GrammarBackend(source)
-        return backend.matcher(request.structured.spec)
-
     def _running_twin(self, request: Request) -> RunningSequence | None:
         """A running sequence with exactly this prompt (say the n choices of one request), if any; not
         for a request that wants prompt logprobs (they come out of a prefill)."""
@@ -493,17 +380,9 @@ class Scheduler:
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
               keep_logits: bool = False, prompt_logprobs: list | None = None,
               sample_logits: torch.Tensor | None = None) -> None:
-        """Samples from `sample_logits` (the grammar-masked logits) when given or when the sequence has
-        a grammar, else from `logits`; the logprobs are always the model's own (unmasked) `logits`."""
-        params = seq.request.params
-        if sample_logits is None and seq.grammar is not None:
-            sample_logits = mask_logits(logits.unsqueeze(0).clone(), [seq.grammar])[0]
-        rule = seq.sampling()
-        # on worker 0's device, as decode steps sample: a seeded request's noise is the same whichever draws it
-        source = (logits if sample_logits is None else sample_logits).to(self.device)
-        token = sample_rows(source[None], [rule])
-        logprobs = rows_logprobs(logits[None], token.cpu(), [params.logprobs])[0] if params.logprobs is not None else None
-        token = int(token[0])
+        """The sequence's next token sampled from `logits` [V] (TokenOutputs.sample: `sample_logits`, the
+        grammar-masked logits, when given), then committed."""
+        token, logprobs = self.tokens.sample(seq, logits, sample_logits)
         self._commit(seq, token, logprobs, prefill=prefill, logits=logits.clone() if keep_logits else None,
                      prompt_logprobs=prompt_logprobs)
 
@@ -513,13 +392,9 @@ class Scheduler:
         """Sends one sampled token back; the sequence runs on or is freed (token_computed: a step in flight
         computes this token's K/V, kept with the cache when it ends)."""
         seq.generated.append(token)
-        reason = self._accept_token(seq, token)
-        item = StepOutput(seq.request.request_id, token, logprobs, reason, time.time(), prefill=prefill,
-                          logits=logits, prompt_logprobs=prompt_logprobs)
-        if self._step_outputs is not None:
-            self._step_outputs.append(item)
-        else:
-            self.outputs.put(Tokens([item]))
+        reason = self.tokens.accept(seq, token)
+        self.tokens.send(StepOutput(seq.request.request_id, token, logprobs, reason, time.time(), prefill=prefill,
+                                    logits=logits, prompt_logprobs=prompt_logprobs))
         if reason is None:
             self.state.running.append(seq)
         elif self.kv.prefix_cache is not None and reason != "abort":
@@ -527,18 +402,3 @@ class Scheduler:
             self.kv.retire(seq.seq_id, seq.request.prompt_token_ids + computed)
         else:
             self.kv.free([seq.seq_id])
-
-    def _accept_token(self, seq: RunningSequence, token: int) -> str | None:
-        """Advances the sequence's grammar (if any) by its new token -> why the sequence ends ("stop", "length",
-        "abort"), or None: it runs on."""
-        params = seq.request.params
-        grammar_ended = False
-        if seq.grammar is not None:
-            if not seq.grammar.accept(token):   # cannot happen with a masked sample; never run on off-grammar
-                log.error("request %s: token %d does not match its response_format; ending it",
-                          seq.request.request_id, token)
-                return "abort"
-            grammar_ended = seq.grammar.terminated   # its stop token accepted: ends even with ignore_eos
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos) or grammar_ended:
-            return "stop"
-        return "length" if seq.ends_by_length(len(seq.generated), self.max_model_len) else None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.calls import PrefillResult
 from engine.outputs import Request
 from engine.sampling import RowSampling, row_sampling
 from engine.structured_output import SequenceGrammar
@@ -72,10 +73,35 @@ class ChunkedPrefill:
     def remaining(self) -> int:
         return len(self.tokens) - self.done
 
+    def count(self, n: int, result: PrefillResult, mixed: bool) -> None:
+        """Its next n tokens prefilled by one call (its result; mixed: with a decode step in the same call)."""
+        self.prefill_seconds += result.prefill_seconds
+        if result.restore_seconds is not None:
+            self.restore_seconds = result.restore_seconds
+        self.done += n
+        self.chunks += 1
+        self.smallest, self.largest = min(self.smallest or n, n), max(self.largest, n)
+        if result.extend_way is not None:
+            self.extend_ways[result.extend_way] = self.extend_ways.get(result.extend_way, 0) + 1
+        self.graphed += int(result.graphed)
+        self.mixed += int(mixed)
+
+    def prompt_stats(self, last: PrefillResult) -> dict:
+        """What the prompt reports as its prefill (a request's prefill_stats), after its last chunk's call."""
+        stats = last.stats()
+        stats.update(prefill_seconds=self.prefill_seconds, call_seconds=self.call_seconds, chunks=self.chunks,
+                     cached_tokens=self.cached, host_cached_tokens=self.host_cached,
+                     smallest_chunk=self.smallest, largest_chunk=self.largest,
+                     adopt_seconds=self.adopt_seconds, queued_seconds=self.queued_seconds,
+                     extend_ways=dict(self.extend_ways), graphed_extends=self.graphed, mixed_chunks=self.mixed)
+        if self.restore_seconds is not None:
+            stats["restore_seconds"] = self.restore_seconds
+        return stats
+
 
 @dataclass
 class StepInFlight:
-    """A decode step launched and not yet read back (asynchronous scheduling: see Scheduler._decode_ahead)."""
+    """A decode step launched and not yet read back (asynchronous scheduling: see engine/decode_steps.py)."""
     batch: list[RunningSequence]
     pending: object               # worker 0's engine.step_tokens.PendingTokens
     fed: bool                     # its input tokens were the step before it's, on the device

@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, resolve_model
+from engine.messages import AddRequest, StopScheduler, Tokens
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampling import SamplingParams
@@ -24,7 +25,7 @@ STEPS = 200
 
 
 def step_times(batch: int) -> tuple[list[float], list[float]]:
-    """-> (each decode step's time in _decode_batch, each scheduler iteration's time), seconds."""
+    """-> (each decode step's time in DecodeSteps.run, each scheduler iteration's time), seconds."""
     engine = EngineConfig(model="tiny", devices=["cpu"], dtype="float32", max_num_seqs=batch, async_scheduling=False,
                           kv_cache_tokens=batch * 600)
     cfg, max_model_len = resolve_model(engine)
@@ -36,10 +37,10 @@ def step_times(batch: int) -> tuple[list[float], list[float]]:
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     for i in range(batch):
         prompt = [random.randrange(cfg.vocab_size) for _ in range(256)]
-        requests.put(("add", Request(str(i), prompt, params, time.time())))
+        requests.put(AddRequest(Request(str(i), prompt, params, time.time())))
     threading.Thread(target=_shutdown_when_done, args=(outputs, requests, batch), daemon=True).start()
     steps, iterations = [], []
-    decode_batch = scheduler._decode_batch
+    decode_batch = scheduler.decode.run
 
     def timed_step(seqs):
         start = time.perf_counter()
@@ -49,7 +50,7 @@ def step_times(batch: int) -> tuple[list[float], list[float]]:
             iterations.append(start - timed_step.last)
         timed_step.last = start
 
-    scheduler._decode_batch = timed_step
+    scheduler.decode.run = timed_step
     scheduler.run()
     return steps[5:], iterations[5:]
 
@@ -57,10 +58,10 @@ def step_times(batch: int) -> tuple[list[float], list[float]]:
 def _shutdown_when_done(outputs, requests, batch: int) -> None:
     finished = 0
     while finished < batch:
-        kind, item = outputs.get()[:2]
-        items = item if kind == "outs" else [item] if kind == "out" else []
-        finished += sum(o.finish_reason is not None for o in items)
-    requests.put(("shutdown",))
+        message = outputs.get()
+        if isinstance(message, Tokens):
+            finished += sum(o.finish_reason is not None for o in message.items)
+    requests.put(StopScheduler())
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """What worker 0 asks of every worker, one message type per call, and what each call returns.
 
 Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`), `call(message)` sends it over the
-control plane (engine/control.py) and runs it on worker 0's own ModelRunner; every other worker runs the
-same message in the same order (engine/worker.py `run_call`: one handler per type, `HANDLERS`). A handler
+control plane (engine/control.py) and runs it on worker 0's own ModelRunner (the cache's calls on its
+WorkerCache, engine/worker_cache.py); every other worker runs the same message in the same order
+(engine/worker.py `run_call`: one handler per type, `HANDLERS`). A handler
 returns its result type on worker 0; elsewhere the result is dropped, so what only worker 0 needs (the
 logits, the sampled tokens) is filled on worker 0 alone.
 """

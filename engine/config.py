@@ -189,7 +189,7 @@ class EngineConfig:
     block_size: int | None = None           # tokens per KV page; None: 128 on GPUs, 16 on CPU
     cuda_graphs: bool = True                # decode steps replayed as CUDA graphs where they can be (GPU, flash-attn-4)
     async_scheduling: bool = True           # a decode step launched before the host reads the last one's tokens
-                                            # (engine/scheduler.py _decode_ahead)
+                                            # (engine/decode_steps.py DecodeSteps.ahead)
     enable_prefix_caching: bool = True      # finished sequences stay in the KV cache; a prompt reuses their prefix
     max_num_batched_tokens: int | None = None   # a longer prompt is prefilled in chunks of at most this many
                                                 # tokens (decode steps run between them), a shorter one too when

@@ -1,7 +1,7 @@
 """The decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, .., max_num_seqs).
 
 A step's inputs are five int64 rows (tokens, positions, slots, keys held, page-table rows, see
-ModelRunner._place_decode_tokens) copied into one static buffer; rows past the batch are padding (token 0,
+WorkerCache.place_decode_tokens) copied into one static buffer; rows past the batch are padding (token 0,
 the scratch slot, no keys, the pool's all-scratch table row), whose outputs are dropped. The whole
 forward (embedding, every layer's K/V write, paged attention, the all-gather of partials with NCCL,
 the LM head) is one replay. Captured at worker start on every worker in the same order (the

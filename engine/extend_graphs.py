@@ -183,7 +183,7 @@ class ExtendGraphs:
         """token_ids [n] int64 (host): the sequence's tokens start .. start+n-1, all run on this worker;
         slots [n] int64 (host) where this worker keeps their K/V, or None if it does not; table_row: the
         sequence's row of the pool's page table; cached: its keys on this worker before them; step_inputs
-        (a mixed call): a decode step's [5, B] int64 (host, ModelRunner._place_decode_tokens) -> (the last token's
+        (a mixed call): a decode step's [5, B] int64 (host, WorkerCache.place_decode_tokens) -> (the last token's
         logits [V] fp32, the decode rows' logits [B, V] fp32 or None), on the device."""
         n, w = token_ids.shape[0], self.workers
         m = next(x for x in self.sizes if w * x >= n)       # rows a worker runs: its block of the chunk, padded

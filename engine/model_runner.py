@@ -209,13 +209,14 @@ class ModelRunner:
             self.cache.wait_restore(waits)
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                self.pool.rows[seq_id], placed.cached)   # [V], on every worker
-            return self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend", placed.way,
-                                                              graphed=True))
+            result = self._extend_result(logits, start, start_time, "extend", placed.way, graphed=True)
+            return self.cache.with_restore(seq_id, result)
         last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed, waits)
         attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
         hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
         logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
-        return self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend", attend.reported_way))
+        result = self._extend_result(logits, start, start_time, "extend", attend.reported_way)
+        return self.cache.with_restore(seq_id, result)
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
@@ -238,8 +239,8 @@ class ModelRunner:
             step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend+decode", placed.way,
-                                                                graphed=True))
+            result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
+            result = self.cache.with_restore(seq_id, result)
             if self.rank == 0:
                 result.decode = self._sampled(decode_logits, step)
             return result
@@ -254,8 +255,8 @@ class ModelRunner:
         hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self.cache.with_restore(seq_id, self._extend_result(logits, start, start_time, "extend+decode",
-                                                            chunk.reported_way))
+        result = self._extend_result(logits, start, start_time, "extend+decode", chunk.reported_way)
+        result = self.cache.with_restore(seq_id, result)
         if self.rank == 0:
             result.decode = self._sampled(decode_logits, step)
         return result

@@ -58,8 +58,8 @@ def mixed_batch_limit(runner) -> int | None:
 class Scheduler:
     def __init__(self, call: Callable, requests: "queue.Queue", outputs: "queue.Queue", runner,
                  max_model_len: int, eos_token_ids: list[int]):
-        """runner: worker 0's ModelRunner, read here once: its ledger and page planner (the same on every
-        worker), its engine options, model shapes and device."""
+        """runner: worker 0's ModelRunner, read here once: its WorkerCache's ledger, page planner and host tier
+        (the same on every worker), its engine options, model shapes, device and extend graphs."""
         engine = runner.engine
         self.call, self.requests, self.outputs = call, requests, outputs
         self.tokens = TokenOutputs(outputs, runner.device, eos_token_ids, max_model_len)
@@ -76,7 +76,9 @@ class Scheduler:
         self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
         self.next_seq_id = 0
         self.stats = StatsPublisher(outputs, self.kv)
-        self.decode = DecodeSteps(call, self.state, self.tokens, self._commit, self._emit)
+        # late-bound: what wraps the scheduler's call, _commit or _emit (tests, profiles) wraps the decode steps' too
+        self.decode = DecodeSteps(lambda message: self.call(message), self.state, self.tokens,
+                                  lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
                            plans.ReadBack: lambda plan: self.decode.drain(), plans.Preempt: self._preempt_newest,

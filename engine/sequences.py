@@ -1,6 +1,6 @@
 """What worker 0's scheduler keeps about its requests: the sequences running, the prompt being prefilled
 in chunks, the decode step in flight, and the queues, as one SchedulerState that the policy reads
-(engine/step_plan.py) and only the scheduler changes (engine/scheduler.py)."""
+(engine/step_plan.py) and only the scheduler changes (engine/scheduler.py, and its engine/decode_steps.py)."""
 import array
 from collections import deque
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (engine/scheduler.py _decode_ahead, engine/step_tokens.py): worker 0 launches
+"""Asynchronous scheduling (engine/decode_steps.py DecodeSteps.ahead, engine/step_tokens.py): worker 0 launches
 decode step k+1 before reading step k's tokens, whose values reach step k+1 on the device. A request
 must get exactly the tokens it gets with every step read back first (async_scheduling=False), and a
 sequence ended by a stop token while the next step was in flight keeps that step's K/V of the stop

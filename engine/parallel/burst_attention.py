@@ -15,6 +15,7 @@ block's bytes) and is turned back into the same values when attended: nothing ch
 The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
 the paper's ablation without its local attention optimization) are at the end.
 """
+import os
 from functools import partial
 
 import torch
@@ -26,6 +27,8 @@ from kernels.attention import AttentionBackend, reference_attention
 from kernels.kv_quant import pack_kv, unpack_kv
 from kernels.merge import merge_into
 
+# A/B of the merge's place, to be removed once measured on four GPUs: "early" merges each partial in its own step
+_MERGE_EARLY = os.environ.get("BURSTSERVE_RING_MERGE") == "early"
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
@@ -46,27 +49,41 @@ class BurstAttention:
         """-> out [n, H, D] in q's dtype, lse [n, H] fp32. Every merge is computed in fp32; the
         accumulator itself is fp32 only while two or more merges remain, so one worker returns its
         block's result as it is and two merge once straight into it (one rounding either way, as
-        with an fp32 accumulator converted at the end)."""
-        acc = {}
+        with an fp32 accumulator converted at the end).
+
+        A step's partial is merged at the start of the next step, after that step's exchange is issued:
+        the merge (and, at step 1, the accumulator's fp32 copy) is the kernel queued between the exchange
+        and the attention that every later step needs as step 0 has the K/V store (RingPass). Same merges,
+        same order; one partial is held a step longer."""
+        acc, pending = {}, []
         merges_left = self.ring_pass.world_size - 1
         travels = pack_kv(kv) if self.fp8 and merges_left > 0 else kv                # the ring's message
 
-        def attend(source: int, block: torch.Tensor) -> None:
+        def absorb_pending() -> None:
             nonlocal merges_left
+            if not pending:
+                return
+            rows, block_out, block_lse = pending.pop()
+            if not acc:   # the first block is this worker's own: it covers every query row
+                acc["out"] = block_out.float() if merges_left > 1 else block_out
+                acc["lse"] = block_lse.clone()
+                return
+            merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
+            merges_left -= 1
+
+        def attend(source: int, block: torch.Tensor) -> None:
+            if not _MERGE_EARLY:
+                absorb_pending()
             if block is travels and travels is not kv:
                 block = kv                                                           # its own: no round trip
             elif block.dtype == torch.uint8:
                 block = unpack_kv(block, kv.dtype)                                  # [m, 2, Hkv, D]
-            rows, block_out, block_lse = self.attend_block(q, block, source)
-            if not acc:   # the first block is this worker's own: it covers every query row
-                acc["out"], acc["lse"] = block_out, block_lse.clone()
-                return
-            if merges_left > 1 and acc["out"].dtype != torch.float32:
-                acc["out"] = acc["out"].float()
-            merge_into(acc["out"][rows], acc["lse"][rows], block_out, block_lse)
-            merges_left -= 1
+            pending.append(self.attend_block(q, block, source))
+            if _MERGE_EARLY:
+                absorb_pending()
 
         self.ring_pass.run(travels, attend, between)
+        absorb_pending()
         return acc["out"].to(q.dtype), acc["lse"]
 
     def attend_block(self, q, block, source):

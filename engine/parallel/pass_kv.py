@@ -49,21 +49,25 @@ class PassKVAttention:
         if q.shape[0] == 0:                 # no new tokens here: the blocks still pass through
             self.ring_pass.run(block, lambda source, block: None, between)
             return q.clone(), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        acc = {}
+        acc, pending = {}, []   # pending: this step's partials, merged at the start of the next (BurstAttention)
 
-        def absorb(rows, out: torch.Tensor, lse: torch.Tensor) -> None:
-            if not acc:     # the first partial is the own block's: its cached part, or its new part (causal)
-                acc["out"], acc["lse"] = out.float(), lse.float().clone()   # every row (a causal block's diagonal)
-                return
-            merge_into(acc["out"][rows], acc["lse"][rows], out, lse)
+        def absorb_pending() -> None:
+            for rows, out, lse in pending:
+                if not acc:     # the first partial is the own block's: its cached part, or its new part (causal)
+                    acc["out"], acc["lse"] = out.float(), lse.float().clone()   # every row (a causal block's diagonal)
+                else:
+                    merge_into(acc["out"][rows], acc["lse"][rows], out, lse)
+            pending.clear()
 
         def attend(source: int, block: torch.Tensor) -> None:
+            absorb_pending()
             cached = self.cached[source]
             if cached:
-                absorb(slice(None), *self.backend(q, block[:cached, 0], block[:cached, 1], False, self.scale))
+                pending.append((slice(None), *self.backend(q, block[:cached, 0], block[:cached, 1], False, self.scale)))
             if block.shape[0] > cached:
-                absorb(*self.new.attend_block(q, block[cached:], source))
+                pending.append(self.new.attend_block(q, block[cached:], source))
 
         self.ring_pass.run(block, attend, between)
+        absorb_pending()
         return acc["out"].to(q.dtype), acc["lse"]
 

@@ -154,16 +154,19 @@ def test_engine_bf16_on_one_gpu_matches_transformers_with_each_backend(hf_bf16_c
 
 
 @pytest.mark.parametrize("devices,ring_min,extend_pass", [("cuda:0", 4096, "q"), ("cuda:0,1", 4096, "q"),
-                                                         ("cuda:0,1", 0, "q"), ("cuda:0,1", 0, "kv")])
+                                                         ("cuda:0,1", 0, "q"), ("cuda:0,1", 0, "kv"),
+                                                         ("cuda:0,1,2,3", 0, "kv")])
 def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, devices, ring_min, extend_pass):
     """Incremental prefills: a 5000-token prompt in chunks of 1024, then prompts that extend it (cache hit
     inside a page, on a page boundary) give transformers' next-token logits (bf16 noise). One GPU: one
     causal paged call per layer over the cached and new keys ("local"); two: the new tokens run whole on
     both GPUs, one keeping their K/V (ring_min 4096), or over the K/V ring (ring_min 0) with the queries
-    passed to the cache (extend_pass q) or the cached K/V passed with the new (kv)."""
+    passed to the cache (extend_pass q) or the cached K/V passed with the new (kv); four: pass-KV with
+    three merges a worker, each queued after the next exchange (PassKVAttention)."""
     from engine import LLM
-    if torch.cuda.device_count() < len(devices.split(",")):
-        pytest.skip("needs 2 GPUs")
+    gpus = len(devices.split(","))
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     path, model = hf_bf16_checkpoint
     prompt = [random.randrange(2000) for _ in range(5000)]
     extended = [prompt + [random.randrange(2000) for _ in range(n)] for n in (700, 3)]
@@ -386,14 +389,18 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
                     break
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_engine_bf16_on_two_gpus_matches_transformers(hf_bf16_checkpoint):
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_engine_bf16_on_several_gpus_matches_transformers(hf_bf16_checkpoint, gpus):
+    """Default flags on 2 and on 4 GPUs (from three workers the ring's merges move: BurstAttention.forward)."""
     from engine import LLM, SamplingParams
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     path, model = hf_bf16_checkpoint
     noise = 0.1    # bf16 logit noise between two correct implementations at this size
     lengths = [1, 3, 37, 1000, 8191]
     prompts = [[random.randrange(2000) for _ in range(n)] for n in lengths]
-    with LLM(path, devices="cuda:0,1", dtype="bfloat16") as llm:
+    devices = "cuda:" + ",".join(str(i) for i in range(gpus))
+    with LLM(path, devices=devices, dtype="bfloat16") as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
             ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 32, with_scales=True)
@@ -513,12 +520,13 @@ def _fp32_next_token_logits(path: str, prompts: list[list[int]]) -> list[torch.T
 _BACKEND_STRATEGIES = ["burst", "burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "tp-v3", "burst-zero"]
 
 
-@pytest.mark.parametrize("strategy,gpus", [("burst", 1)] + [(s, 2) for s in _BACKEND_STRATEGIES])
+@pytest.mark.parametrize("strategy,gpus", [("burst", 1)] + [(s, 2) for s in _BACKEND_STRATEGIES] + [("burst", 4)])
 def test_each_strategy_with_flash_attn_4_matches_cudnn_and_fp32(hf_bf16_checkpoint, strategy, gpus):
     """Issue 18: a strategy's prefill on `gpus` GPUs with --attention-backend flash-attn and with cudnn (the
     same bf16 weights; only the attention kernel differs) gives next-token logits that agree with each other
     and with transformers in fp32, within bf16 noise. Prefix caching off: every call is a whole prefill
-    through the strategy (checked by name). One GPU: burst, the check of this test itself."""
+    through the strategy (checked by name). One GPU: burst, the check of this test itself; four: burst with
+    three merges a worker, each queued after the next exchange (BurstAttention.forward)."""
     from engine import LLM, SamplingParams
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")

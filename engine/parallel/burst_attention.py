@@ -15,7 +15,6 @@ block's bytes) and is turned back into the same values when attended: nothing ch
 The strategies `burst` and `burst-nolao` (the same ring with a materialized-score local kernel:
 the paper's ablation without its local attention optimization) are at the end.
 """
-import os
 from functools import partial
 
 import torch
@@ -27,8 +26,6 @@ from kernels.attention import AttentionBackend, reference_attention
 from kernels.kv_quant import pack_kv, unpack_kv
 from kernels.merge import merge_into
 
-# A/B of the merge's place, to be removed once measured on four GPUs: "early" merges each partial in its own step
-_MERGE_EARLY = os.environ.get("BURSTSERVE_RING_MERGE") == "early"
 MATERIALIZED = AttentionBackend("materialized", partial(reference_attention, query_chunk=1 << 62))
 
 
@@ -51,10 +48,10 @@ class BurstAttention:
         block's result as it is and two merge once straight into it (one rounding either way, as
         with an fp32 accumulator converted at the end).
 
-        A step's partial is merged at the start of the next step, after that step's exchange is issued:
-        the merge (and, at step 1, the accumulator's fp32 copy) is the kernel queued between the exchange
-        and the attention that every later step needs as step 0 has the K/V store (RingPass). Same merges,
-        same order; one partial is held a step longer."""
+        A step's partial is merged at the start of the next step, after that step's exchange is issued, so
+        every later step has a kernel queued between its exchange and its attention (the merge; at step 1
+        the accumulator's fp32 copy) as step 0 has the K/V store: RingPass says why the exchange needs one.
+        Same merges in the same order; one partial is held a step longer."""
         acc, pending = {}, []
         merges_left = self.ring_pass.world_size - 1
         travels = pack_kv(kv) if self.fp8 and merges_left > 0 else kv                # the ring's message
@@ -72,15 +69,12 @@ class BurstAttention:
             merges_left -= 1
 
         def attend(source: int, block: torch.Tensor) -> None:
-            if not _MERGE_EARLY:
-                absorb_pending()
+            absorb_pending()
             if block is travels and travels is not kv:
                 block = kv                                                           # its own: no round trip
             elif block.dtype == torch.uint8:
                 block = unpack_kv(block, kv.dtype)                                  # [m, 2, Hkv, D]
             pending.append(self.attend_block(q, block, source))
-            if _MERGE_EARLY:
-                absorb_pending()
 
         self.ring_pass.run(travels, attend, between)
         absorb_pending()

@@ -123,7 +123,8 @@ class RingPass:
     stream for the block it sends; with nothing queued between, it becomes ready at the same moment as the
     attention after it, the GPU hands out the attention's whole grid first, and the exchange runs after the
     attention instead of beside it. A kernel of some length in between lets the exchange's kernel start
-    first (a one-element kernel is too short: docs/design.md, "ring.py")."""
+    first (a one-element kernel is too short: docs/design.md, "ring.py"). The later steps' exchanges get the
+    previous step's merge there (BurstAttention.forward)."""
 
     def __init__(self, ring: RingCommunicator | None, lengths: list[int], rank: int, overlap: bool = True):
         self.ring, self.lengths, self.rank, self.overlap = ring, lengths, rank, overlap

@@ -32,7 +32,7 @@ from engine.cache.kv_manager import KVManager
 from engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.decode_steps import DecodeSteps
-from engine.messages import AbortRequest, AddRequest, StopScheduler
+from engine.inbox import Inbox
 from engine.outputs import Request, StepOutput
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from engine.stats_publisher import StatsPublisher
@@ -72,6 +72,7 @@ class Scheduler:
         self.policy = plans.Policy(self.kv, engine.max_num_seqs, max_model_len, chunk, self.sizer,
                                    mixed_batch_limit(runner), engine.async_scheduling)
         self.state = SchedulerState()
+        self.inbox = Inbox(requests, self.state, self.kv)                  # engine/inbox.py
         self.num_preemptions = 0
         self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
         self.next_seq_id = 0
@@ -82,7 +83,7 @@ class Scheduler:
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
                            plans.ReadBack: lambda plan: self.decode.drain(), plans.Preempt: self._preempt_newest,
-                           plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: lambda plan: self._refuse_head(),
+                           plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: self._refuse,
                            plans.Idle: lambda plan: None}
 
     @property
@@ -96,11 +97,11 @@ class Scheduler:
             if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
                 self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
                 time.sleep(IDLE_PUMP_SECONDS)
-            if not self._poll(block=not self.state.busy() and not pumping):
+            if not self.inbox.take(block=not self.state.busy() and not pumping):
                 self.decode.drain()
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it
-                self._drop_aborted()
+                self.inbox.drop_aborted()
             self.carry_out(self.policy.plan(self.state))
 
     def carry_out(self, plan) -> None:
@@ -125,7 +126,7 @@ class Scheduler:
         queued = time.time() - request.arrival_time
         seq = RunningSequence(request, self.next_seq_id, grammar=self.tokens.new_grammar(request))
         self.next_seq_id += 1
-        twin = self._running_twin(request)
+        twin = self.state.running_twin(request)
         if twin is not None and not self._make_room_beside(self.kv.pages.fork_pages(twin.seq_id)):
             twin = None                                  # its copy does not fit: a prefill, as admitted
         cached = 0
@@ -323,61 +324,11 @@ class Scheduler:
         log.info("request %s preempted (KV cache full) after %d tokens; it will be recomputed",
                  seq.request.request_id, len(seq.generated))
 
-    def _refuse_head(self) -> None:
-        """Nothing runs and the first waiting sequence still does not fit: LLM.submit refuses any request
-        larger than an empty cache (check_fits), so this is a bug, said loudly rather than a silent hang."""
-        s = self.state
-        seq_tokens = s.preempted[0].tokens_to_recompute() if s.preempted else len(s.waiting[0].prompt_token_ids)
-        raise RuntimeError(f"a sequence of {seq_tokens} tokens does not fit in the empty KV cache "
-                           f"({self.kv.free_pages()} free pages per worker); LLM.check_fits should have refused it")
-
-    # requests in
-
-    def _poll(self, block: bool) -> bool:
-        """Takes every pending message; False on shutdown."""
-        while True:
-            try:
-                msg = self.requests.get(timeout=0.5) if block else self.requests.get_nowait()
-            except queue.Empty:
-                if block:
-                    continue
-                return True
-            block = False
-            if isinstance(msg, StopScheduler):
-                return False
-            if isinstance(msg, AddRequest):
-                self.state.waiting.append(msg.request)
-            elif isinstance(msg, AbortRequest):
-                self.state.aborted.add(msg.request_id)
-
-    def _drop_aborted(self) -> None:
-        s = self.state
-        if not s.aborted:
-            return
-        s.waiting = deque(r for r in s.waiting if r.request_id not in s.aborted)
-        for seq in [x for x in s.preempted if x.request.request_id in s.aborted]:
-            if self.kv.kept(seq.seq_id):             # its pages, kept as an entry: freed as an abort's are
-                self.kv.drop(seq.seq_id)
-        s.preempted = deque(x for x in s.preempted if x.request.request_id not in s.aborted)
-        gone = [x.seq_id for x in s.running if x.request.request_id in s.aborted]
-        if gone:
-            self.kv.free(gone)
-            s.running = [x for x in s.running if x.request.request_id not in s.aborted]
-        if s.prefilling is not None and s.prefilling.seq.request.request_id in s.aborted:
-            self.kv.free([s.prefilling.seq.seq_id])
-            s.prefilling = None
-        s.aborted.clear()
+    @staticmethod
+    def _refuse(plan: plans.Stuck) -> None:
+        raise RuntimeError(plan.why)
 
     # tokens
-
-    def _running_twin(self, request: Request) -> RunningSequence | None:
-        """A running sequence with exactly this prompt (say the n choices of one request), if any; not
-        for a request that wants prompt logprobs (they come out of a prefill)."""
-        if request.params.prompt_logprobs is not None:
-            return None
-        ids = request.prompt_token_ids
-        return next((s for s in self.state.running if not s.preemptions
-                     and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
 
     def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
               keep_logits: bool = False, prompt_logprobs: list | None = None,

@@ -122,3 +122,12 @@ class SchedulerState:
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.preempted or self.prefilling or self.inflight)
+
+    def running_twin(self, request: Request) -> "RunningSequence | None":
+        """A running sequence with exactly this prompt (say the n choices of one request), if any; not
+        for a request that wants prompt logprobs (they come out of a prefill)."""
+        if request.params.prompt_logprobs is not None:
+            return None
+        ids = request.prompt_token_ids
+        return next((s for s in self.running if not s.preemptions
+                     and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)

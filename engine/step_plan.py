@@ -88,6 +88,7 @@ class GiveWay:
 @dataclass(frozen=True)
 class Stuck:
     """Nothing runs and the first waiting sequence does not fit in the empty cache (a bug: refused earlier)."""
+    why: str
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,13 @@ class Policy:
                 return admit
         if s.running:
             return self._decode(s)
-        return Stuck() if s.preempted or s.waiting else Idle()
+        return self._stuck(s) if s.preempted or s.waiting else Idle()
+
+    def _stuck(self, s: SchedulerState) -> Stuck:
+        """LLM.submit refuses any request larger than an empty cache (check_fits): said loudly, not a silent hang."""
+        tokens = s.preempted[0].tokens_to_recompute() if s.preempted else len(s.waiting[0].prompt_token_ids)
+        return Stuck(f"a sequence of {tokens} tokens does not fit in the empty KV cache ({self.kv.free_pages()} "
+                     f"free pages per worker); LLM.check_fits should have refused it")
 
     # rule 1
 

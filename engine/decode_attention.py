@@ -34,6 +34,19 @@ class DecodeAttention:
         self.backend = backend          # kernels.paged_attention backend
         self.step: DecodeStep | None = None
 
+    def begin_step(self, step_inputs: torch.Tensor, num_pages: int | None) -> None:
+        """This step's tensors, from step_inputs [5, B] int64 on the device (tokens, positions, slots, lens, rows);
+        num_pages: the block table's width (None: the pool's maximum)."""
+        tokens, positions, slots, lens, rows = step_inputs
+        b = tokens.shape[0]
+        pages = self.pool.table if num_pages is None else self.pool.table[:, :num_pages]
+        # gathered behind one spare entry (kernels.paged_attention.guarded_table: flash-attn-4 reads the
+        # entry before a row without keys), once for every layer of the step
+        buf = torch.empty(1 + b * pages.shape[1], dtype=torch.int32, device=tokens.device)
+        table = torch.index_select(pages, 0, rows, out=buf[1:].view(b, pages.shape[1]))   # [B, pages] int32
+        cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
+        self.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, D], k and v [B, Hkv, D] (one new token per sequence) -> out [B, H, D]."""
         step = self.step

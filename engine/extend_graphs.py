@@ -224,7 +224,7 @@ class ExtendGraphs:
 
         if b:
             step = self.step_inputs[:, :b]
-            runner._begin_decode_step(step, None)
+            runner.decode_attention.begin_step(step, None)
             ids, positions = torch.cat([ids, step[0]]), torch.cat([positions, step[1]])
         hidden = runner.model.forward(ids, positions, mixed if b else chunk)                          # [m + b, hidden]
         last = hidden.index_select(0, meta[4:5])                                        # [1, hidden]

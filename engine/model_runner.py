@@ -13,7 +13,7 @@ from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import ExtendWay, PagePlanner
 from engine.cache.page_pool import PagePool
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_attention import DecodeAttention, DecodeStep
+from engine.decode_attention import DecodeAttention
 from engine.decode_graphs import DecodeGraphs
 from engine.extend_attention import ExtendAttention, warm_extend_kernels
 from engine.extend_graphs import ExtendGraphs
@@ -24,11 +24,9 @@ from engine.parallel.exchange_time import ExchangeTime
 from engine.parallel.pass_kv import block_bytes
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import Shard, owner_of_position
-from engine.parallel.weight_layout import global_rank
 from engine.prompt_logprobs import as_entries
-from engine.sampling import RowSampling, rows_logprobs, sample_rows, top_logprobs
 from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
-from engine.step_tokens import PendingTokens
+from engine.step_tokens import FedTokens, PendingTokens, sampled_result
 from engine.weights import load_weights, random_weights, weight_bytes
 from engine.worker_cache import AfterRestore, PlacedExtend, WorkerCache, host_tier
 from engine.worker_memory import check_weights_fit, peak_memory_all_workers, size_pool
@@ -102,8 +100,7 @@ class ModelRunner:
         # prompts this short run on the weight slices (burst-zero; else 0)
         self.sliced_max_tokens = self.layout.sliced_limit(engine.zero_sliced_max_tokens, share, self.prefill_context)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
-        # engine/step_tokens.py; a batch holds up to max_num_seqs + 1 (a short prompt beside one prefilled in chunks)
-        self.fed_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=device)
+        self.fed_tokens = FedTokens(engine.max_num_seqs + 1, device, rank, self.world_size, data_group)
         self.extend_graphs = ExtendGraphs.create(self, engine)   # None: small extends run eagerly
         if device.type == "cuda" and fa4_available(device) and not self.kv_fp8:   # none built under load
             warm_extend_kernels(self.pool, self.backend, self.scale, attn.num_heads, attn.num_kv_heads, cfg.head_dim,
@@ -242,11 +239,11 @@ class ModelRunner:
             result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
             result = self.cache.with_restore(seq_id, result)
             if self.rank == 0:
-                result.decode = self._sampled(decode_logits, step)
+                result.decode = sampled_result(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
         step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
-        self._begin_decode_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
+        self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
 
         def attend(layer, q, k, v):                                     # rows: m of the chunk, then B decode
@@ -258,7 +255,7 @@ class ModelRunner:
         result = self._extend_result(logits, start, start_time, "extend+decode", chunk.reported_way)
         result = self.cache.with_restore(seq_id, result)
         if self.rank == 0:
-            result.decode = self._sampled(decode_logits, step)
+            result.decode = sampled_result(decode_logits, step)
         return result
 
     def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
@@ -321,74 +318,28 @@ class ModelRunner:
         asked; None elsewhere. With call.fed_from (asynchronous scheduling, engine/step_tokens.py) a row's
         input token is the previous step's (a DecodeAhead) on the device."""
         logits = self._decode_logits(call)                                   # [B, V] fp32
-        return self._sampled(logits, call) if self.rank == 0 else None
+        return sampled_result(logits, call) if self.rank == 0 else None
 
     @torch.inference_mode()
     def decode_ahead(self, call: DecodeAhead) -> "PendingTokens | None":
         """As decode, but the step's tokens stay on the device for the next step: worker 0 returns
         PendingTokens at once (their logprobs with them; no host rows)."""
-        return self._keep_tokens(self._decode_logits(call), call.sampling)
+        return self.fed_tokens.keep(self._decode_logits(call), call.sampling)
 
     def _decode_logits(self, call: Decode) -> torch.Tensor:
         """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
         step_inputs = self.cache.place_decode_tokens(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
-        fed = (None if call.fed_from is None else
-               (self.fed_tokens, host_to_device(torch.tensor(call.fed_from), self.device)))
+        fed = None if call.fed_from is None else self.fed_tokens.rows(call.fed_from)
         if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
             return self.graphs.run(step_inputs, fed)
         return self._decode_eager(step_inputs, max(len(self.pool.pages[s]) for s in call.seq_ids), fed)
 
-    def _keep_tokens(self, logits: torch.Tensor, sampling: "list[RowSampling] | None") -> "PendingTokens | None":
-        """A step's tokens [B] (worker 0 samples them from logits [B, V]) into every worker's fed_tokens, with
-        no host synchronization -> on worker 0 their host copy, pending."""
-        b = logits.shape[0]
-        kept = self.fed_tokens[:b]
-        logprobs = None
-        if self.rank == 0:
-            tokens = sample_rows(logits, sampling)
-            kept.copy_(tokens)
-            rows = [i for i, r in enumerate(sampling or []) if r.logprobs is not None]
-            if rows:
-                tops = [sampling[i].logprobs for i in rows]
-                index = host_to_device(torch.tensor(rows), self.device)
-                logprobs = (rows, tops, *top_logprobs(logits.index_select(0, index), tokens.index_select(0, index),
-                                                       max(tops)))
-        if self.world_size > 1:
-            dist.broadcast(kept, src=global_rank(0, self.data_group), group=self.data_group)
-        return PendingTokens(kept, logprobs) if self.rank == 0 else None
-
-    def _sampled(self, logits: torch.Tensor, call: Decode) -> DecodeResult:
-        """A decode step's logits [B, V] fp32 -> what `decode` returns on worker 0."""
-        sampling, host_rows = call.sampling, call.host_rows
-        tokens = sample_rows(logits, sampling)                               # [B] on the device
-        logprobs = None
-        wanted = [i for i, r in enumerate(sampling or []) if r.logprobs is not None and i not in host_rows]
-        if wanted:
-            rows = torch.tensor(wanted, device=logits.device)
-            entries = rows_logprobs(logits[rows], tokens[rows], [sampling[i].logprobs for i in wanted])
-            logprobs = [None] * len(call.seq_ids)
-            for i, entry in zip(wanted, entries):
-                logprobs[i] = entry
-        return DecodeResult(tokens.tolist(), logits[host_rows].cpu() if host_rows else logits[:0].cpu(), logprobs)
-
     def decode_forward(self, step_inputs: torch.Tensor, num_pages: int | None = None) -> torch.Tensor:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
-        self._begin_decode_step(step_inputs, num_pages)
+        self.decode_attention.begin_step(step_inputs, num_pages)
         hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attend)   # [B, hidden]
         return self.model.logits(hidden)
-
-    def _begin_decode_step(self, step_inputs: torch.Tensor, num_pages: int | None) -> None:
-        """The decode attention's tensors for this step, from step_inputs [5, B] on the device."""
-        tokens, positions, slots, lens, rows = step_inputs
-        b = tokens.shape[0]
-        pages = self.pool.table if num_pages is None else self.pool.table[:, :num_pages]
-        # gathered behind one spare entry (kernels.paged_attention.guarded_table: flash-attn-4 reads the
-        # entry before a row without keys), once for every layer of the step
-        buf = torch.empty(1 + b * pages.shape[1], dtype=torch.int32, device=tokens.device)
-        table = torch.index_select(pages, 0, rows, out=buf[1:].view(b, pages.shape[1]))   # [B, pages] int32
-        cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
-        self.decode_attention.step = DecodeStep(slots, table, lens.to(torch.int32), cu)
 
     def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int, fed=None) -> torch.Tensor:
         """step_inputs [5, B] (host); fed: (tokens, rows) on the device, the input tokens' source (see decode)."""

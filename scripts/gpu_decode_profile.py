@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from profile_table import kernel_table
 from gpu_prefill_profile import kind_of
 
+from engine import model_runner
 from engine.config import EngineConfig, ModelConfig, resolve_model
 from engine.model_runner import ModelRunner
 from engine.calls import Decode, Extend, Prefill
@@ -168,7 +169,7 @@ def run(rank: int) -> None:
     # input copy and launch (eager on CPU: the forward), the sampling and the wait for the tokens (which
     # holds the replay's GPU time)
     forward = "graphs.run" if runner.graphs is not None else "_decode_eager"
-    parts = {"cache.place_decode_tokens": 0.0, forward: 0.0, "_sampled": 0.0}
+    parts = {"cache.place_decode_tokens": 0.0, forward: 0.0, "sampled_result": 0.0}
 
     def timed_part(name, fn):
         def wrapper(*args, **kwargs):
@@ -183,7 +184,7 @@ def run(rank: int) -> None:
         runner.graphs.run = timed_part(forward, runner.graphs.run)
     else:
         runner._decode_eager = timed_part(forward, runner._decode_eager)
-    runner._sampled = timed_part("_sampled", runner._sampled)
+    model_runner.sampled_result = timed_part("sampled_result", model_runner.sampled_result)
     sync()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -192,7 +193,7 @@ def run(rank: int) -> None:
     parted_ms = (time.perf_counter() - t0) * 1000 / n
     say(f"host parts per step (wall, of a {parted_ms:.3f} ms step): " +
         "; ".join(f"{k} {v * 1000 / n:.3f} ms" for k, v in parts.items()) +
-        f"; _sampled less the replay's GPU time {parts['_sampled'] * 1000 / n - replay_ms:.3f} ms")
+        f"; sampled_result less the replay's GPU time {parts['sampled_result'] * 1000 / n - replay_ms:.3f} ms")
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             replay()

@@ -26,7 +26,8 @@ from engine.config import context_limit, resolve_model
 from engine.devices import resolve_devices
 from engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.gguf import converted_checkpoint, gguf_file, packaged_model
-from engine.messages import AbortRequest, AddRequest, EngineStats, StopScheduler, Tokens, WorkerFailed, WorkerReady
+from engine.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
+                             WorkerFailed, WorkerReady)
 from engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from engine.parallel import STRATEGIES, get_strategy
@@ -116,7 +117,7 @@ class LLM:
         self._ids = itertools.count()
         self._results: dict[str, Callable[[object], None]] = {}   # request id -> where its outputs go
         self._queues: dict[str, queue.Queue] = {}
-        self.stats: dict = {}                                      # worker 0's latest scheduler figures
+        self.stats = EngineFigures()                               # worker 0's latest scheduler figures
         self._arrivals: dict[str, float] = {}
         self._dead: str | None = None
         self._closed = False
@@ -369,7 +370,7 @@ class LLM:
                 for item in msg.items:
                     self._route(item)
             elif isinstance(msg, EngineStats):
-                self.stats = msg.values
+                self.stats = msg.figures
             elif isinstance(msg, WorkerFailed):
                 self._fail(f"{msg.describe()}\n{msg.trace}")
                 return

@@ -8,7 +8,7 @@ outputs, the workers to the front:
   WorkerReady       a worker started; its facts (ModelRunner.info)
   WorkerFailed      a worker's exception, before it exits (never a silent hang)
   Tokens            sampled tokens: one, or a whole decode step's in one message (one pickle a step)
-  EngineStats       the scheduler's gauges and counters (server/metrics.py reads them by name)
+  EngineStats       the scheduler's gauges and counters (EngineFigures: LLM.stats, server/metrics.py)
 """
 from dataclasses import dataclass, field
 
@@ -52,5 +52,26 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class EngineFigures:
+    """Worker 0's scheduler figures: gauges (now) and counters (since start). Per-worker lists are by rank."""
+    running: int = 0                          # sequences decoding
+    waiting: int = 0                          # waiting, preempted, and the prompt prefilled in chunks
+    kv_tokens_per_worker: list = field(default_factory=list)          # in use (prefix-cache entries count as free)
+    kv_tokens_cached_per_worker: list = field(default_factory=list)   # held by prefix-cache entries
+    kv_capacity_per_worker: int = 0
+    kv_pages_free: list = field(default_factory=list)
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0            # prefilled again after preemptions (cache hits not)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_host_hits: int = 0           # tokens restored from the KV host tier
+    kv_host_tokens_per_worker: list = field(default_factory=list)
+    kv_host_capacity_per_worker: int = 0      # 0: no host tier
+    kv_host_evicted_tokens: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_restored_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
-    values: dict
+    figures: EngineFigures

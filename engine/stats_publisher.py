@@ -1,10 +1,10 @@
-"""Worker 0's figures for the front (LLM.stats, read by server/metrics.py by name): one EngineStats message
+"""Worker 0's figures for the front (LLM.stats, engine/messages.py EngineFigures): one EngineStats message
 when they change, at most every MIN_INTERVAL_SECONDS while sequences run unless the running and waiting
 counts change (those go out at once)."""
 import time
 
 from engine.cache.kv_manager import KVManager
-from engine.messages import EngineStats
+from engine.messages import EngineFigures, EngineStats
 from engine.sequences import SchedulerState
 
 MIN_INTERVAL_SECONDS = 0.25
@@ -28,13 +28,12 @@ class StatsPublisher:
                                  key[:2] == self._sent[:2]):
             return
         self._sent, self._sent_at = key, now
-        self.outputs.put(EngineStats({
-            "running": key[0], "waiting": waiting, "kv_tokens_per_worker": tokens,
-            "kv_capacity_per_worker": kv.capacity_per_worker, "kv_pages_free": kv.free_pages(),
-            "num_preemptions": num_preemptions, "prefix_cache_queries": key[4], "prefix_cache_hits": key[5],
-            "num_recomputed_tokens": recomputed_tokens,
-            "kv_tokens_cached_per_worker": kv.tokens_per_worker(cached=True),
-            "kv_host_tokens_per_worker": kv.host_tokens_per_worker(),
-            "kv_host_capacity_per_worker": kv.host_capacity_per_worker,
-            "prefix_cache_host_hits": kv.host_hits, "kv_host_evicted_tokens": kv.host_evicted_tokens,
-            "kv_offload_stored_bytes": kv.stored_bytes, "kv_offload_restored_bytes": kv.restored_bytes}))
+        self.outputs.put(EngineStats(EngineFigures(
+            running=key[0], waiting=waiting, kv_tokens_per_worker=tokens,
+            kv_tokens_cached_per_worker=kv.tokens_per_worker(cached=True),
+            kv_capacity_per_worker=kv.capacity_per_worker, kv_pages_free=kv.free_pages(),
+            num_preemptions=num_preemptions, num_recomputed_tokens=recomputed_tokens,
+            prefix_cache_queries=key[4], prefix_cache_hits=key[5], prefix_cache_host_hits=kv.host_hits,
+            kv_host_tokens_per_worker=kv.host_tokens_per_worker(),
+            kv_host_capacity_per_worker=kv.host_capacity_per_worker, kv_host_evicted_tokens=kv.host_evicted_tokens,
+            kv_offload_stored_bytes=kv.stored_bytes, kv_offload_restored_bytes=kv.restored_bytes)))

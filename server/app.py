@@ -2,6 +2,7 @@
 OpenAPI schema true to what the server sends (400s in OpenAI's error JSON, never FastAPI's 422)."""
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 
@@ -119,7 +120,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, max_waiting
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus exposition text", "content": {EXPOSITION: {"schema": {"type": "string"}}}}})
     async def prometheus():
-        stats = dict(llm.stats, waiting=engine.waiting)
+        stats = dataclasses.replace(llm.stats, waiting=engine.waiting)   # the front's queue too
         return Response(metrics.render(stats), media_type=EXPOSITION)
 
     def model_card() -> dict:

@@ -1,6 +1,7 @@
 """Prometheus metrics, named like vLLM's under a `burstserve:` prefix, label `model_name`."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from engine.messages import EngineFigures
 from engine.outputs import StepOutput
 
 disable_created_metrics()   # no `_created` series beside each counter and histogram (as vLLM)
@@ -103,24 +104,23 @@ class Metrics:
         self.e2e.labels(self.model_name).observe(e2e_seconds)
         self.success.labels(self.model_name, reason).inc()
 
-    def render(self, engine_stats: dict) -> bytes:
+    def render(self, figures: EngineFigures) -> bytes:
         """The exposition text, with the gauges refreshed from worker 0's latest figures."""
         m = self.model_name
-        self.running.labels(m).set(engine_stats.get("running", 0))
-        self.waiting.labels(m).set(engine_stats.get("waiting", 0))
-        capacity = engine_stats.get("kv_capacity_per_worker") or 0
-        for worker, tokens in enumerate(engine_stats.get("kv_tokens_per_worker", [])):
+        self.running.labels(m).set(figures.running)
+        self.waiting.labels(m).set(figures.waiting)
+        capacity = figures.kv_capacity_per_worker
+        for worker, tokens in enumerate(figures.kv_tokens_per_worker):
             self.kv_usage.labels(m, str(worker)).set(tokens / capacity if capacity else 0.0)
-        preemptions = engine_stats.get("num_preemptions", 0)
-        if preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
-            self.preemptions.labels(m).inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
-        host_capacity = engine_stats.get("kv_host_capacity_per_worker") or 0
+        if figures.num_preemptions > self._preemptions_seen:   # worker 0 counts; the counter follows it
+            self.preemptions.labels(m).inc(figures.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = figures.num_preemptions
+        host_capacity = figures.kv_host_capacity_per_worker
         self.host_capacity.labels(m).set(host_capacity)
-        for worker, tokens in enumerate(engine_stats.get("kv_host_tokens_per_worker", [])):
+        for worker, tokens in enumerate(figures.kv_host_tokens_per_worker):
             self.host_usage.labels(m, str(worker)).set(tokens / host_capacity if host_capacity else 0.0)
         for key, counter in self._counters.items():
-            value = engine_stats.get(key, 0)
+            value = getattr(figures, key)
             if value > self._seen[key]:        # worker 0 counts; the counters follow it
                 counter.labels(m).inc(value - self._seen[key])
                 self._seen[key] = value

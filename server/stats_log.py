@@ -4,28 +4,29 @@ import asyncio
 import logging
 import time
 
+from engine.messages import EngineFigures
 from server.async_engine import AsyncEngine
 
 log = logging.getLogger("burstserve.stats")
 
 
 def stats_line(engine: AsyncEngine, prompt_tps: float, generation_tps: float) -> str:
-    stats = engine.llm.stats
-    capacity = stats.get("kv_capacity_per_worker") or 0
-    usage = ", ".join(f"{100 * t / capacity:.1f}%" if capacity else "-" for t in stats.get("kv_tokens_per_worker", []))
+    stats = engine.llm.stats                                  # engine/messages.py EngineFigures
+    capacity = stats.kv_capacity_per_worker
+    usage = ", ".join(f"{100 * t / capacity:.1f}%" if capacity else "-" for t in stats.kv_tokens_per_worker)
     return (f"prompt throughput {prompt_tps:.1f} tokens/s, generation throughput {generation_tps:.1f} tokens/s, "
-            f"running {stats.get('running', 0)} reqs, waiting {engine.waiting} reqs, KV usage per worker [{usage}]"
-            + (f", preemptions {stats['num_preemptions']}" if stats.get("num_preemptions") else "")
+            f"running {stats.running} reqs, waiting {engine.waiting} reqs, KV usage per worker [{usage}]"
+            + (f", preemptions {stats.num_preemptions}" if stats.num_preemptions else "")
             + host_tier(stats))
 
 
-def host_tier(stats: dict) -> str:
+def host_tier(stats: EngineFigures) -> str:
     """The KV host tier's part of the line (none without a tier): its usage per worker and tokens restored."""
-    capacity = stats.get("kv_host_capacity_per_worker") or 0
+    capacity = stats.kv_host_capacity_per_worker
     if not capacity:
         return ""
-    usage = ", ".join(f"{100 * t / capacity:.1f}%" for t in stats.get("kv_host_tokens_per_worker", []))
-    return f", KV host tier per worker [{usage}], {stats.get('prefix_cache_host_hits', 0)} tokens restored"
+    usage = ", ".join(f"{100 * t / capacity:.1f}%" for t in stats.kv_host_tokens_per_worker)
+    return f", KV host tier per worker [{usage}], {stats.prefix_cache_host_hits} tokens restored"
 
 
 async def log_stats_while_busy(engine: AsyncEngine, interval: float) -> None:
@@ -35,7 +36,7 @@ async def log_stats_while_busy(engine: AsyncEngine, interval: float) -> None:
         await asyncio.sleep(interval)
         now = (time.monotonic(), engine.prompt_tokens, engine.generation_tokens)
         seconds = max(now[0] - last[0], 1e-9)
-        busy = now[1:] != last[1:] or engine.waiting or engine.llm.stats.get("running")
+        busy = now[1:] != last[1:] or engine.waiting or engine.llm.stats.running
         if busy and engine.healthy:
             log.info("%s", stats_line(engine, (now[1] - last[1]) / seconds, (now[2] - last[2]) / seconds))
         last = now

@@ -165,9 +165,9 @@ def test_sampled_and_greedy_requests_on_workers_get_the_tokens_of_sync_schedulin
         got = llm.generate(prompts, params)
         pages = llm.worker_info[0]["kv_pages_per_worker"]
         deadline = time.time() + 10
-        while llm.stats.get("kv_pages_free") != [pages] * workers and time.time() < deadline:
+        while llm.stats.kv_pages_free != [pages] * workers and time.time() < deadline:
             time.sleep(0.05)
-        assert llm.stats.get("kv_pages_free") == [pages] * workers
+        assert llm.stats.kv_pages_free == [pages] * workers
     for prompt, p, a, b in zip(prompts, params, got, want):
         a, b = a.outputs[0], b.outputs[0]
         if a.token_ids == b.token_ids:

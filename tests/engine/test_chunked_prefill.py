@@ -155,12 +155,12 @@ def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoi
         together = llm.generate(short + [long], params)
         assert [o.outputs[0].token_ids for o in together] == solo
         assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]
-        assert llm.stats["num_preemptions"] > 0, llm.stats
+        assert llm.stats.num_preemptions > 0, llm.stats
         rid = llm.submit([random.randrange(vocab) for _ in range(250)], params)   # 32 chunks
         deadline = time.time() + 10
-        while sum(llm.stats["kv_tokens_per_worker"]) == 0 and time.time() < deadline:
+        while sum(llm.stats.kv_tokens_per_worker) == 0 and time.time() < deadline:
             time.sleep(0.002)
-        held = sum(llm.stats["kv_tokens_per_worker"])
+        held = sum(llm.stats.kv_tokens_per_worker)
         llm.abort(rid)
         assert 0 < held < 250, held                     # aborted with part of the prompt in the cache
         assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]

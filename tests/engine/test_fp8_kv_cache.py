@@ -122,7 +122,7 @@ def test_preempted_sequences_resume_on_fp8_pages_with_their_solo_tokens(checkpoi
              enable_prefix_caching=False) as llm:
         solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert llm.stats["num_preemptions"] > 0, llm.stats
+        assert llm.stats.num_preemptions > 0, llm.stats
     for prompt, alone, batched in zip(prompts, solo, together):
         with kv_rounded(model, round_kv):
             _, ref = hf_next_logits_and_greedy(model, prompt, len(alone))

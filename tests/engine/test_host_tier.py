@@ -74,9 +74,9 @@ def test_a_document_evicted_from_the_pool_comes_back_from_host_memory(checkpoint
         stats = out.metrics.prefill_stats
         # the document, and a token more where the question's first equals the document's first answer token
         assert stats["cached_tokens"] == stats["host_cached_tokens"] in (len(docs[0]), len(docs[0]) + 1), stats
-        assert llm.stats["prefix_cache_host_hits"] == stats["host_cached_tokens"], llm.stats
-        assert llm.stats["kv_offload_restored_bytes"] > 0 and llm.stats["kv_offload_stored_bytes"] > 0
-        assert sum(llm.stats["kv_host_tokens_per_worker"]) >= 5 * len(docs[0]), llm.stats
+        assert llm.stats.prefix_cache_host_hits == stats["host_cached_tokens"], llm.stats
+        assert llm.stats.kv_offload_restored_bytes > 0 and llm.stats.kv_offload_stored_bytes > 0
+        assert sum(llm.stats.kv_host_tokens_per_worker) >= 5 * len(docs[0]), llm.stats
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -132,13 +132,13 @@ def test_a_tier_smaller_than_a_document_keeps_and_restores_its_first_blocks(chec
         assert llm.worker_info[0]["kv_host_capacity_tokens"] == 192
         for doc in docs:
             llm.generate(doc, _params())
-        assert llm.stats["kv_host_tokens_per_worker"] == [192], llm.stats
+        assert llm.stats.kv_host_tokens_per_worker == [192], llm.stats
         question = docs[1] + [random.randrange(vocab) for _ in range(9)]
         out = llm.generate(question, _params())[0]
         _exact(model, question, out, "small tier, partial prefix")
         stats = out.metrics.prefill_stats
         assert stats["cached_tokens"] == stats["host_cached_tokens"] == 192, stats
-        assert llm.stats["kv_host_evicted_tokens"] == 192, llm.stats
+        assert llm.stats.kv_host_evicted_tokens == 192, llm.stats
 
 
 def test_a_preempted_sequence_comes_back_from_host_memory():
@@ -183,7 +183,7 @@ def test_preempted_sequences_come_back_from_host_memory_on_two_workers(checkpoin
         outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
                                       for n in lengths])
         stats = llm.stats
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_host_hits"] > 0, stats
+    assert stats.num_preemptions > 0 and stats.prefix_cache_host_hits > 0, stats
     for prompt, n, out in zip(prompts, lengths, outs):
         tokens = out.outputs[0].token_ids
         assert_same_greedy(model, prompt, tokens, hf_greedy(model, prompt, n), "preempted, 2 workers")
@@ -248,4 +248,4 @@ def test_no_tier_by_default_on_cpu(checkpoint):
     with LLM(path, devices="cpu", dtype="float32") as llm:
         assert llm.worker_info[0]["kv_host_capacity_tokens"] == 0
         llm.generate([1, 2, 3], _params())
-        assert llm.stats["kv_host_capacity_per_worker"] == 0 and llm.stats["kv_offload_stored_bytes"] == 0
+        assert llm.stats.kv_host_capacity_per_worker == 0 and llm.stats.kv_offload_stored_bytes == 0

@@ -24,9 +24,9 @@ def checkpoint(tmp_path_factory):
 def _wait_stats(llm, key, want, seconds=10.0):
     """worker 0's published figures (sent when they change) reach `want` for `key`."""
     deadline = time.time() + seconds
-    while llm.stats.get(key) != want and time.time() < deadline:
+    while getattr(llm.stats, key) != want and time.time() < deadline:
         time.sleep(0.05)
-    return llm.stats.get(key)
+    return getattr(llm.stats, key)
 
 
 def _mixed_requests(vocab: int, count: int):
@@ -76,7 +76,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(che
              kv_cache_tokens=64) as llm:
         assert llm.worker_info[0]["kv_pages_per_worker"] == 16
         together = llm.generate(prompts, params)
-        preemptions = _wait_stats(llm, "running", 0) is not None and llm.stats["num_preemptions"]
+        preemptions = _wait_stats(llm, "running", 0) is not None and llm.stats.num_preemptions
         assert preemptions > 0, llm.stats
         if caching:                     # finished sequences stay as entries: nothing in use
             assert _wait_stats(llm, "kv_tokens_per_worker", [0, 0]) == [0, 0]
@@ -99,7 +99,7 @@ def test_aborted_requests_return_every_page():
             next(llm.results(rid))
             next(llm.results(rid))
         assert _wait_stats(llm, "running", 6) == 6
-        assert all(free < pages for free in llm.stats["kv_pages_free"]), llm.stats
+        assert all(free < pages for free in llm.stats.kv_pages_free), llm.stats
         for rid in ids:
             llm.abort(rid)
         assert _wait_stats(llm, "kv_pages_free", [pages, pages]) == [pages, pages]

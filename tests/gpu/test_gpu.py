@@ -820,7 +820,7 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
             if tier:
                 print(f"kv {kv}: host tier hit {stats.get('host_cached_tokens')}, restore {stats.get('restore_seconds')}")
                 assert stats["host_cached_tokens"] == len(docs[0]), stats
-                assert llm.stats["kv_offload_stored_bytes"] > 0
+                assert llm.stats.kv_offload_stored_bytes > 0
     (with_tier, tier_streams), (pool_hit, _) = outs[1.0], outs[0]
     a, b = with_tier.outputs[0].logprobs[0], pool_hit.outputs[0].logprobs[0]
     assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 0.05 for t in a), (a, b)

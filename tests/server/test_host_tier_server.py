@@ -1,12 +1,14 @@
 """The KV host tier seen from the API (--kv-offload-gb): a question about a document that later documents
 evicted from the GPU pool reports the document as cached_tokens, and /metrics counts the host hit, the
 bytes copied, the restore's time and the tier's usage; the periodic stats line shows the tier."""
+import dataclasses
 import random
 from types import SimpleNamespace
 
 import pytest
 
 from clients.server_process import RemoteServer
+from engine.messages import EngineFigures
 from hf_reference import save_checkpoint, save_tokenizer
 from live import metrics
 from server.stats_log import stats_line
@@ -52,10 +54,11 @@ def test_a_question_about_an_evicted_document_is_answered_from_host_memory(serve
 
 
 def test_the_stats_line_shows_the_host_tier():
-    stats = {"running": 1, "kv_capacity_per_worker": 100, "kv_tokens_per_worker": [10, 20],
-             "kv_host_capacity_per_worker": 1000, "kv_host_tokens_per_worker": [250, 500], "prefix_cache_host_hits": 300}
+    stats = EngineFigures(running=1, kv_capacity_per_worker=100, kv_tokens_per_worker=[10, 20],
+                          kv_host_capacity_per_worker=1000, kv_host_tokens_per_worker=[250, 500],
+                          prefix_cache_host_hits=300)
     engine = SimpleNamespace(llm=SimpleNamespace(stats=stats), waiting=0)
     line = stats_line(engine, 1.0, 2.0)
     assert "KV host tier per worker [25.0%, 50.0%], 300 tokens restored" in line, line
-    del stats["kv_host_capacity_per_worker"]
+    engine.llm.stats = dataclasses.replace(stats, kv_host_capacity_per_worker=0)
     assert "host" not in stats_line(engine, 1.0, 2.0)

@@ -49,8 +49,8 @@ class BurstAttention:
         with an fp32 accumulator converted at the end).
 
         A step's partial is merged at the start of the next step, after that step's exchange is issued, so
-        every later step has a kernel queued between its exchange and its attention (the merge; at step 1
-        the accumulator's fp32 copy) as step 0 has the K/V store: RingPass says why the exchange needs one.
+        every later step has a kernel queued between its exchange and its attention (the merge; at step 1,
+        from three workers, the accumulator's fp32 copy) as step 0 has the K/V store: RingPass says why the exchange needs one.
         Same merges in the same order; one partial is held a step longer."""
         acc, pending = {}, []
         merges_left = self.ring_pass.world_size - 1

@@ -161,8 +161,8 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
     inside a page, on a page boundary) give transformers' next-token logits (bf16 noise). One GPU: one
     causal paged call per layer over the cached and new keys ("local"); two: the new tokens run whole on
     both GPUs, one keeping their K/V (ring_min 4096), or over the K/V ring (ring_min 0) with the queries
-    passed to the cache (extend_pass q) or the cached K/V passed with the new (kv); four: pass-KV with
-    three merges a worker, each queued after the next exchange (PassKVAttention)."""
+    passed to the cache (extend_pass q) or the cached K/V passed with the new (kv); four: pass-KV with each
+    step's merges queued after the next exchange (PassKVAttention)."""
     from engine import LLM
     gpus = len(devices.split(","))
     if torch.cuda.device_count() < gpus:

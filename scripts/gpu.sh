@@ -489,7 +489,7 @@ part_bench() {   # the prefill tables of docs/benchmarks.md: bench small-counts 
   esac
 }
 
-part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp, torch-cp and one GPU (issue 49)
+part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp, torch-cp, two GPUs and one (issue 49)
   sel=${PARTS:-engine long peers one}
   local cp=${CP:-2} m=${MODEL:-llama3-8b} limit=${LIMIT:-240} results=() name
   local sweep="--model $m --lengths ${LENGTHS:-8192,32768,131072} --repeats ${REPEATS:-1} --warmup 1"
@@ -508,11 +508,12 @@ part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp
     offline "passkv-$cp-long" "$limit" "$cp" $long --extend-pass kv; add "passkv-$cp-long"
   fi
   if has peers; then
-    for name in tp torch-cp; do
+    for name in ${PEERS:-tp torch-cp}; do
       offline "$name-$cp" "$limit" "$cp" $sweep --sp-strategy "$name"; add "$name-$cp"
     done
   fi
-  if has one; then offline "engine-1" "$limit" 1 $sweep; add "engine-1"; fi
+  if has two && [ "$cp" -gt 2 ]; then offline "engine-2" "$limit" 2 $sweep; add "engine-2"; fi   # the first 2 GPUs
+  if has one; then offline "engine-1" "${LIMIT_ONE:-$limit}" 1 $sweep; add "engine-1"; fi
   [ ${#results[@]} = 0 ] || python3 -m server.cli bench merge "${results[@]}" --output-dir "$out/merged" \
       | grep -E "^\|" | tee "$out/merged.md"
 }

@@ -119,6 +119,7 @@ GPU_SH_RUNS = [
     ("bench backends llama3-8b", {}),
     ("8x", {"PARTS": "million"}),
     ("8x", {"PARTS": "scaling"}),
+    ("cp", {"CP": "4", "PARTS": "engine long passkv peers two one", "PEERS": "tp torch-cp ulysses auto"}),
 ]
 
 

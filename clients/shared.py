@@ -14,7 +14,7 @@ HTTP from the server's prefix_cache_host_hits counter around each request).
 Each repeat takes a fresh document (conversation, set of documents); `warmup` unmeasured ones come first.
 
 Every request reports how many prompt tokens came from the prefix cache: offline the engine's
-prefill_stats["cached_tokens"], over HTTP the final usage chunk's prompt_tokens_details.cached_tokens
+prefill_stats.cached_tokens, over HTTP the final usage chunk's prompt_tokens_details.cached_tokens
 (stream_options.include_usage). A warm request with none is reported loudly: the server most likely
 runs without --enable-prefix-caching. TTFT is measured as the sweep measures it: over HTTP on the client,
 the first streamed token chunk (ttft_probe.stream_once); offline from the engine's RequestMetrics."""
@@ -65,10 +65,9 @@ def offline_sender(llm, output_len: int):
         answer = list(out.outputs[0].token_ids)
         check_generated(len(answer), output_len)
         m = out.metrics
-        return Sample(len(prompt), m.prefill_stats.get("cached_tokens", 0), engine_timing(m).ttft,
-                      m.prefill_seconds or 0.0, answer, m.prefill_stats.get("adopt_seconds", 0.0),
-                      m.prefill_stats.get("queued_seconds", 0.0), m.prefill_stats.get("call_seconds", 0.0),
-                      m.prefill_stats.get("host_cached_tokens", 0))
+        s = m.prefill_stats
+        return Sample(len(prompt), s.cached_tokens or 0, engine_timing(m).ttft, m.prefill_seconds or 0.0, answer,
+                      s.adopt_seconds or 0.0, s.queued_seconds or 0.0, s.call_seconds or 0.0, s.host_cached_tokens or 0)
     return send
 
 

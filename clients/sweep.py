@@ -206,13 +206,13 @@ def check_generated(generated: int, asked: int) -> None:
 
 def prefill_details(metrics: list) -> dict:
     """Means over the measured requests of the workers' prefill figures (exchange, stall, peak memory)."""
-    stats = [m.prefill_stats for m in metrics if m.prefill_stats]
+    stats = [m.prefill_stats for m in metrics if m.prefill_stats.prefill_seconds is not None]
     if not stats:
         return {}
-    mean = lambda key: sum(s.get(key, 0.0) for s in stats) / len(stats)   # noqa: E731
+    mean = lambda key: sum(getattr(s, key) or 0.0 for s in stats) / len(stats)   # noqa: E731
     return {"mean_exchange_ms": mean("exchange_seconds") * 1e3, "mean_exposed_ms": mean("exposed_seconds") * 1e3,
             "hidden_fraction": mean("hidden_fraction"), "mean_setup_ms": mean("setup_seconds") * 1e3,
             "mean_wrapup_ms": mean("wrapup_seconds") * 1e3, "mean_call_ms": mean("call_seconds") * 1e3,
-            "peak_memory_gib": max(s.get("peak_memory_bytes", 0) for s in stats) / 2**30,
+            "peak_memory_gib": max(s.peak_memory_bytes or 0 for s in stats) / 2**30,
             # the way each prompt ran (auto: ulysses or burst; burst-zero: gathered or burst-zero-sliced)
-            "prefill_ways": "/".join(sorted({s["strategy"] for s in stats if s.get("strategy")}))}
+            "prefill_ways": "/".join(sorted({s.strategy for s in stats if s.strategy}))}

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from engine.outputs import PrefillStats
+
 
 # ---------------------------------------------------------------- calls
 
@@ -143,7 +145,7 @@ class DecodeResult:
 @dataclass
 class PrefillResult:
     """What a Prefill or an Extend (or ExtendAndDecode's chunk) returns: its timings, and on worker 0 the
-    last token's logits. `stats()` is what a request's metrics report (prefill_stats)."""
+    last token's logits. `stats()` is what a request's metrics report (engine/outputs.py PrefillStats)."""
     prefill_seconds: float
     strategy: str                              # the strategy's name; "extend" or "extend+decode" for a chunk
     setup_seconds: float | None = None
@@ -162,8 +164,6 @@ class PrefillResult:
     prompt_logprobs: list | None = None        # (worker 0, when asked)
     decode: DecodeResult | None = None         # ExtendAndDecode: the decode step's (worker 0)
 
-    def stats(self) -> dict:
-        """The timings and figures as a dict, without the fields that are not figures or were not set."""
-        skip = {"extend_way", "graphed", "logits", "prompt_logprobs", "decode"}
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in skip and getattr(self, f.name) is not None}
+    def stats(self) -> PrefillStats:
+        """Its figures as a request reports them (the fields PrefillStats has)."""
+        return PrefillStats(**{f.name: getattr(self, f.name) for f in fields(PrefillStats) if hasattr(self, f.name)})

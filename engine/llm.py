@@ -415,7 +415,7 @@ class LLM:
         for step in self.results(request_id):
             if step.prefill is not None:
                 metrics.first_token_time = step.time
-                metrics.prefill_seconds = step.prefill.get("prefill_seconds")
+                metrics.prefill_seconds = step.prefill.prefill_seconds
                 metrics.prefill_stats = step.prefill
                 logits, prompt_logprobs = step.logits, step.prompt_logprobs
             else:

@@ -35,6 +35,35 @@ class Request:
 
 
 @dataclass
+class PrefillStats:
+    """A prompt's prefill as the workers and worker 0's scheduler measured it: the first token's
+    StepOutput.prefill, a request's RequestMetrics.prefill_stats. None: not measured for this prompt."""
+    prefill_seconds: float | None = None        # the workers' own time (a prompt in chunks: all of them)
+    strategy: str | None = None                 # the strategy's name; in chunks: the last chunk's ("extend", ...)
+    shared_prefill: bool = False                # a copy of a running twin's K/V: nothing prefilled
+    call_seconds: float | None = None           # the prefill call(s) as worker 0's scheduler saw them
+    queued_seconds: float | None = None         # from its arrival to the scheduler taking it up
+    setup_seconds: float | None = None
+    wrapup_seconds: float | None = None
+    cached_tokens: int | None = None            # tokens found in the prefix cache (an extend: before its own)
+    host_cached_tokens: int | None = None       # of them, restored from the KV host tier
+    adopt_seconds: float | None = None          # finding the cached prefix and copying it
+    restore_seconds: float | None = None        # after a restore from the host tier: the copy's time
+    restored_bytes: int | None = None           # ... and its bytes (this worker's)
+    exchange_seconds: float | None = None       # the ring's exchanges alone, all layers (arithmetic)
+    exposed_seconds: float | None = None        # compute stalled waiting for them
+    exchange_overlapped_seconds: float | None = None
+    hidden_fraction: float | None = None
+    peak_memory_bytes: int | None = None
+    chunks: int | None = None                   # in chunks: how many, their sizes, the ways they extended
+    smallest_chunk: int | None = None
+    largest_chunk: int | None = None
+    extend_ways: dict | None = None             # ExtendWay value -> chunks
+    graphed_extends: int | None = None          # of them, replayed as CUDA graphs
+    mixed_chunks: int | None = None             # of them, with the running sequences' decode step in one call
+
+
+@dataclass
 class StepOutput:
     """One generated token of one request, from worker 0."""
     request_id: str
@@ -42,7 +71,7 @@ class StepOutput:
     logprobs: dict[int, float] | None
     finish_reason: str | None       # None while running, else "stop", "length" or "abort"
     time: float                     # time.time() when the token existed
-    prefill: dict | None = None     # on the first token: prefill_seconds, exchange/hidden figures
+    prefill: PrefillStats | None = None   # on the first token
     logits: torch.Tensor | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # on the first token, when asked for
 
@@ -54,7 +83,7 @@ class RequestMetrics:
     finished_time: float | None = None
     prefill_seconds: float | None = None      # measured on the workers, prefill alone
     decode_seconds: list[float] = field(default_factory=list)   # gap before each later token
-    prefill_stats: dict = field(default_factory=dict)
+    prefill_stats: PrefillStats = field(default_factory=PrefillStats)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -33,7 +33,7 @@ from engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpSt
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.decode_steps import DecodeSteps
 from engine.inbox import Inbox
-from engine.outputs import Request, StepOutput
+from engine.outputs import PrefillStats, Request, StepOutput
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from engine.stats_publisher import StatsPublisher
 from engine.token_outputs import TokenOutputs
@@ -146,13 +146,13 @@ class Scheduler:
             return
         if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
             self.kv.fork(twin.seq_id, seq.seq_id)
-            logits, stats, prompt_logprobs = twin.prompt_logits, {"prefill_seconds": 0.0, "shared_prefill": True}, None
+            logits, stats, prompt_logprobs = twin.prompt_logits, PrefillStats(0.0, shared_prefill=True), None
         else:
             called = time.perf_counter()
             result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
             stats = result.stats()
-            stats["call_seconds"] = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
-            stats["queued_seconds"] = queued
+            stats.call_seconds = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
+            stats.queued_seconds = queued
             self._observe(len(request.prompt_token_ids), 0, result)
             logits, prompt_logprobs = result.logits, result.prompt_logprobs
         seq.prompt_logits = logits
@@ -330,7 +330,7 @@ class Scheduler:
 
     # tokens
 
-    def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: dict | None = None,
+    def _emit(self, seq: RunningSequence, logits: torch.Tensor, prefill: PrefillStats | None = None,
               keep_logits: bool = False, prompt_logprobs: list | None = None,
               sample_logits: torch.Tensor | None = None) -> None:
         """The sequence's next token sampled from `logits` [V] (TokenOutputs.sample: `sample_logits`, the
@@ -339,7 +339,7 @@ class Scheduler:
         self._commit(seq, token, logprobs, prefill=prefill, logits=logits.clone() if keep_logits else None,
                      prompt_logprobs=prompt_logprobs)
 
-    def _commit(self, seq: RunningSequence, token: int, logprobs: dict | None, prefill: dict | None = None,
+    def _commit(self, seq: RunningSequence, token: int, logprobs: dict | None, prefill: PrefillStats | None = None,
                 logits: torch.Tensor | None = None, prompt_logprobs: list | None = None,
                 token_computed: bool = False) -> None:
         """Sends one sampled token back; the sequence runs on or is freed (token_computed: a step in flight

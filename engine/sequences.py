@@ -2,13 +2,14 @@
 in chunks, the decode step in flight, and the queues, as one SchedulerState that the policy reads
 (engine/step_plan.py) and only the scheduler changes (engine/scheduler.py, and its engine/decode_steps.py)."""
 import array
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.calls import PrefillResult
-from engine.outputs import Request
+from engine.outputs import PrefillStats, Request
 from engine.sampling import RowSampling, row_sampling
 from engine.structured_output import SequenceGrammar
 
@@ -86,16 +87,15 @@ class ChunkedPrefill:
         self.graphed += int(result.graphed)
         self.mixed += int(mixed)
 
-    def prompt_stats(self, last: PrefillResult) -> dict:
+    def prompt_stats(self, last: PrefillResult) -> PrefillStats:
         """What the prompt reports as its prefill (a request's prefill_stats), after its last chunk's call."""
-        stats = last.stats()
-        stats.update(prefill_seconds=self.prefill_seconds, call_seconds=self.call_seconds, chunks=self.chunks,
-                     cached_tokens=self.cached, host_cached_tokens=self.host_cached,
-                     smallest_chunk=self.smallest, largest_chunk=self.largest,
-                     adopt_seconds=self.adopt_seconds, queued_seconds=self.queued_seconds,
-                     extend_ways=dict(self.extend_ways), graphed_extends=self.graphed, mixed_chunks=self.mixed)
+        stats = dataclasses.replace(
+            last.stats(), prefill_seconds=self.prefill_seconds, call_seconds=self.call_seconds, chunks=self.chunks,
+            cached_tokens=self.cached, host_cached_tokens=self.host_cached, smallest_chunk=self.smallest,
+            largest_chunk=self.largest, adopt_seconds=self.adopt_seconds, queued_seconds=self.queued_seconds,
+            extend_ways=dict(self.extend_ways), graphed_extends=self.graphed, mixed_chunks=self.mixed)
         if self.restore_seconds is not None:
-            stats["restore_seconds"] = self.restore_seconds
+            stats.restore_seconds = self.restore_seconds
         return stats
 
 

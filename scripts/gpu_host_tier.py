@@ -124,11 +124,11 @@ def streams_run(args) -> dict:
         first = out.metrics.first_token_time
         windows.append((arrived, first))
         questions.append({"document": d % args.documents, "ttft_s": first - arrived,
-                          "cached_tokens": stats.get("cached_tokens", 0),
-                          "host_cached_tokens": stats.get("host_cached_tokens", 0),
-                          "restore_seconds": stats.get("restore_seconds"), "chunks": stats.get("chunks"),
-                          "mixed_chunks": stats.get("mixed_chunks"), "smallest_chunk": stats.get("smallest_chunk"),
-                          "largest_chunk": stats.get("largest_chunk")})
+                          "cached_tokens": (stats.cached_tokens or 0),
+                          "host_cached_tokens": (stats.host_cached_tokens or 0),
+                          "restore_seconds": stats.restore_seconds, "chunks": stats.chunks,
+                          "mixed_chunks": stats.mixed_chunks, "smallest_chunk": stats.smallest_chunk,
+                          "largest_chunk": stats.largest_chunk})
         print(f"question {d}: TTFT {first - arrived:.3f} s, cached {questions[-1]['cached_tokens']}, from host "
               f"{questions[-1]['host_cached_tokens']}, restore {questions[-1]['restore_seconds']}, chunks "
               f"{questions[-1]['chunks']} ({questions[-1]['mixed_chunks']} with a decode step, "

@@ -118,7 +118,7 @@ class EngineRequest:
             self.timeline.delivered = time.time()
             self._ttft_parts = self.timeline.describe(item.time, item.prefill)
             engine.waiting -= 1
-            if not (item.prefill or {}).get("shared_prefill"):
+            if item.prefill is None or not item.prefill.shared_prefill:
                 engine.prompt_tokens += self.prompt_tokens
             m.first_token(item, self.arrival, self.prompt_tokens)
         else:

@@ -60,7 +60,7 @@ async def run_choice(ctx: ServerContext, index: int, prompt_ids: Sequence[int], 
                 reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
             if assembler.stopped:
                 request.close("stop")
-            cached = (step.prefill or {}).get("cached_tokens", 0) if step.prefill is not None else None
+            cached = (step.prefill.cached_tokens or 0) if step.prefill is not None else None
             yield ChoiceEvent(index, text, offset, step.token_id, step.logprobs, reason, step.prompt_logprobs, cached)
             if reason is not None:
                 return

@@ -2,7 +2,7 @@
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.messages import EngineFigures
-from engine.outputs import StepOutput
+from engine.outputs import PrefillStats, StepOutput
 
 disable_created_metrics()   # no `_created` series beside each counter and histogram (as vLLM)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -82,19 +82,19 @@ class Metrics:
     def first_token(self, item: StepOutput, arrival: float, prompt_tokens: int) -> None:
         m = self.model_name
         self.ttft.labels(m).observe(item.time - arrival)
-        stats = item.prefill or {}
-        if not stats.get("shared_prefill"):   # a choice that forked a running prompt's K/V prefilled nothing
+        stats = item.prefill or PrefillStats()
+        if not stats.shared_prefill:   # a choice that forked a running prompt's K/V prefilled nothing
             self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc()
-        if stats.get("prefill_seconds"):
-            self.prefill.labels(m).observe(stats["prefill_seconds"])
-            self.prefill_tps.labels(m).observe(prompt_tokens / stats["prefill_seconds"])
-        if "exchange_seconds" in stats:
-            self.ring_exchange.labels(m).observe(stats["exchange_seconds"])
-            self.ring_exposed.labels(m).observe(stats["exposed_seconds"])
-            self.ring_hidden.labels(m).observe(stats["hidden_fraction"])
-        if "restore_seconds" in stats:
-            self.restore_seconds.labels(m).observe(stats["restore_seconds"])
+        if stats.prefill_seconds:
+            self.prefill.labels(m).observe(stats.prefill_seconds)
+            self.prefill_tps.labels(m).observe(prompt_tokens / stats.prefill_seconds)
+        if stats.exchange_seconds is not None:
+            self.ring_exchange.labels(m).observe(stats.exchange_seconds)
+            self.ring_exposed.labels(m).observe(stats.exposed_seconds)
+            self.ring_hidden.labels(m).observe(stats.hidden_fraction)
+        if stats.restore_seconds is not None:
+            self.restore_seconds.labels(m).observe(stats.restore_seconds)
 
     def next_token(self, gap_seconds: float) -> None:
         self.tpot.labels(self.model_name).observe(gap_seconds)

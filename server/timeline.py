@@ -13,6 +13,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from engine.outputs import PrefillStats
+
 RECEIVED = "burstserve_received"   # the ASGI scope's state key the ReceiveClock middleware sets
 # the request line's parts, as describe() writes them (ms); queued and prefill are there when the workers said
 PARTS_PATTERN = re.compile(r"TTFT (?P<ttft>[\d.]+) ms = read (?P<read>[\d.]+) ms \+ checks (?P<checks>[\d.]+) ms "
@@ -46,12 +48,12 @@ class Timeline:
         received = (raw.scope.get("state") or {}).get(RECEIVED, now) if raw is not None else now
         return cls(received=min(received, now), parsed=now)
 
-    def describe(self, token_time: float, prefill: dict | None) -> str:
+    def describe(self, token_time: float, prefill: PrefillStats | None) -> str:
         """The TTFT and its parts, in ms; `token_time` and `prefill` are the first token's."""
         ms = lambda seconds: f"{seconds * 1e3:.1f}"   # noqa: E731
-        stats = prefill or {}
-        inside = (f" (queued {ms(stats['queued_seconds'])}, prefill {ms(stats['prefill_seconds'])})"
-                  if "queued_seconds" in stats and "prefill_seconds" in stats else "")
+        stats = prefill or PrefillStats()
+        inside = (f" (queued {ms(stats.queued_seconds)}, prefill {ms(stats.prefill_seconds)})"
+                  if stats.queued_seconds is not None and stats.prefill_seconds is not None else "")
         return (f"TTFT {ms(self.delivered - self.received)} ms = read {ms(self.parsed - self.received)} ms + checks "
                 f"{ms(self.submitted - self.parsed)} ms + engine {ms(token_time - self.submitted)} ms" + inside
                 + f" + back {ms(self.delivered - token_time)} ms")

@@ -113,7 +113,7 @@ def test_a_stop_tokens_kv_computed_ahead_is_cached_and_reused_as_its_cold_answer
     _assert_alike(model, turns, got, cold)
     for rid, p, _ in first:
         if rid in ended_ahead:           # all of prompt + answer, the stop token's K/V included
-            assert got[f"{rid}-next"][0].prefill.get("cached_tokens") == len(p) + len(answers[rid]), rid
+            assert got[f"{rid}-next"][0].prefill.cached_tokens == len(p) + len(answers[rid]), rid
 
 
 def _seq_of(calls, prompt: list[int]) -> int:

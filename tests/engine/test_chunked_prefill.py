@@ -51,8 +51,8 @@ def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_m
              max_num_batched_tokens=chunk, extend_ring_min_tokens=ring_min, extend_pass="q") as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
-        assert stats["chunks"] == 4 and stats["strategy"] == "extend" and stats["cached_tokens"] == 0
-        assert stats["extend_ways"] == ways
+        assert stats.chunks == 4 and stats.strategy == "extend" and stats.cached_tokens == 0
+        assert stats.extend_ways == ways
 
 
 @pytest.mark.parametrize("workers,chunk", [(2, 50), (3, 37), (4, 100)])
@@ -68,7 +68,7 @@ def test_ring_extends_that_pass_the_cached_kv_match_transformers(checkpoint, wor
              max_num_batched_tokens=chunk, extend_ring_min_tokens=0) as llm:
         _check(llm, model, prompts)
         stats = llm.generate(prompts[2], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
-        assert stats["chunks"] == 4 and stats["extend_ways"] == {"ring-kv": 3}, stats
+        assert stats.chunks == 4 and stats.extend_ways == {"ring-kv": 3}, stats
 
 
 @pytest.mark.parametrize("strategy", ["burst-nolao", "ring-rsa", "ulysses", "cqs", "tp", "auto", "burst-zero"])
@@ -82,7 +82,7 @@ def test_chunked_prefill_after_every_strategys_first_chunk(checkpoint, strategy)
         _check(llm, model, prompts)
         if strategy == "burst-zero":         # its chunks run whole on the tp slices (no layer gathered)
             stats = llm.generate(prompts[1], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
-            assert stats["extend_ways"] == {"whole": 6}, stats
+            assert stats.extend_ways == {"whole": 6}, stats
 
 
 def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
@@ -101,8 +101,8 @@ def test_requests_decode_between_the_chunks_of_a_long_prompt(checkpoint):
         outs = llm.generate(short + [long], params)
         for prompt, out, want in zip(short + [long], outs, solo):      # or they part at an fp32 near-tie (seen once
             assert_same_greedy(model, prompt, out.outputs[0].token_ids, want, len(prompt))   # in a 2-token cycle)
-        assert outs[-1].metrics.prefill_stats["chunks"] == 10               # 600 tokens in chunks of 64
-        assert all("chunks" not in o.metrics.prefill_stats for o in outs[:-1])
+        assert outs[-1].metrics.prefill_stats.chunks == 10               # 600 tokens in chunks of 64
+        assert all(o.metrics.prefill_stats.chunks is None for o in outs[:-1])
 
 
 @pytest.mark.parametrize("workers,strategy,ring_min,graphs", [
@@ -134,8 +134,8 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, monkey
             for got, want in zip(o.outputs[0].logprobs, ref.logprobs):
                 assert_same_logprobs(got, want, 1e-4)
         stats = outs[-1].metrics.prefill_stats
-        assert stats["chunks"] == 10 and stats["strategy"] == ("extend+decode" if mixed else "extend")
-        assert stats["mixed_chunks"] == (9 if mixed else 0) and stats["graphed_extends"] == (9 if graphs else 0)
+        assert stats.chunks == 10 and stats.strategy == ("extend+decode" if mixed else "extend")
+        assert stats.mixed_chunks == (9 if mixed else 0) and stats.graphed_extends == (9 if graphs else 0)
 
 
 def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoint):
@@ -209,7 +209,7 @@ def test_a_short_request_goes_before_the_next_chunk_of_a_long_prompt(checkpoint)
         outs = llm.generate([long, short], params)              # the long one first in the queue
         assert [o.outputs[0].token_ids for o in outs] == solo
         long_metrics, short_metrics = outs[0].metrics, outs[1].metrics
-        assert long_metrics.prefill_stats["chunks"] == 38      # 600 in chunks of 16 (the floor is the largest)
+        assert long_metrics.prefill_stats.chunks == 38      # 600 in chunks of 16 (the floor is the largest)
         assert short_metrics.first_token_time < long_metrics.first_token_time
         assert short_metrics.finished_time < long_metrics.first_token_time   # its 8 tokens during the chunks
 
@@ -228,11 +228,11 @@ def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
              itl_target_ms=0.001) as llm:
         llm.generate(short, SamplingParams(max_tokens=1))             # a measured prefill for the cost model
         alone = llm.generate(long, params)[0]
-        assert alone.metrics.prefill_stats["smallest_chunk"] == 100 + MIN_CHUNK          # 512 + 356
-        assert alone.metrics.prefill_stats["largest_chunk"] == 2 * MIN_CHUNK
+        assert alone.metrics.prefill_stats.smallest_chunk == 100 + MIN_CHUNK          # 512 + 356
+        assert alone.metrics.prefill_stats.largest_chunk == 2 * MIN_CHUNK
         outs = llm.generate([short, long], [busy, params])
         stats = outs[1].metrics.prefill_stats
-        assert stats["largest_chunk"] == MIN_CHUNK_CPU and stats["chunks"] == -(-len(long) // MIN_CHUNK_CPU), stats
+        assert stats.largest_chunk == MIN_CHUNK_CPU and stats.chunks == -(-len(long) // MIN_CHUNK_CPU), stats
         ref_logits, ref_tokens = hf_next_logits_and_greedy(model, long, NUM_TOKENS)
         assert outs[1].outputs[0].token_ids == ref_tokens == alone.outputs[0].token_ids
 
@@ -274,5 +274,5 @@ def test_whole_chunks_stay_within_a_sequences_pages_on_a_worker(checkpoint):
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_model_len=256, block_size=16,
              kv_cache_tokens=4096, max_num_batched_tokens=64, itl_target_ms=None, enable_prefix_caching=False) as llm:
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
-    assert out.metrics.prefill_stats["extend_ways"] == {"whole": 2, "ring-kv": 1}
+    assert out.metrics.prefill_stats.extend_ways == {"whole": 2, "ring-kv": 1}
     assert out.outputs[0].token_ids == hf_next_logits_and_greedy(model, prompt, 4)[1]

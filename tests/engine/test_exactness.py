@@ -64,7 +64,7 @@ def test_tensor_parallel_over_sliced_weights_matches_transformers(checkpoint, st
                else {"sp_strategy": strategy})
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", **WHOLE, **options) as llm:
         outputs = llm.generate(prompts, params)
-        ways = [o.metrics.prefill_stats.get("strategy") for o in outputs]
+        ways = [o.metrics.prefill_stats.strategy for o in outputs]
         if strategy == "burst-zero-sliced":
             assert ways == ["burst-zero-sliced", "burst-zero-sliced", "burst-zero"], ways
         for prompt, out in zip(prompts, outputs):

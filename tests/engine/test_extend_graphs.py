@@ -48,12 +48,12 @@ def test_graphed_chunks_match_transformers(checkpoint, monkeypatch, workers, chu
             assert diff <= 1e-4, (len(prompt), diff)
             assert got == ref_tokens, len(prompt)
         stats = llm.generate(prompts[1], SamplingParams(max_tokens=1))[0].metrics.prefill_stats
-        assert stats["chunks"] == 4 and stats["extend_ways"] == ways and stats["graphed_extends"] == 3
+        assert stats.chunks == 4 and stats.extend_ways == ways and stats.graphed_extends == 3
     monkeypatch.delenv(ON_CPU_ENV)
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=workers, dtype="float32",
              max_num_batched_tokens=chunk, itl_target_ms=None) as llm:
         assert _generate(llm, prompts) == tokens                     # the eager extend gives the same
-        assert llm.generate(prompts[1], SamplingParams(max_tokens=1))[0].metrics.prefill_stats["graphed_extends"] == 0
+        assert llm.generate(prompts[1], SamplingParams(max_tokens=1))[0].metrics.prefill_stats.graphed_extends == 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -69,7 +69,7 @@ def test_a_question_after_a_cached_document_runs_graphed(checkpoint, monkeypatch
         _generate(llm, [doc])
         for prompt in questions:
             out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))[0]
-            assert out.metrics.prefill_stats["cached_tokens"] > 0 and out.metrics.prefill_stats["graphed_extends"] == 1
+            assert out.metrics.prefill_stats.cached_tokens > 0 and out.metrics.prefill_stats.graphed_extends == 1
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
             assert out.outputs[0].token_ids == ref_tokens
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4
@@ -104,6 +104,6 @@ def test_mixed_batch_by_default_only_where_graphed(checkpoint, monkeypatch):
             outs = llm.generate(short + [long], params)
         assert [o.outputs[0].token_ids for o in outs] == solo
         stats = outs[-1].metrics.prefill_stats
-        assert stats["chunks"] == 3 and stats["largest_chunk"] == 1100 and stats["smallest_chunk"] == 200
-        assert stats["strategy"] == ("extend+decode" if graphs else "extend")     # the last chunk's call
-        assert stats["graphed_extends"] == 2 * int(graphs) and stats["mixed_chunks"] == int(graphs)
+        assert stats.chunks == 3 and stats.largest_chunk == 1100 and stats.smallest_chunk == 200
+        assert stats.strategy == ("extend+decode" if graphs else "extend")     # the last chunk's call
+        assert stats.graphed_extends == 2 * int(graphs) and stats.mixed_chunks == int(graphs)

@@ -69,7 +69,7 @@ def test_fp8_pages_match_transformers_with_kv_rounded_alike(checkpoint, workers)
              enable_chunked_prefill=False) as llm:
         assert llm.worker_info[0]["kv_cache_dtype"] == "fp8"
         outputs = llm.generate(prompts, GREEDY)
-        assert outputs[3].metrics.prefill_stats.get("shared_prefill"), outputs[3].metrics.prefill_stats
+        assert outputs[3].metrics.prefill_stats.shared_prefill, outputs[3].metrics.prefill_stats
         for prompt, out in zip(prompts, outputs):
             _check(llm, model, prompt, out, f"{workers} workers")
 
@@ -85,8 +85,8 @@ def test_each_way_of_extending_reads_fp8_pages(checkpoint, workers, ring_min, wa
              kv_cache_dtype="fp8", extend_ring_min_tokens=ring_min) as llm:
         _check(llm, model, doc, what=way)
         hit = _check(llm, model, doc + [random.randrange(vocab) for _ in range(37)], what=way)
-        assert hit.metrics.prefill_stats["extend_ways"] == {way: 1}, hit.metrics.prefill_stats
-        assert hit.metrics.prefill_stats["cached_tokens"] >= len(doc)
+        assert hit.metrics.prefill_stats.extend_ways == {way: 1}, hit.metrics.prefill_stats
+        assert hit.metrics.prefill_stats.cached_tokens >= len(doc)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -99,11 +99,11 @@ def test_every_strategy_with_chunks_and_prefix_hits_on_fp8_pages(checkpoint, str
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy, block_size=16,
              kv_cache_dtype="fp8", enable_prefix_caching=True, max_num_batched_tokens=64) as llm:
         first = _check(llm, model, doc, what=strategy)
-        assert first.metrics.prefill_stats["chunks"] == 3, first.metrics.prefill_stats
+        assert first.metrics.prefill_stats.chunks == 3, first.metrics.prefill_stats
         hit = _check(llm, model, doc + [random.randrange(vocab) for _ in range(90)], what=strategy)
-        assert hit.metrics.prefill_stats["cached_tokens"] >= len(doc), hit.metrics.prefill_stats
+        assert hit.metrics.prefill_stats.cached_tokens >= len(doc), hit.metrics.prefill_stats
         hit = _check(llm, model, doc[:128] + [random.randrange(vocab) for _ in range(5)], what=strategy)
-        assert hit.metrics.prefill_stats["cached_tokens"] >= 128, hit.metrics.prefill_stats
+        assert hit.metrics.prefill_stats.cached_tokens >= 128, hit.metrics.prefill_stats
 
 
 @pytest.mark.parametrize("workers,kv_tokens,long", [(1, 120, 70), (2, 160, 200)])

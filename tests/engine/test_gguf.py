@@ -86,7 +86,7 @@ def test_the_trained_model_under_every_strategy_that_splits_its_heads(smollm2, s
              enable_chunked_prefill=False) as llm:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
-        assert out.metrics.prefill_stats["strategy"] == ("burst" if strategy == "auto" else strategy)
+        assert out.metrics.prefill_stats.strategy == ("burst" if strategy == "auto" else strategy)
         tokens = out.outputs[0].token_ids
         _, want = hf_next_logits_and_greedy(model, prompt, len(tokens))
         assert_same_greedy(model, prompt, tokens, want, (strategy, len(prompt)))

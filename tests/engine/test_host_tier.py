@@ -73,8 +73,8 @@ def test_a_document_evicted_from_the_pool_comes_back_from_host_memory(checkpoint
         _, out = _documents_then_questions(llm, model, docs, f"{workers} workers")
         stats = out.metrics.prefill_stats
         # the document, and a token more where the question's first equals the document's first answer token
-        assert stats["cached_tokens"] == stats["host_cached_tokens"] in (len(docs[0]), len(docs[0]) + 1), stats
-        assert llm.stats.prefix_cache_host_hits == stats["host_cached_tokens"], llm.stats
+        assert stats.cached_tokens == stats.host_cached_tokens in (len(docs[0]), len(docs[0]) + 1), stats
+        assert llm.stats.prefix_cache_host_hits == stats.host_cached_tokens, llm.stats
         assert llm.stats.kv_offload_restored_bytes > 0 and llm.stats.kv_offload_stored_bytes > 0
         assert sum(llm.stats.kv_host_tokens_per_worker) >= 5 * len(docs[0]), llm.stats
 
@@ -91,7 +91,7 @@ def test_every_strategy_restores_its_own_shards(checkpoint, strategy):
              max_num_batched_tokens=32, itl_target_ms=None) as llm:
         _, out = _documents_then_questions(llm, model, docs, strategy, question_len=40)
         stats = out.metrics.prefill_stats
-        assert stats["host_cached_tokens"] in (len(docs[0]), len(docs[0]) + 1) and stats["chunks"] == 2, stats
+        assert stats.host_cached_tokens in (len(docs[0]), len(docs[0]) + 1) and stats.chunks == 2, stats
 
 
 def test_fp8_pages_and_their_scales_come_back_bit_exact(checkpoint):
@@ -105,12 +105,12 @@ def test_fp8_pages_and_their_scales_come_back_bit_exact(checkpoint):
     with LLM(path, **common) as llm:
         llm.generate(docs[0], _params())
         want = llm.generate(question, _params())[0]
-        assert want.metrics.prefill_stats["cached_tokens"] in (len(docs[0]), len(docs[0]) + 1)
+        assert want.metrics.prefill_stats.cached_tokens in (len(docs[0]), len(docs[0]) + 1)
     with LLM(path, kv_cache_tokens=POOL, kv_offload_gb=TIER, **common) as llm:
         for doc in docs:
             llm.generate(doc, _params())
         got = llm.generate(question, _params())[0]
-    assert got.metrics.prefill_stats["host_cached_tokens"] == want.metrics.prefill_stats["cached_tokens"], \
+    assert got.metrics.prefill_stats.host_cached_tokens == want.metrics.prefill_stats.cached_tokens, \
         got.metrics.prefill_stats
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
@@ -137,7 +137,7 @@ def test_a_tier_smaller_than_a_document_keeps_and_restores_its_first_blocks(chec
         out = llm.generate(question, _params())[0]
         _exact(model, question, out, "small tier, partial prefix")
         stats = out.metrics.prefill_stats
-        assert stats["cached_tokens"] == stats["host_cached_tokens"] == 192, stats
+        assert stats.cached_tokens == stats.host_cached_tokens == 192, stats
         assert llm.stats.kv_host_evicted_tokens == 192, llm.stats
 
 

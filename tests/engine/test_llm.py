@@ -91,11 +91,11 @@ def test_timings_and_ring_figures_are_reported(llm):
     assert 0 < m.prefill_seconds <= m.time_to_first_token < 60
     assert len(m.decode_seconds) == 4 and all(d > 0 for d in m.decode_seconds)
     stats = m.prefill_stats
-    assert stats["exchange_seconds"] > 0 and stats["exposed_seconds"] >= 0 and 0 <= stats["hidden_fraction"] <= 1
+    assert stats.exchange_seconds > 0 and stats.exposed_seconds >= 0 and 0 <= stats.hidden_fraction <= 1
     # where the time to first token goes: the scheduler's call covers set-up, the prefill and wrap-up
-    assert stats["setup_seconds"] >= 0 and stats["wrapup_seconds"] >= 0 and stats["strategy"] == "burst"
-    parts = stats["setup_seconds"] + m.prefill_seconds + stats["wrapup_seconds"]
-    assert parts <= stats["call_seconds"] <= m.time_to_first_token
+    assert stats.setup_seconds >= 0 and stats.wrapup_seconds >= 0 and stats.strategy == "burst"
+    parts = stats.setup_seconds + m.prefill_seconds + stats.wrapup_seconds
+    assert parts <= stats.call_seconds <= m.time_to_first_token
 
 
 @pytest.mark.parametrize("bad,param", [
@@ -243,16 +243,16 @@ def test_identical_prompts_share_one_prefill(llm, checkpoint):
     seeded = [SamplingParams(temperature=0.9, seed=random.randrange(1 << 20), max_tokens=10, ignore_eos=True,
                              logprobs=3) for _ in range(2)]
     outs = llm.generate([prompt] * 3, [greedy] + seeded)
-    assert [bool(o.metrics.prefill_stats.get("shared_prefill")) for o in outs] == [False, True, True]
+    assert [bool(o.metrics.prefill_stats.shared_prefill) for o in outs] == [False, True, True]
     assert outs[1].metrics.prefill_seconds == 0.0 and outs[0].metrics.prefill_seconds > 0
     _, ref = hf_next_logits_and_greedy(checkpoint[1], prompt, 10)
     assert outs[0].outputs[0].token_ids == ref
     for out, params in zip(outs[1:], seeded):
         alone = llm.generate(prompt, params)[0]
-        assert not alone.metrics.prefill_stats.get("shared_prefill")
+        assert not alone.metrics.prefill_stats.shared_prefill
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         for shared_step, alone_step in zip(out.outputs[0].logprobs, alone.outputs[0].logprobs):
             assert_same_logprobs(shared_step, alone_step, 1e-5)
     twin_greedy = llm.generate([prompt, prompt], [greedy, greedy])
-    assert twin_greedy[1].metrics.prefill_stats.get("shared_prefill")
+    assert twin_greedy[1].metrics.prefill_stats.shared_prefill
     assert [o.outputs[0].token_ids for o in twin_greedy] == [ref, ref]

@@ -122,6 +122,6 @@ def test_choices_of_a_one_token_prompt_fork_on_workers_that_hold_none_of_it():
     with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=3, block_size=4) as llm:
         params = [SamplingParams(temperature=1.0, seed=s, max_tokens=9, ignore_eos=True) for s in (1, 2, 3)]
         together = llm.generate([[7]] * 3, params)
-        assert [bool(o.metrics.prefill_stats.get("shared_prefill")) for o in together] == [False, True, True]
+        assert [bool(o.metrics.prefill_stats.shared_prefill) for o in together] == [False, True, True]
         for out, p in zip(together, params):
             assert out.outputs[0].token_ids == llm.generate([7], p)[0].outputs[0].token_ids

@@ -30,7 +30,7 @@ def _exact(llm, model, prompt, cached_at_least):
     out = llm.generate(prompt, GREEDY)[0]
     ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, GEN)
     assert out.outputs[0].token_ids == ref_tokens, len(prompt)
-    assert out.metrics.prefill_stats.get("cached_tokens", 0) >= cached_at_least, out.metrics.prefill_stats
+    assert (out.metrics.prefill_stats.cached_tokens or 0) >= cached_at_least, out.metrics.prefill_stats
     return out
 
 
@@ -51,7 +51,7 @@ def test_prompts_extending_cached_ones_match_transformers(checkpoint, workers, r
         question = [random.randrange(vocab) for _ in range(37)]
         hit = _exact(llm, model, doc + question, len(doc))                   # hit inside a page, beyond the doc
         way = "local" if workers == 1 else ({"q": "ring", "kv": "ring-kv"}[extend_pass] if ring_min == 0 else "whole")
-        assert hit.metrics.prefill_stats["extend_ways"] == {way: 1}
+        assert hit.metrics.prefill_stats.extend_ways == {way: 1}
         _exact(llm, model, cached[:192] + question, 192)                     # hit on a page boundary
         _exact(llm, model, cached + first.outputs[0].token_ids[-1:], len(cached))   # a conversation's next turn
         _exact(llm, model, doc, len(doc) - 1)                                # the whole prompt cached
@@ -146,7 +146,7 @@ def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
         for i in list(range(10)) + [random.randrange(20) for _ in range(30)]:
             out = llm.generate(prompts[i], GREEDY)[0]
             assert out.outputs[0].token_ids == cold[i], i
-            hits += out.metrics.prefill_stats.get("cached_tokens", 0) > 0
+            hits += (out.metrics.prefill_stats.cached_tokens or 0) > 0
         assert hits > 0
 
 
@@ -178,7 +178,7 @@ def test_a_hit_whose_prefix_sits_unevenly_extends_without_passing_a_workers_shar
              enable_prefix_caching=True) as llm:
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
         out = llm.generate(second, SamplingParams(temperature=0, max_tokens=1))[0]
-        assert out.metrics.prefill_stats["cached_tokens"] >= 768
+        assert out.metrics.prefill_stats.cached_tokens >= 768
         _, ref_tokens = hf_next_logits_and_greedy(model, second, 1)
         assert out.outputs[0].token_ids == ref_tokens
 

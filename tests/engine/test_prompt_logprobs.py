@@ -49,5 +49,5 @@ def test_prompt_logprobs_are_checked_and_optional(checkpoint):
                                                            SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)])
     assert plain.prompt_logprobs is None
     assert scored.prompt_logprobs == again.prompt_logprobs and len(scored.prompt_logprobs[5]) == 1
-    assert not again.metrics.prefill_stats.get("shared_prefill")   # prompt logprobs come out of a prefill
+    assert not again.metrics.prefill_stats.shared_prefill   # prompt logprobs come out of a prefill
     assert scored.outputs[0].token_ids == plain.outputs[0].token_ids

@@ -36,9 +36,9 @@ def test_strategy_matches_transformers(checkpoint, strategy, workers):
     with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", **WHOLE, **options) as llm:
         assert llm.engine.world_size == (1 if strategy == "single" else workers)
         outs = llm.generate(prompts + prompts[-1:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        assert outs[-1].metrics.prefill_stats.get("shared_prefill")   # the repeated prompt forks the K/V
+        assert outs[-1].metrics.prefill_stats.shared_prefill   # the repeated prompt forks the K/V
         if strategy == "burst-zero-sliced":
-            assert {o.metrics.prefill_stats["strategy"] for o in outs[:-1]} == {"burst-zero-sliced"}
+            assert {o.metrics.prefill_stats.strategy for o in outs[:-1]} == {"burst-zero-sliced"}
         for prompt, out in zip(prompts + prompts[-1:], outs):
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 12)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, (strategy, len(prompt))
@@ -82,7 +82,7 @@ def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(che
              zero_sliced_max_tokens=0) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
-            assert out.metrics.prefill_stats["strategy"] == "burst-zero"
+            assert out.metrics.prefill_stats.strategy == "burst-zero"
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
             assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
@@ -95,7 +95,7 @@ def test_no_overlap_gives_the_same_tokens(checkpoint):
         slow = llm.generate(prompt, params)[0]
     _, ref = hf_next_logits_and_greedy(checkpoint[1], prompt, 8)
     assert slow.outputs[0].token_ids == ref
-    assert slow.metrics.prefill_stats["exchange_seconds"] > 0
+    assert slow.metrics.prefill_stats.exchange_seconds > 0
 
 
 def test_unknown_strategy_and_indivisible_heads(checkpoint):
@@ -166,14 +166,14 @@ def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint)
              auto_ulysses_max_tokens=40) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
-            assert out.metrics.prefill_stats["strategy"] == ("ulysses" if len(prompt) <= 40 else "burst")
+            assert out.metrics.prefill_stats.strategy == ("ulysses" if len(prompt) <= 40 else "burst")
             ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 10)
             assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
             assert out.outputs[0].token_ids == ref_tokens, len(prompt)
     # 3 workers do not divide the heads
     with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", **WHOLE, sp_strategy="auto") as llm:
         out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
-        assert out.metrics.prefill_stats["strategy"] == "burst"
+        assert out.metrics.prefill_stats.strategy == "burst"
     with pytest.raises(InvalidRequestError, match="auto_ulysses_max_tokens"):
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="auto", auto_ulysses_max_tokens=-1)
     with pytest.raises(InvalidRequestError, match="zero_sliced_max_tokens must be >= 0, not -1"):
@@ -189,7 +189,7 @@ def test_auto_says_at_start_when_the_heads_do_not_divide(tmp_path, capfd):
         capfd.readouterr()
         with LLM(str(tmp_path), devices="cpu", context_parallel_size=workers, sp_strategy="auto", **WHOLE) as llm:
             out = llm.generate([[1, 2, 3] * 20], SamplingParams(max_tokens=2))[0]
-        assert out.metrics.prefill_stats["strategy"] == way
+        assert out.metrics.prefill_stats.strategy == way
         said = [line for line in capfd.readouterr().err.splitlines() if "do not divide" in line]
         if workers == 3:
             assert len(said) == 1 and said[0].endswith("--sp-strategy auto: the 4 query heads do not divide over 3 "

@@ -140,7 +140,7 @@ def test_choices_of_one_prompt_each_follow_their_own_grammar(llm):
     seeds = random.sample(range(1 << 20), 3)
     results = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_PERSON_TOKENS,
                                                          logprobs=2, response_format=PERSON) for s in seeds])
-    assert any(r.metrics.prefill_stats.get("shared_prefill") for r in results[1:])
+    assert any(r.metrics.prefill_stats.shared_prefill for r in results[1:])
     outs = [r.outputs[0] for r in results]
     for c in outs:
         assert c.finish_reason == "stop"

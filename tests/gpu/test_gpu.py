@@ -242,10 +242,10 @@ def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_check
                      cuda_graphs=graphs) as llm:
                 out = llm.generate(prompt, SamplingParams(max_tokens=1))[0]
                 stats = out.metrics.prefill_stats
-                assert stats["graphed_extends"] == (stats["chunks"] - 1 if graphs else 0), stats
+                assert stats.graphed_extends == (stats.chunks - 1 if graphs else 0), stats
                 results[graphs, chunk] = [llm.next_token_logits(prompt)]
                 asked = llm.generate(question, SamplingParams(max_tokens=1))[0].metrics.prefill_stats
-                assert asked["cached_tokens"] > 0 and asked["graphed_extends"] == (asked["chunks"] if graphs else 0), asked
+                assert asked.cached_tokens > 0 and asked.graphed_extends == (asked.chunks if graphs else 0), asked
                 results[graphs, chunk].append(llm.next_token_logits(question))
     for i, p in enumerate((prompt, question)):
         ref = model(torch.tensor([p], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
@@ -275,7 +275,7 @@ def test_mixed_batch_in_cuda_graphs_matches_eager_and_transformers(hf_bf16_check
                  mixed_batch=True, max_num_seqs=8, cuda_graphs=graphs, enable_prefix_caching=False) as llm:
             outs = llm.generate(prompts, params)
         stats = outs[-1].metrics.prefill_stats
-        assert stats["strategy"] == "extend+decode" and stats["graphed_extends"] == (stats["chunks"] - 1 if graphs else 0)
+        assert stats.strategy == "extend+decode" and stats.graphed_extends == (stats.chunks - 1 if graphs else 0)
         runs[graphs] = [o.outputs[0] for o in outs]
     for prompt, g, e in zip(prompts, runs[True], runs[False]):
         _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 40, with_scales=True)
@@ -435,9 +435,9 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
     with LLM(path, devices="cuda:0,1", dtype="bfloat16", auto_ulysses_max_tokens=1000, enable_chunked_prefill=False,
              **options) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        assert outs[-1].metrics.prefill_stats.get("shared_prefill")
+        assert outs[-1].metrics.prefill_stats.shared_prefill
         if strategy == "burst-zero-sliced":
-            ways = [(o.metrics.prefill_stats["strategy"], o.metrics.prefill_stats.get("chunks")) for o in outs[:3]]
+            ways = [(o.metrics.prefill_stats.strategy, o.metrics.prefill_stats.chunks) for o in outs[:3]]
             assert [w for w, _ in ways] == ["burst-zero-sliced"] * 2 + ["burst-zero"], ways
         for prompt, out in zip(prompts, outs):
             ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
@@ -466,7 +466,7 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
         prompts = [[random.randrange(2000) for _ in range(n)] for n in lengths]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         ways = ["burst-zero-sliced" if n <= limits[0] else "burst-zero" for n in lengths]
-        seen = [(o.metrics.prefill_stats["strategy"], o.metrics.prefill_stats.get("chunks")) for o in outs]
+        seen = [(o.metrics.prefill_stats.strategy, o.metrics.prefill_stats.chunks) for o in outs]
         assert [w for w, _ in seen] == ways, seen
         for prompt, out in zip(prompts, outs):
             _, ref_tokens, margins, scales = _hf_greedy(model, prompt, 8, with_scales=True)
@@ -544,7 +544,7 @@ def test_each_strategy_with_flash_attn_4_matches_cudnn_and_fp32(hf_bf16_checkpoi
                  enable_prefix_caching=False, cuda_graphs=False, **options) as llm:
             assert llm.kernel == {"flash-attn": "flash_attn_4"}.get(backend, backend)
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
-            assert [o.metrics.prefill_stats["strategy"] for o in outs] == [strategy] * len(prompts)
+            assert [o.metrics.prefill_stats.strategy for o in outs] == [strategy] * len(prompts)
             logits[backend] = [llm.next_token_logits(p) for p in prompts]
     for prompt, ref, fa4, cudnn in zip(prompts, refs, logits["flash-attn"], logits["cudnn"]):
         bound = 0.1 * max(ref.abs().max().item(), 1.0)     # bf16 noise at this size, as the tests above
@@ -760,7 +760,7 @@ def test_fp8_kv_cache_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, s
             assert llm.worker_info[0]["kv_cache_dtype"] == "fp8"
             assert llm.worker_info[0]["cuda_graphs"] == graphs
             outs = [llm.generate(p, greedy)[0] for p in prompts]
-            assert outs[3].metrics.prefill_stats.get("cached_tokens", 0) >= 5000
+            assert (outs[3].metrics.prefill_stats.cached_tokens or 0) >= 5000
             for prompt, out in zip(prompts, outs):
                 with kv_rounded(model, kv_quant.round_kv):
                     ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
@@ -816,10 +816,10 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
             got = llm.generate(question, greedy)[0]
             outs[tier] = got, [_stream_tokens(llm, i) for i in ids]
             stats = got.metrics.prefill_stats
-            assert stats["cached_tokens"] == len(docs[0]), stats
+            assert stats.cached_tokens == len(docs[0]), stats
             if tier:
                 print(f"kv {kv}: host tier hit {stats.get('host_cached_tokens')}, restore {stats.get('restore_seconds')}")
-                assert stats["host_cached_tokens"] == len(docs[0]), stats
+                assert stats.host_cached_tokens == len(docs[0]), stats
                 assert llm.stats.kv_offload_stored_bytes > 0
     (with_tier, tier_streams), (pool_hit, _) = outs[1.0], outs[0]
     a, b = with_tier.outputs[0].logprobs[0], pool_hit.outputs[0].logprobs[0]

@@ -10,6 +10,7 @@ import torch
 
 import engine.calls as calls
 from engine.model_runner import ModelRunner
+from engine.outputs import PrefillStats
 from engine.worker import CACHE_CALLS, HANDLERS, run_call
 from engine.worker_cache import WorkerCache
 
@@ -54,5 +55,4 @@ def test_a_prefill_result_reports_its_figures_only():
     seconds = random.random()
     result = calls.PrefillResult(seconds, "burst", setup_seconds=0.01, cached_tokens=0, extend_way="ring",
                                  graphed=True, logits=torch.zeros(4), decode=calls.DecodeResult([1], torch.zeros(0, 4)))
-    assert result.stats() == {"prefill_seconds": seconds, "strategy": "burst", "setup_seconds": 0.01,
-                              "cached_tokens": 0}
+    assert result.stats() == PrefillStats(prefill_seconds=seconds, strategy="burst", setup_seconds=0.01, cached_tokens=0)

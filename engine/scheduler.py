@@ -146,7 +146,7 @@ class Scheduler:
             return
         if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
             self.kv.fork(twin.seq_id, seq.seq_id)
-            logits, stats, prompt_logprobs = twin.prompt_logits, PrefillStats(0.0, shared_prefill=True), None
+            logits, stats, prompt_logprobs = twin.prompt_logits, PrefillStats(prefill_seconds=0.0, shared_prefill=True), None
         else:
             called = time.perf_counter()
             result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))

@@ -154,8 +154,10 @@ part_run() {   # run CMD...: any command under the header, its output in $out/ru
 part_check() {   # the kernel GPU tests and the engine's GPU tests (-k $K)
   [ -n "${SKIP_KERNELS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -m gpu \
       tests/gpu/test_kernels_gpu.py 2>&1 | tail -30 | tee "$out/kernels.log"
-  local limit=${ENGINE_LIMIT:-400} stop=()   # pytest-timeout (on the GPU image): stop between tests, report all
-  python3 -c "import pytest_timeout" 2>/dev/null && stop=(--session-timeout $((limit - 40)))
+  # pytest-timeout (on the GPU image) stops between tests, so its session limit leaves room for the longest test
+  # (40-130 s: an engine's start and transformers' reference) before `timeout` cuts the report
+  local limit=${ENGINE_LIMIT:-400} stop=()
+  python3 -c "import pytest_timeout" 2>/dev/null && stop=(--session-timeout $((limit - 150)))
   timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu "${stop[@]}" \
       tests/gpu/test_gpu.py -k "${K:-one_gpu or cuda_graphs or small_chunk or chunks_and_prefix}" -rA 2>&1 \
       | grep -v -i "warn" | tee "$out/engine.log" | tail -60   # the whole log kept: a cut run's first outcomes

@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv_fp8 = is_fp8(engine.kv_cache_dtype)
         self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
                                               cfg.num_heads, engine.auto_ulysses_max_tokens, self.kv_fp8)
-        note = self.strategy.fallback_note(cfg.num_heads)
+        note = self.strategy.fallback_note(cfg)
         if note and rank == 0:
             log.warning("%s", note)
         self.dtype, self.attn_cfg = dtype, attn

@@ -5,6 +5,7 @@ docs/benchmarks.md, Prefill: time to first token by strategy and GPU count) and 
 burst whenever the workers do not divide the query heads. Both keep the same zigzag KV layout (this
 strategy's shards), so decoding does not care; each prefill reports the name of the one that ran it.
 """
+from engine.config import ModelConfig
 from engine.parallel.burst_attention import BurstStrategy
 from engine.parallel.sharding import Shard
 from engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
@@ -18,10 +19,10 @@ class AutoStrategy(PrefillStrategy):
         super().__init__(world_size)
         self.short, self.long = UlyssesStrategy(world_size), BurstStrategy(world_size)
 
-    def fallback_note(self, num_heads: int) -> str | None:
+    def fallback_note(self, cfg: ModelConfig) -> str | None:
         """The line to log at start when ulysses can never run here: the workers do not divide the heads."""
-        if self.world_size > 1 and num_heads % self.world_size:
-            return (f"--sp-strategy auto: the {num_heads} query heads do not divide over {self.world_size} workers, "
+        if self.world_size > 1 and cfg.num_heads % self.world_size:
+            return (f"--sp-strategy auto: the {cfg.num_heads} query heads do not divide over {self.world_size} workers, "
                     f"which ulysses needs, so every prompt runs burst")
         return None
 

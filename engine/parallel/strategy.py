@@ -29,7 +29,9 @@ answers:
   max_workers                           single: 1 (LLM keeps the first named device);
   option_refusal / model_refusal        why it cannot run with the engine's options, or split this model
                                         over its workers: LLM asks before any worker starts, and never
-                                        compares the name.
+                                        compares the name;
+  fallback_note(cfg)                    the line worker 0 logs at start when a way of the strategy never
+                                        runs for this model here (auto: ulysses; burst-zero: the slices).
 Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
 weight slices (its layout's decode_attention: engine/parallel/helix_decode.py).
 """
@@ -109,8 +111,9 @@ class PrefillStrategy:
         """The strategy that prefills a prompt of num_tokens; it must keep self.shards' layout."""
         return self
 
-    def fallback_note(self, num_heads: int) -> str | None:
-        """A line for the log at start when this strategy will never run some of its ways here; else None."""
+    def fallback_note(self, cfg: ModelConfig) -> str | None:
+        """A line for the log at start when this strategy will never run some of its ways here for this
+        model (auto: never ulysses; burst-zero: whole weights); else None."""
         return None
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:

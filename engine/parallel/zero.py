@@ -4,7 +4,9 @@ than tp.
 
 - Weights: each worker reads only tp's slice of every layer weight (engine/parallel/tensor_parallel.py:
   rows of q/k/v and gate/up, columns of o and down) and its vocabulary rows of the embedding and LM
-  head (engine/parallel/vocab.py); only the norms are whole on every worker.
+  head (engine/parallel/vocab.py); only the norms are whole on every worker. Where the workers cannot
+  slice the model so (`zero_check`: heads, MLP width or vocabulary they do not divide), every worker
+  holds the whole weights and runs as burst, with one line in the log at start (`fallback_note`).
 - Prefill and incremental prefills: the prompt is sharded by sequence and attends over the burst K/V
   ring, as `burst`; the model runs each layer with that layer's full weights, all-gathered from the
   shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group of its
@@ -57,17 +59,20 @@ class BurstZeroStrategy(BurstStrategy):
                     "step cannot be one forward pass: leave --mixed-batch off", "mixed_batch")
         return super().option_refusal(options)
 
-    def model_refusal(self, cfg: ModelConfig) -> str | None:
-        return zero_check(cfg, self.world_size)
+    def fallback_note(self, cfg: ModelConfig) -> str | None:
+        """The line to log at start when the slices cannot divide this model over the workers (zero_check):
+        then every worker holds the whole weights and runs as burst, rather than refusing the model."""
+        reason = zero_check(cfg, self.world_size) if self.world_size > 1 else None
+        return reason and f"--sp-strategy burst-zero: {reason}, so every worker holds the whole weights (as burst)"
 
-    @property
-    def shards_weights(self) -> bool:
-        return self.world_size > 1
+    def sliced(self, cfg: ModelConfig) -> bool:
+        """Whether the weights are sliced over the workers: more than one, and they divide cfg (zero_check)."""
+        return self.world_size > 1 and zero_check(cfg, self.world_size) is None
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
         """tp's slices of every layer weight, and rows rank V/W .. of the embedding and LM head
-        (engine/parallel/vocab.py)."""
-        if not self.shards_weights:
+        (engine/parallel/vocab.py); none when the weights stay whole (`sliced`)."""
+        if not self.sliced(cfg):
             return {}
         per = cfg.vocab_size // self.world_size
         rows = (0, rank * per, (rank + 1) * per)
@@ -75,13 +80,13 @@ class BurstZeroStrategy(BurstStrategy):
         return tp_slices(cfg, rank, self.world_size) | vocab
 
     def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
-        if not self.shards_weights:
+        if not self.sliced(cfg):
             return cfg, False
         return tp_local_config(cfg, rank, self.world_size), True   # decode: all-reduce after o and down
 
     def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
-        """Over several workers, ZeroLayout: tp's slices, each prefill layer gathered whole."""
-        if not self.shards_weights:
+        """Sliced weights: ZeroLayout (tp's slices, each prefill layer gathered whole); else burst's."""
+        if not self.sliced(cfg):
             return super().weight_layout(cfg, rank, device, group)
         return ZeroLayout(cfg, *self.local_config(cfg, rank), rank, self.world_size, device, group)
 

@@ -101,7 +101,7 @@ def test_no_overlap_gives_the_same_tokens(checkpoint):
 def test_unknown_strategy_and_indivisible_heads(checkpoint):
     with pytest.raises(InvalidRequestError, match="not one of"):
         LLM(checkpoint[0], devices="cpu", context_parallel_size=2, sp_strategy="magic")
-    for strategy in ("ulysses", "tp", "burst-zero"):
+    for strategy in ("ulysses", "tp"):           # burst-zero keeps the weights whole instead (the test below)
         with pytest.raises(InvalidRequestError, match="do not divide"):
             LLM(checkpoint[0], devices="cpu", context_parallel_size=3, sp_strategy=strategy)
     with pytest.raises(InvalidRequestError, match="burst-zero .* --mixed-batch") as e:
@@ -178,6 +178,25 @@ def test_auto_uses_ulysses_for_short_prompts_and_burst_for_long_ones(checkpoint)
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="auto", auto_ulysses_max_tokens=-1)
     with pytest.raises(InvalidRequestError, match="zero_sliced_max_tokens must be >= 0, not -1"):
         LLM(path, devices="cpu", context_parallel_size=2, sp_strategy="burst-zero", zero_sliced_max_tokens=-1)
+
+
+def test_burst_zero_keeps_whole_weights_where_its_workers_cannot_slice_them(checkpoint, capfd):
+    """burst-zero on 3 workers of a 4-head model: no refusal; one warning at start (worker 0's log) names why,
+    and every worker runs the whole weights as burst: transformers' logits and greedy tokens."""
+    path, model = checkpoint
+    prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 200)]
+    capfd.readouterr()
+    with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", **WHOLE, sp_strategy="burst-zero") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.metrics.prefill_stats.strategy == "burst-zero"
+            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
+            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
+    said = [line for line in capfd.readouterr().err.splitlines() if "--sp-strategy burst-zero:" in line]
+    assert len(said) == 1, said
+    assert said[0].endswith("burst-zero (as tp) splits the 4 attention heads over the workers; 3 do not divide them, "
+                            "so every worker holds the whole weights (as burst)"), said
 
 
 def test_auto_says_at_start_when_the_heads_do_not_divide(tmp_path, capfd):

@@ -22,8 +22,8 @@ class AutoStrategy(PrefillStrategy):
     def fallback_note(self, cfg: ModelConfig) -> str | None:
         """The line to log at start when ulysses can never run here: the workers do not divide the heads."""
         if self.world_size > 1 and cfg.num_heads % self.world_size:
-            return (f"--sp-strategy auto: the {cfg.num_heads} query heads do not divide over {self.world_size} workers, "
-                    f"which ulysses needs, so every prompt runs burst")
+            return (f"--sp-strategy auto: the {cfg.num_heads} query heads do not divide over {self.world_size} "
+                    f"workers, which ulysses needs, so every prompt runs burst")
         return None
 
     def for_prompt(self, num_tokens: int, ctx: PrefillContext) -> PrefillStrategy:

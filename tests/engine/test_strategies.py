@@ -80,12 +80,17 @@ def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(che
     prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 300)]
     with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", **WHOLE, sp_strategy="burst-zero",
              zero_sliced_max_tokens=0) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        for prompt, out in zip(prompts, outs):
-            assert out.metrics.prefill_stats.strategy == "burst-zero"
-            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
-            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
-            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
+        _assert_burst_zero_matches(llm, model, prompts)
+
+
+def _assert_burst_zero_matches(llm, model, prompts) -> None:
+    """Each prompt prefilled by burst-zero gives transformers' next-token logits and 8 greedy tokens."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.metrics.prefill_stats.strategy == "burst-zero"
+        ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
+        assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
+        assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
 
 
 def test_no_overlap_gives_the_same_tokens(checkpoint):
@@ -187,12 +192,7 @@ def test_burst_zero_keeps_whole_weights_where_its_workers_cannot_slice_them(chec
     prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 200)]
     capfd.readouterr()
     with LLM(path, devices="cpu", context_parallel_size=3, dtype="float32", **WHOLE, sp_strategy="burst-zero") as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        for prompt, out in zip(prompts, outs):
-            assert out.metrics.prefill_stats.strategy == "burst-zero"
-            ref_logits, ref_tokens = hf_next_logits_and_greedy(model, prompt, 8)
-            assert (llm.next_token_logits(prompt) - ref_logits).abs().max().item() <= 1e-4, len(prompt)
-            assert_same_greedy(model, prompt, out.outputs[0].token_ids, ref_tokens, len(prompt))
+        _assert_burst_zero_matches(llm, model, prompts)
     said = [line for line in capfd.readouterr().err.splitlines() if "--sp-strategy burst-zero:" in line]
     assert len(said) == 1, said
     assert said[0].endswith("burst-zero (as tp) splits the 4 attention heads over the workers; 3 do not divide them, "

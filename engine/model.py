@@ -152,7 +152,7 @@ class LlamaModel:
             if self.kv_fp8:          # every attention, this call's and the pages', sees the cache's values
                 k, v = round_kv_(k, v)                                 # in place: one kernel on GPUs
             attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
-            delta = reduce(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
+            delta = reduce(fp8.linear(attn.flatten(1), layer.o))      # [S, H D] (burst-zero: its own heads)
             x, residual = norm(delta, layer.post_norm, eps, residual)
             delta = reduce(self.mlp(gather(x), layer, rows))
             if i + 1 < len(self.layers):

@@ -3,8 +3,8 @@
 Applied from outside, as gpt-fast's tp.py does: each worker keeps H/G query heads (and the K/V
 heads they read), a 1/G slice of the MLP, and the whole embedding and LM head; the model adds an
 all-reduce after the attention output and the MLP down projection. Every worker sees the whole
-prompt; its KV cache holds every token for its own heads. qkv_row_index and gate_up_row_index put
-the workers' slices, stacked, back in the whole weights' order (burst-zero: engine/parallel/zero.py).
+prompt; its KV cache holds every token for its own heads. gate_up_row_index puts the workers' MLP
+slices, stacked, back in the whole weights' order (burst-zero: engine/parallel/zero.py).
 """
 from dataclasses import replace
 
@@ -60,22 +60,10 @@ def tp_local_config(cfg: ModelConfig, rank: int, world_size: int) -> ModelConfig
                    intermediate_size=cfg.intermediate_size // world_size)
 
 
-def qkv_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
-    """Rows of the workers' stacked q/k/v slices ([W x rows_r], rank r's rows: its q heads, then k and v
-    of the K/V heads they read) that make the whole q, k, v in order: every q head from its worker,
-    every K/V head from the first worker holding it (several may, under GQA with fewer K/V heads than
-    workers). The same index picks a whole [q, k, v] from the workers' stacked projection outputs."""
-    d, per_q = cfg.head_dim, cfg.num_heads // world_size
-    heads = [local_kv_heads(cfg, r, world_size) for r in range(world_size)]
-    rows_r = (per_q + 2 * len(heads[0])) * d
-    q = [r * rows_r + i for r in range(world_size) for i in range(per_q * d)]
-    k, v = [], []
-    for h in range(cfg.num_kv_heads):
-        r = next(r for r in range(world_size) if h in heads[r])
-        at = r * rows_r + per_q * d + heads[r].index(h) * d
-        k += range(at, at + d)
-        v += range(at + len(heads[r]) * d, at + len(heads[r]) * d + d)
-    return torch.tensor(q + k + v, dtype=torch.int64)
+def tp_heads(cfg: ModelConfig, rank: int, world_size: int) -> tuple[slice, slice]:
+    """This worker's query heads and the K/V heads they read, as slices of the whole model's heads."""
+    per_q, kv = cfg.num_heads // world_size, local_kv_heads(cfg, rank, world_size)
+    return slice(rank * per_q, (rank + 1) * per_q), slice(kv[0], kv[-1] + 1)
 
 
 def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:

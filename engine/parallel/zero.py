@@ -1,19 +1,22 @@
 """BurstAttention+ZeRO (`burst-zero`): the BurstAttention paper's sixth method, weights sharded over the
-workers as tensor parallelism shards them, so that sequence parallelism costs no more weight memory
+workers as tensor parallelism shards them, so that sequence parallelism costs little more weight memory
 than tp.
 
-- Weights: each worker reads only tp's slice of every layer weight (engine/parallel/tensor_parallel.py:
-  rows of q/k/v and gate/up, columns of o and down) and its vocabulary rows of the embedding and LM
-  head (engine/parallel/vocab.py); only the norms are whole on every worker. Where the workers cannot
-  slice the model so (`zero_check`: heads, MLP width or vocabulary they do not divide), every worker
-  holds the whole weights and runs as burst, with one line in the log at start (`fallback_note`).
+- Weights: each worker reads tp's slice of o and of the MLP (engine/parallel/tensor_parallel.py: columns
+  of o and down, rows of gate/up) and its vocabulary rows of the embedding and LM head
+  (engine/parallel/vocab.py); the q/k/v projection (a ninth of llama3-8b's layer, a tenth of
+  llama3-70b's) and the norms are whole on every worker, so that a decode step needs no gather of q, k
+  and v before its attention over every head (below). Where the workers cannot slice the model so
+  (`zero_check`: heads, MLP width or vocabulary they do not divide), every worker holds the whole
+  weights and runs as burst, with one line in the log at start (`fallback_note`).
 - Prefill and incremental prefills: the prompt is sharded by sequence and attends over the burst K/V
-  ring, as `burst`; the model runs each layer with that layer's full weights, all-gathered from the
-  shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group of its
-  own, before layer i computes) and dropped after use, so at most two layers are whole at a time.
-- Decode: tensor-parallel on the shards as they lie (no weight moves: NVIDIA's "Helix" shape,
-  engine/parallel/helix_decode.py): projections and MLP on the worker's heads and MLP slice with tp's
-  all-reduces; attention over the sequence-sharded KV cache, every head on every worker.
+  ring, as `burst`; the model runs each layer with that layer's full weights, o and the MLP all-gathered
+  from the shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group
+  of its own, before layer i computes) and dropped after use, so at most two layers are whole at a time.
+- Decode: on the weights as they lie (no weight moves: NVIDIA's "Helix" shape,
+  engine/parallel/helix_decode.py): q, k, v of every head from the whole projection, attention over the
+  sequence-sharded KV cache for every head on every worker (one all-gather of the partials), then o on
+  the worker's heads and the MLP on its slice with tp's all-reduces: three collectives a layer.
 The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head. ZeroLayout (at the end) is
 what ModelRunner asks of these weights (engine/parallel/weight_layout.py): the vocabulary split, the layer
 gatherer, the heads the K/V cache holds, the bytes to leave free, the decode and extend attention, the
@@ -24,6 +27,7 @@ the weights so that their gathers never queue behind the ring's exchanges): FSDP
 all-gather wraps nn.Modules, and the model here is plain tensors and functions.
 """
 import os
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -36,8 +40,7 @@ from engine.model import AttendFn, LayerWeights, LlamaModel
 from engine.parallel.burst_attention import BurstStrategy
 from engine.parallel.helix_decode import HelixDecodeAttention
 from engine.parallel.sharding import Shard
-from engine.parallel.tensor_parallel import (gate_up_row_index, local_kv_heads, qkv_row_index, tp_check, tp_local_config,
-                                             tp_slices)
+from engine.parallel.tensor_parallel import gate_up_row_index, tp_check, tp_heads, tp_slices
 from engine.parallel.vocab import VocabShards, score_every_row
 from engine.parallel.weight_layout import WeightLayout, global_rank
 from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
@@ -70,19 +73,22 @@ class BurstZeroStrategy(BurstStrategy):
         return self.world_size > 1 and zero_check(cfg, self.world_size) is None
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
-        """tp's slices of every layer weight, and rows rank V/W .. of the embedding and LM head
+        """tp's slices of o and the MLP (q/k/v stay whole), and rows rank V/W .. of the embedding and LM head
         (engine/parallel/vocab.py); none when the weights stay whole (`sliced`)."""
         if not self.sliced(cfg):
             return {}
         per = cfg.vocab_size // self.world_size
         rows = (0, rank * per, (rank + 1) * per)
         vocab = {"model.embed_tokens.weight": rows} | ({} if cfg.tie_word_embeddings else {"lm_head.weight": rows})
-        return tp_slices(cfg, rank, self.world_size) | vocab
+        sliced = {name: s for name, s in tp_slices(cfg, rank, self.world_size).items() if not is_qkv(name)}
+        return sliced | vocab
 
     def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
+        """Every head through q/k/v (the forward's attention returns this worker's heads for its slice of o),
+        the MLP's slice; all-reduces after o and down."""
         if not self.sliced(cfg):
             return cfg, False
-        return tp_local_config(cfg, rank, self.world_size), True   # decode: all-reduce after o and down
+        return replace(cfg, intermediate_size=cfg.intermediate_size // self.world_size), True
 
     def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
         """Sliced weights: ZeroLayout (tp's slices, each prefill layer gathered whole); else burst's."""
@@ -92,16 +98,18 @@ class BurstZeroStrategy(BurstStrategy):
 
 
 def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
-    """Why burst-zero cannot slice this model over world_size workers, or None: tp's conditions, and every
-    worker's query heads reading as many K/V heads (the gathers take equal slices)."""
+    """Why burst-zero cannot slice this model over world_size workers, or None: tp's conditions (o's heads
+    and the MLP's width), and the vocabulary's rows."""
     reason = tp_check(cfg, world_size)
     if reason is None and cfg.vocab_size % world_size:
         reason = (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
                   f"divide the {cfg.vocab_size} tokens")
-    if reason is None and len({len(local_kv_heads(cfg, r, world_size)) for r in range(world_size)}) > 1:
-        reason = (f"burst-zero slices the weights as tp does, and {world_size} workers' query heads would read "
-                  f"unequal numbers of the {cfg.num_kv_heads} K/V heads ({cfg.num_heads} query heads)")
     return reason and reason.replace("tp splits", "burst-zero (as tp) splits", 1)
+
+
+def is_qkv(name: str) -> bool:
+    """A q, k or v projection's weight or bias (whole on every burst-zero worker)."""
+    return any(f"self_attn.{x}_proj." in name for x in "qkv")
 
 
 # Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no
@@ -110,10 +118,11 @@ GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"
 
 
 class LayerGather:
-    """The full weights of layer i, all-gathered from every worker's tp slices (`layer(i)`, called for
-    i = 0, 1, ... in order by every worker alike: collectives), with layer i + 1's gather started
-    before layer i's weights are returned, so that it runs while layer i computes. Nothing is kept
-    after use: at most two layers are whole at a time (one in use, one arriving)."""
+    """The full weights of layer i, o and the MLP all-gathered from every worker's tp slices (q/k/v are
+    whole already) (`layer(i)`, called for i = 0, 1, ... in order by every worker alike: collectives),
+    with layer i + 1's gather started before layer i's weights are returned, so that it runs while layer
+    i computes. Nothing is kept after use: at most two layers are whole at a time (one in use, one
+    arriving)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], world_size: int, device: torch.device,
                  group=None):
@@ -125,7 +134,6 @@ class LayerGather:
         # BURSTSERVE_ZERO_GATHER_GROUP=data queues the gathers behind the ring instead (no overlap)
         own = os.environ.get(GATHER_GROUP_ENV, "own") != "data"
         self.group = dist.new_group(ranks) if own else group
-        self.qkv_index = qkv_row_index(cfg, world_size).to(device)
         self.gate_up_index = gate_up_row_index(cfg, world_size).to(device)
         self._arriving: dict[int, tuple[list, list]] = {}    # layer -> (gathered buffers, works)
 
@@ -148,11 +156,10 @@ class LayerGather:
         return self._assemble(self.layers[i], buffers)
 
     def reserve_bytes(self) -> int:
-        """GPU memory a prefill's gathers take at most: three whole layers (one in use, the next arriving, a
-        gathered one being put in order), for the KV pool's sizing to leave free."""
+        """GPU memory a prefill's gathers take at most: three layers' o and MLP whole (one in use, the next
+        arriving, a gathered one being put in order), for the KV pool's sizing to leave free."""
         local = self.layers[0]
-        sliced = sum(t.numel() * t.element_size() for t in (local.qkv, local.o, local.gate_up, local.down,
-                                                               local.qkv_bias) if t is not None)
+        sliced = sum(t.numel() * t.element_size() for t in (local.o, local.gate_up, local.down))
         return 3 * sliced * self.world_size
 
     def bytes_in_flight(self) -> int:
@@ -162,17 +169,15 @@ class LayerGather:
 
     def _start(self, i: int) -> None:
         local = self.layers[i]
-        parts = [local.qkv, local.o, local.gate_up, local.down] + ([local.qkv_bias] if local.qkv_bias is not None else [])
-        gathered = [start_all_gather(t, self.world_size, self.group, async_op=True) for t in parts]
+        gathered = [start_all_gather(t, self.world_size, self.group, async_op=True)
+                    for t in (local.o, local.gate_up, local.down)]
         self._arriving[i] = ([g for g, _ in gathered], [w for _, w in gathered])
 
     def _assemble(self, local: LayerWeights, buffers: list) -> LayerWeights:
-        """The gathered [W, ...] slices in the whole weights' layout."""
-        qkv, o, gate_up, down = (stacked(b) for b in buffers[:4])
-        bias = stacked(buffers[4]).reshape(-1).index_select(0, self.qkv_index) if len(buffers) > 4 else None
+        """The gathered [W, ...] slices in the whole weights' layout, beside this worker's whole q/k/v."""
+        o, gate_up, down = (stacked(b) for b in buffers)
         return LayerWeights(
-            qkv=qkv.flatten(0, 1).index_select(0, self.qkv_index),              # [(H + 2 Hkv) D, hidden]
-            qkv_bias=bias,
+            qkv=local.qkv, qkv_bias=local.qkv_bias,                             # whole already
             o=o.permute(1, 0, 2).flatten(1),                                    # [hidden, H D]
             gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
             down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
@@ -180,11 +185,11 @@ class LayerGather:
 
 
 class ZeroLayout(WeightLayout):
-    """burst-zero's weights on W > 1 workers (the module docstring): tp's slices of every layer, the
-    vocabulary rows of the embedding and LM head. A prefill's own rows run on each layer's whole weights
-    (LayerGather) with every head, so the K/V cache holds every head; rows alike on every worker (decode,
-    a "whole" extend) run on the slices as they lie (HelixDecodeAttention); and so do short prompts
-    (engine/parallel/zero_sliced.py). Logits and the embedding are collective calls (VocabShards)."""
+    """burst-zero's weights on W > 1 workers (the module docstring): whole q/k/v, tp's slices of o and the
+    MLP, the vocabulary rows of the embedding and LM head. A prefill's own rows run on each layer's whole
+    weights (LayerGather) with every head, so the K/V cache holds every head; rows alike on every worker
+    (decode, a "whole" extend) run on the weights as they lie (HelixDecodeAttention); and so do short
+    prompts (engine/parallel/zero_sliced.py). Logits and the embedding are collective calls (VocabShards)."""
     sliced_name = SLICED
 
     def __init__(self, cfg: ModelConfig, local: ModelConfig, partial_sums: bool, rank: int, world_size: int,
@@ -205,7 +210,7 @@ class ZeroLayout(WeightLayout):
         return self.whole_layers.reserve_bytes() + self.vocab.bytes_of_whole_table(self.model.embed)
 
     def decode_attention(self, base: AttendFn) -> AttendFn:
-        """On the slices: every head's q, k, v gathered for base's attention, this worker's heads kept."""
+        """On the weights as they lie: base's attention over every head, this worker's heads kept for o."""
         return HelixDecodeAttention(base, self.cfg, self.rank, self.world_size, self.group)
 
     def extend_attention(self, attend) -> tuple[AttendFn, "LayerGather | None"]:
@@ -230,18 +235,20 @@ class ZeroLayout(WeightLayout):
         return limit
 
     def _warm_sliced_kernel(self, ctx) -> None:
-        """One causal call of ctx.backend for the slices' heads (q [256, H_r, D], k = v [256, Hkv_r, D])."""
-        h, hkv, d, dtype = self.local.num_heads, self.local.num_kv_heads, self.local.head_dim, self.model.dtype
-        q = torch.randn(256, h, d, device=self.device, dtype=dtype)
-        kv = torch.randn(256, hkv, d, device=self.device, dtype=dtype)
-        ctx.backend(q, kv, kv, True, ctx.scale)
+        """One causal call of ctx.backend for this worker's heads, laid out as a sliced prompt's are: q
+        [256, H_r, D], k and v [256, Hkv_r, D], views of one [256, (H + 2 Hkv) D] projection output."""
+        q_heads, kv_heads = tp_heads(self.cfg, self.rank, self.world_size)
+        h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qkv = torch.randn(256, (h + 2 * hkv) * d, device=self.device, dtype=self.model.dtype)
+        q, k, v = (t.view(256, -1, d) for t in qkv.split([h * d, hkv * d, hkv * d], dim=1))
+        ctx.backend(q[:, q_heads], k[:, kv_heads], v[:, kv_heads], True, ctx.scale)
 
     def prefill_on_slices(self, ctx, pool, slots: torch.Tensor, shards: list[Shard],
                           token_ids: torch.Tensor) -> torch.Tensor:
         """Every worker runs all N tokens through its slices (tensor parallel), and keeps its shard's K/V,
         every head, at slots [n] (SlicedPrefillAttention) -> the last token's logits [V], on every worker."""
         n = token_ids.shape[0]
-        attend = SlicedPrefillAttention(pool, slots, shards, self.rank, self.cfg, ctx.backend, ctx.scale, self.group)
+        attend = SlicedPrefillAttention(pool, slots, shards, self.rank, self.cfg, ctx.backend, ctx.scale)
         hidden = self.model.forward(token_ids.to(self.device), torch.arange(n, device=self.device), attend)   # [N, hidden]
         return self.model.logits(hidden[-1:])[0]
 

@@ -78,14 +78,17 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none",
-                 vocab=None, kv_cache_dtype: str = "auto"):
+                 vocab=None, kv_cache_dtype: str = "auto", reduce_attention: bool = True):
         """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py). kv_cache_dtype
         "fp8": K and V rounded as the FP8 cache keeps them (kernels/kv_quant.py) before any attention. vocab
         (engine.parallel.vocab.VocabShards, burst-zero): the embedding and LM head hold this worker's
-        vocabulary rows only; embedding and logits are then collective calls."""
+        vocabulary rows only; embedding and logits are then collective calls. reduce: the all-reduce of
+        partial sums after down_proj, and after o_proj too where reduce_attention (tp; burst-zero holds the
+        attention's weights whole)."""
         self.cfg = cfg
         self.device = device
         self.reduce = reduce or (lambda x: x)   # tensor parallelism: all-reduce of partial sums
+        self.reduce_attention = reduce_attention
         self.vocab = vocab
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
@@ -134,6 +137,7 @@ class LlamaModel:
         reduce = seq_parallel.scatter if seq_parallel is not None else self.reduce
         if whole_layers is not None:
             reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
+        reduce_o = reduce if self.reduce_attention else (lambda t: t)  # burst-zero: o_proj whole
         residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype, self.rope_scaling)   # [S, D]
         rows = self.fp8_rows and seq_parallel is None and whole_layers is None   # x as Fp8Rows (no gather of them)
@@ -152,7 +156,7 @@ class LlamaModel:
             if self.kv_fp8:          # every attention, this call's and the pages', sees the cache's values
                 k, v = round_kv_(k, v)                                 # in place: one kernel on GPUs
             attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
-            delta = reduce(fp8.linear(attn.flatten(1), layer.o))      # [S, H D] (burst-zero: its own heads)
+            delta = reduce_o(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             x, residual = norm(delta, layer.post_norm, eps, residual)
             delta = reduce(self.mlp(gather(x), layer, rows))
             if i + 1 < len(self.layers):

@@ -96,7 +96,6 @@ class ModelRunner:
                          self.strategy.replicated_kv)   # --kv-offload-gb (engine/cache/host_pool.py), or (None, None)
         self.cache = WorkerCache(self.pool, self.ledger, self.pages, self.strategy, rank, *host)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
-        self.decode_attend = self.layout.decode_attention(self.decode_attention)   # (burst-zero: Helix's)
         # prompts this short run on the weight slices (burst-zero; else 0)
         self.sliced_max_tokens = self.layout.sliced_limit(engine.zero_sliced_max_tokens, share, self.prefill_context)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
@@ -338,7 +337,7 @@ class ModelRunner:
         """step_inputs [5, B] int64 on the device -> logits [B, V] fp32 on the device (every worker). Captured
         by DecodeGraphs with static inputs; num_pages: the block table's width (None: the pool's maximum)."""
         self.decode_attention.begin_step(step_inputs, num_pages)
-        hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attend)   # [B, hidden]
+        hidden = self.model.forward(step_inputs[0], step_inputs[1], self.decode_attention)   # [B, hidden]
         return self.model.logits(hidden)
 
     def _decode_eager(self, step_inputs: torch.Tensor, num_pages: int, fed=None) -> torch.Tensor:

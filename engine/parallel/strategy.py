@@ -17,12 +17,12 @@ answers:
   weight_layout(cfg, rank, device)      a WeightLayout (engine/parallel/weight_layout.py): what the runner
                                         asks because of how a worker's weights lie: the model built on
                                         them, the vocabulary split and whole-layer gatherer (or None), the
-                                        heads the K/V cache holds, the bytes to leave free, the decode and
-                                        eager extend attention, the longest prompt run on the slices and
-                                        its prefill, a row's logits, prompt logprobs' scoring. All but
+                                        heads the K/V cache holds, the bytes to leave free, the eager
+                                        extend attention, the longest prompt run on the slices and its
+                                        prefill, a row's logits, prompt logprobs' scoring. All but
                                         burst-zero run the weights as they lie; burst-zero's ZeroLayout
-                                        (engine/parallel/zero.py) gathers each layer whole for a prefill
-                                        and decodes on the slices (engine/parallel/helix_decode.py);
+                                        (engine/parallel/zero.py) gathers each layer's MLP whole for a
+                                        prefill and decodes on the MLP's slices;
   sequence_parallel                     tp-v3 only: a prefill's activations cut by sequence between
                                         the parallel linears (engine/parallel/sequence_parallel.py);
   for_prompt                            the strategy that prefills one prompt (itself; `auto` picks);
@@ -32,8 +32,8 @@ answers:
                                         compares the name;
   fallback_note(cfg)                    the line worker 0 logs at start when a way of the strategy never
                                         runs for this model here (auto: ulysses; burst-zero: the slices).
-Decoding afterwards is the same for every strategy (engine/decode_attention.py), but on burst-zero's
-weight slices (its layout's decode_attention: engine/parallel/helix_decode.py).
+Decoding afterwards is the same for every strategy (engine/decode_attention.py; burst-zero's MLP on its
+slices, all-reduced).
 """
 from dataclasses import dataclass
 from typing import Callable, Mapping

@@ -37,18 +37,27 @@ def tp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[i
     of o and down. Embedding, norms and LM head are not listed: read whole."""
     d, per_q = cfg.head_dim, cfg.num_heads // world_size
     kv_heads = local_kv_heads(cfg, rank, world_size)
-    inter = cfg.intermediate_size // world_size
     q_rows = (rank * per_q * d, (rank + 1) * per_q * d)
     kv_rows = (kv_heads[0] * d, (kv_heads[-1] + 1) * d)
-    mlp = (rank * inter, (rank + 1) * inter)
-    slices = {}
+    slices = mlp_slices(cfg, rank, world_size)
     for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        a = f"model.layers.{i}.self_attn."
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         for suffix in suffixes:
             slices[a + f"q_proj.{suffix}"] = (0, *q_rows)
             slices[a + f"k_proj.{suffix}"] = slices[a + f"v_proj.{suffix}"] = (0, *kv_rows)
         slices[a + "o_proj.weight"] = (1, *q_rows)
+    return slices
+
+
+def mlp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
+    """This worker's part of the MLP (tp's, and burst-zero's only slices but the vocabulary's): rows of
+    gate/up, columns of down."""
+    inter = cfg.intermediate_size // world_size
+    mlp = (rank * inter, (rank + 1) * inter)
+    slices = {}
+    for i in range(cfg.num_layers):
+        m = f"model.layers.{i}.mlp."
         slices[m + "gate_proj.weight"] = slices[m + "up_proj.weight"] = (0, *mlp)
         slices[m + "down_proj.weight"] = (1, *mlp)
     return slices
@@ -58,12 +67,6 @@ def tp_local_config(cfg: ModelConfig, rank: int, world_size: int) -> ModelConfig
     """This worker's config under tp: its query heads, the K/V heads they read, its MLP width."""
     return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=len(local_kv_heads(cfg, rank, world_size)),
                    intermediate_size=cfg.intermediate_size // world_size)
-
-
-def tp_heads(cfg: ModelConfig, rank: int, world_size: int) -> tuple[slice, slice]:
-    """This worker's query heads and the K/V heads they read, as slices of the whole model's heads."""
-    per_q, kv = cfg.num_heads // world_size, local_kv_heads(cfg, rank, world_size)
-    return slice(rank * per_q, (rank + 1) * per_q), slice(kv[0], kv[-1] + 1)
 
 
 def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:

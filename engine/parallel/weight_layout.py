@@ -2,12 +2,12 @@
 (`PrefillStrategy.weight_layout`) instead of asking which strategy it runs.
 
 A layout answers, for its worker:
-  build_model(weights, reduce, quantization, kv_cache_dtype)   the model on these weights (the layout keeps it);
+  build_model(weights, reduce, quantization, kv_cache_dtype)   the model on these weights (the layout keeps it),
+                                               all-reduced after o_proj where attention_sums (tp's slices);
   vocab / whole_layers                         the vocabulary cut over the workers (VocabShards) and what
                                                gathers a prefill layer's whole weights (LayerGather), or None;
   attn_cfg                                     the heads a prefill attends with and the K/V cache holds;
   reserve_bytes()                              GPU memory to leave free when the KV pool is sized;
-  decode_attention(base)                       the decode step's attention, given engine/decode_attention.py's;
   extend_attention(attend)                     an eager extend's attention and whole layers;
   sliced_limit(...) / prefill_on_slices(...)   the longest prompt run on the weight slices, and running one;
   logits_of_row(hidden, owner, row)            the logits of one worker's row, on every worker;
@@ -15,7 +15,7 @@ A layout answers, for its worker:
 
 WeightLayout itself: the weights whole on every worker, or tp's slices with the model's all-reduce after
 o_proj and down_proj (PrefillStrategy.local_config). Every worker runs its own rows on the weights it
-holds, and the LM head is whole, so the worker holding a row computes its logits. burst-zero's slices,
+holds, and the LM head is whole, so the worker holding a row computes its logits. burst-zero's MLP slices,
 gathered whole for each prefill layer, are engine/parallel/zero.py's ZeroLayout.
 """
 from typing import Callable
@@ -37,6 +37,7 @@ class WeightLayout:
     vocab = None               # engine.parallel.vocab.VocabShards: the embedding and LM head cut by vocabulary rows
     whole_layers = None        # engine.parallel.zero.LayerGather: a prefill runs each layer on its whole weights
     sliced_name = ""           # the prefill stats' strategy of a prompt run on the slices
+    attention_sums = True      # with partial_sums: o_proj's output too is a partial sum (tp; not burst-zero)
 
     def __init__(self, cfg: ModelConfig, local: ModelConfig, partial_sums: bool, rank: int, world_size: int,
                  device: torch.device, group=None):
@@ -51,16 +52,13 @@ class WeightLayout:
                     quantization: str, kv_cache_dtype: str = "auto") -> LlamaModel:
         """This worker's model on its weights (reduce: the all-reduce, used where partial_sums)."""
         self.model = LlamaModel(self.local, weights, self.device, reduce=reduce if self.partial_sums else None,
-                                quantization=quantization, vocab=self.vocab, kv_cache_dtype=kv_cache_dtype)
+                                quantization=quantization, vocab=self.vocab, kv_cache_dtype=kv_cache_dtype,
+                                reduce_attention=self.attention_sums)
         return self.model
 
     def reserve_bytes(self) -> int:
         """GPU memory (bytes) the KV pool's sizing leaves free beside the weights: none."""
         return 0
-
-    def decode_attention(self, base: AttendFn) -> AttendFn:
-        """The attention of a decode step's forward, given the step's attention over this worker's heads."""
-        return base
 
     def extend_attention(self, attend) -> tuple[AttendFn, object]:
         """An eager extend's (engine/extend_attention.py's ExtendAttention) -> (the attention its forward

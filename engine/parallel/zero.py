@@ -1,26 +1,25 @@
-"""BurstAttention+ZeRO (`burst-zero`): the BurstAttention paper's sixth method, weights sharded over the
-workers as tensor parallelism shards them, so that sequence parallelism costs little more weight memory
-than tp.
+"""BurstAttention+ZeRO (`burst-zero`): the BurstAttention paper's sixth method, the weights sharded over
+the workers, so that sequence parallelism costs little more weight memory than tensor parallelism.
 
-- Weights: each worker reads tp's slice of o and of the MLP (engine/parallel/tensor_parallel.py: columns
-  of o and down, rows of gate/up) and its vocabulary rows of the embedding and LM head
-  (engine/parallel/vocab.py); the q/k/v projection (a ninth of llama3-8b's layer, a tenth of
-  llama3-70b's) and the norms are whole on every worker, so that a decode step needs no gather of q, k
-  and v before its attention over every head (below). Where the workers cannot slice the model so
-  (`zero_check`: heads, MLP width or vocabulary they do not divide), every worker holds the whole
+- Weights: each worker reads tp's slice of the MLP (engine/parallel/tensor_parallel.py: rows of gate/up,
+  columns of down) and its vocabulary rows of the embedding and LM head (engine/parallel/vocab.py); the
+  attention's projections (q/k/v and o: a fifth of llama3-8b's layer, a sixth of llama3-70b's) and the
+  norms are whole on every worker, so that a decode step's attention, over every head of the worker's
+  sequence shard, needs no collective but the merge of its partials. Where the workers cannot slice the
+  model so (`zero_check`: an MLP width or vocabulary they do not divide), every worker holds the whole
   weights and runs as burst, with one line in the log at start (`fallback_note`).
 - Prefill and incremental prefills: the prompt is sharded by sequence and attends over the burst K/V
-  ring, as `burst`; the model runs each layer with that layer's full weights, o and the MLP all-gathered
-  from the shards one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group
-  of its own, before layer i computes) and dropped after use, so at most two layers are whole at a time.
-- Decode: on the weights as they lie (no weight moves: NVIDIA's "Helix" shape,
-  engine/parallel/helix_decode.py): q, k, v of every head from the whole projection, attention over the
-  sequence-sharded KV cache for every head on every worker (one all-gather of the partials), then o on
-  the worker's heads and the MLP on its slice with tp's all-reduces: three collectives a layer.
+  ring, as `burst`; the model runs each layer with that layer's whole MLP, all-gathered from the slices
+  one layer ahead (LayerGather: the gather of layer i + 1 is issued, on a process group of its own,
+  before layer i computes) and dropped after use, so at most two layers are whole at a time.
+- Decode: on the weights as they lie (no weight moves; NVIDIA's "Helix" shape, attention over the
+  sequence-sharded KV cache, the MLP tensor-parallel): attention as for whole weights
+  (engine/decode_attention.py: one all-gather of the partials, merged in fp32), the MLP on the worker's
+  slice with tp's all-reduce after down: two collectives a layer, as tp.
 The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head. ZeroLayout (at the end) is
 what ModelRunner asks of these weights (engine/parallel/weight_layout.py): the vocabulary split, the layer
-gatherer, the heads the K/V cache holds, the bytes to leave free, the decode and extend attention, the
-short prompts run on the slices (engine/parallel/zero_sliced.py), a row's logits, prompt logprobs' scoring.
+gatherer, the heads the K/V cache holds, the bytes to leave free, the extend attention, the short prompts
+run on the slices (engine/parallel/zero_sliced.py), a row's logits, prompt logprobs' scoring.
 
 Written on torch.distributed's collectives (all_gather_into_tensor with async_op, one process group for
 the weights so that their gathers never queue behind the ring's exchanges): FSDP2's prefetching
@@ -38,9 +37,8 @@ from engine.config import ModelConfig
 from engine.decode_attention import stacked, start_all_gather
 from engine.model import AttendFn, LayerWeights, LlamaModel
 from engine.parallel.burst_attention import BurstStrategy
-from engine.parallel.helix_decode import HelixDecodeAttention
 from engine.parallel.sharding import Shard
-from engine.parallel.tensor_parallel import gate_up_row_index, tp_check, tp_heads, tp_slices
+from engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices
 from engine.parallel.vocab import VocabShards, score_every_row
 from engine.parallel.weight_layout import WeightLayout, global_rank
 from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
@@ -73,19 +71,17 @@ class BurstZeroStrategy(BurstStrategy):
         return self.world_size > 1 and zero_check(cfg, self.world_size) is None
 
     def weight_slices(self, cfg: ModelConfig, rank: int) -> dict[str, tuple[int, int, int]]:
-        """tp's slices of o and the MLP (q/k/v stay whole), and rows rank V/W .. of the embedding and LM head
-        (engine/parallel/vocab.py); none when the weights stay whole (`sliced`)."""
+        """tp's slices of the MLP (the attention's weights stay whole), and rows rank V/W .. of the embedding
+        and LM head (engine/parallel/vocab.py); none when the weights stay whole (`sliced`)."""
         if not self.sliced(cfg):
             return {}
         per = cfg.vocab_size // self.world_size
         rows = (0, rank * per, (rank + 1) * per)
         vocab = {"model.embed_tokens.weight": rows} | ({} if cfg.tie_word_embeddings else {"lm_head.weight": rows})
-        sliced = {name: s for name, s in tp_slices(cfg, rank, self.world_size).items() if not is_qkv(name)}
-        return sliced | vocab
+        return mlp_slices(cfg, rank, self.world_size) | vocab
 
     def local_config(self, cfg: ModelConfig, rank: int) -> tuple[ModelConfig, bool]:
-        """Every head through q/k/v (the forward's attention returns this worker's heads for its slice of o),
-        the MLP's slice; all-reduces after o and down."""
+        """Every head, the MLP's slice; an all-reduce after down (ZeroLayout: none after o)."""
         if not self.sliced(cfg):
             return cfg, False
         return replace(cfg, intermediate_size=cfg.intermediate_size // self.world_size), True
@@ -98,18 +94,15 @@ class BurstZeroStrategy(BurstStrategy):
 
 
 def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
-    """Why burst-zero cannot slice this model over world_size workers, or None: tp's conditions (o's heads
-    and the MLP's width), and the vocabulary's rows."""
-    reason = tp_check(cfg, world_size)
-    if reason is None and cfg.vocab_size % world_size:
-        reason = (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
-                  f"divide the {cfg.vocab_size} tokens")
-    return reason and reason.replace("tp splits", "burst-zero (as tp) splits", 1)
+    """Why burst-zero cannot slice this model over world_size workers, or None: the MLP's width and the
+    vocabulary's rows must divide."""
+    if cfg.intermediate_size % world_size:
+        return f"burst-zero splits the MLP width {cfg.intermediate_size}; {world_size} workers do not divide it"
+    if cfg.vocab_size % world_size:
+        return (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
+                f"divide the {cfg.vocab_size} tokens")
+    return None
 
-
-def is_qkv(name: str) -> bool:
-    """A q, k or v projection's weight or bias (whole on every burst-zero worker)."""
-    return any(f"self_attn.{x}_proj." in name for x in "qkv")
 
 
 # Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no
@@ -118,11 +111,11 @@ GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"
 
 
 class LayerGather:
-    """The full weights of layer i, o and the MLP all-gathered from every worker's tp slices (q/k/v are
-    whole already) (`layer(i)`, called for i = 0, 1, ... in order by every worker alike: collectives),
-    with layer i + 1's gather started before layer i's weights are returned, so that it runs while layer
-    i computes. Nothing is kept after use: at most two layers are whole at a time (one in use, one
-    arriving)."""
+    """The whole weights of layer i, its MLP all-gathered from every worker's tp slices (the attention's
+    weights are whole already) (`layer(i)`, called for i = 0, 1, ... in order by every worker alike:
+    collectives), with layer i + 1's gather started before layer i's weights are returned, so that it runs
+    while layer i computes. Nothing is kept after use: at most two MLPs are whole at a time (one in use,
+    one arriving)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], world_size: int, device: torch.device,
                  group=None):
@@ -156,41 +149,42 @@ class LayerGather:
         return self._assemble(self.layers[i], buffers)
 
     def reserve_bytes(self) -> int:
-        """GPU memory a prefill's gathers take at most: three layers' o and MLP whole (one in use, the next
+        """GPU memory a prefill's gathers take at most: three layers' MLP whole (one in use, the next
         arriving, a gathered one being put in order), for the KV pool's sizing to leave free."""
         local = self.layers[0]
-        sliced = sum(t.numel() * t.element_size() for t in (local.o, local.gate_up, local.down))
+        sliced = sum(t.numel() * t.element_size() for t in (local.gate_up, local.down))
         return 3 * sliced * self.world_size
 
     def bytes_in_flight(self) -> int:
-        """Bytes of the gathers started and not yet taken (at most one layer's whole weights)."""
+        """Bytes of the gathers started and not yet taken (at most one layer's whole MLP)."""
         parts = [t for buffers, _ in self._arriving.values() for b in buffers for t in (b if isinstance(b, list) else [b])]
         return sum(t.numel() * t.element_size() for t in parts)
 
     def _start(self, i: int) -> None:
         local = self.layers[i]
         gathered = [start_all_gather(t, self.world_size, self.group, async_op=True)
-                    for t in (local.o, local.gate_up, local.down)]
+                    for t in (local.gate_up, local.down)]
         self._arriving[i] = ([g for g, _ in gathered], [w for _, w in gathered])
 
     def _assemble(self, local: LayerWeights, buffers: list) -> LayerWeights:
-        """The gathered [W, ...] slices in the whole weights' layout, beside this worker's whole q/k/v."""
-        o, gate_up, down = (stacked(b) for b in buffers)
+        """The gathered [W, ...] MLP slices in the whole weights' layout, beside the attention's weights."""
+        gate_up, down = (stacked(b) for b in buffers)
         return LayerWeights(
-            qkv=local.qkv, qkv_bias=local.qkv_bias,                             # whole already
-            o=o.permute(1, 0, 2).flatten(1),                                    # [hidden, H D]
+            qkv=local.qkv, qkv_bias=local.qkv_bias, o=local.o,                  # whole already
             gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
             down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
             input_norm=local.input_norm, post_norm=local.post_norm, q_norm=local.q_norm, k_norm=local.k_norm)
 
 
 class ZeroLayout(WeightLayout):
-    """burst-zero's weights on W > 1 workers (the module docstring): whole q/k/v, tp's slices of o and the
-    MLP, the vocabulary rows of the embedding and LM head. A prefill's own rows run on each layer's whole
-    weights (LayerGather) with every head, so the K/V cache holds every head; rows alike on every worker
-    (decode, a "whole" extend) run on the weights as they lie (HelixDecodeAttention); and so do short
-    prompts (engine/parallel/zero_sliced.py). Logits and the embedding are collective calls (VocabShards)."""
+    """burst-zero's weights on W > 1 workers (the module docstring): the attention's weights whole, tp's
+    slices of the MLP (the model all-reduces after down only), the vocabulary rows of the embedding and LM
+    head. A prefill's own rows run on each layer's whole weights (LayerGather) with every head, so the K/V
+    cache holds every head; rows alike on every worker (decode, a "whole" extend) run on the weights as
+    they lie; and so do short prompts (engine/parallel/zero_sliced.py). Logits and the embedding are
+    collective calls (VocabShards)."""
     sliced_name = SLICED
+    attention_sums = False               # o_proj whole: no all-reduce after it
 
     def __init__(self, cfg: ModelConfig, local: ModelConfig, partial_sums: bool, rank: int, world_size: int,
                  device: torch.device, group=None):
@@ -209,22 +203,18 @@ class ZeroLayout(WeightLayout):
         """The layers gathered whole (LayerGather.reserve_bytes) and the embedding table gathered whole."""
         return self.whole_layers.reserve_bytes() + self.vocab.bytes_of_whole_table(self.model.embed)
 
-    def decode_attention(self, base: AttendFn) -> AttendFn:
-        """On the weights as they lie: base's attention over every head, this worker's heads kept for o."""
-        return HelixDecodeAttention(base, self.cfg, self.rank, self.world_size, self.group)
-
     def extend_attention(self, attend) -> tuple[AttendFn, "LayerGather | None"]:
-        """A "whole" extend (the same rows on every worker) runs on the slices as decode does, no weight
-        moved; a "ring" one on whole layers, as a prefill."""
+        """A "whole" extend (the same rows on every worker) runs on the weights as they lie, as decode does,
+        no weight moved; a "ring" one on whole layers, as a prefill."""
         if attend.way == ExtendWay.WHOLE:
-            return self.decode_attention(attend), None
+            return attend, None
         return attend, self.whole_layers
 
     def sliced_limit(self, limit: int | None, share: int, ctx) -> int:
         """--zero-sliced-max-tokens `limit`; unset: measured on GPUs (collective, zero_sliced.py), none on CPU;
         at most `share`, a worker's share of max_model_len (the rows whose activations the KV pool's sizing
-        leaves room for). The attention kernel is warmed up for the slices' heads (a request must not pay
-        for its compilation)."""
+        leaves room for). The attention kernel is warmed up for such a prompt (a request must not pay for
+        its compilation)."""
         cuda = self.device.type == "cuda"
         if limit is None:
             limit = (measure_sliced_max_tokens(self.whole_layers, self.world_size, self.device, self.model.dtype,
@@ -235,20 +225,20 @@ class ZeroLayout(WeightLayout):
         return limit
 
     def _warm_sliced_kernel(self, ctx) -> None:
-        """One causal call of ctx.backend for this worker's heads, laid out as a sliced prompt's are: q
-        [256, H_r, D], k and v [256, Hkv_r, D], views of one [256, (H + 2 Hkv) D] projection output."""
-        q_heads, kv_heads = tp_heads(self.cfg, self.rank, self.world_size)
+        """One causal call of ctx.backend laid out as a sliced prompt's: q [256, H, D], k and v [256, Hkv, D],
+        views of one [256, (H + 2 Hkv) D] projection output."""
         h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = torch.randn(256, (h + 2 * hkv) * d, device=self.device, dtype=self.model.dtype)
         q, k, v = (t.view(256, -1, d) for t in qkv.split([h * d, hkv * d, hkv * d], dim=1))
-        ctx.backend(q[:, q_heads], k[:, kv_heads], v[:, kv_heads], True, ctx.scale)
+        ctx.backend(q, k, v, True, ctx.scale)
 
     def prefill_on_slices(self, ctx, pool, slots: torch.Tensor, shards: list[Shard],
                           token_ids: torch.Tensor) -> torch.Tensor:
-        """Every worker runs all N tokens through its slices (tensor parallel), and keeps its shard's K/V,
-        every head, at slots [n] (SlicedPrefillAttention) -> the last token's logits [V], on every worker."""
+        """Every worker runs all N tokens through its weights as they lie (the MLP tensor parallel), and keeps
+        its shard's K/V, every head, at slots [n] (SlicedPrefillAttention) -> the last token's logits [V], on
+        every worker."""
         n = token_ids.shape[0]
-        attend = SlicedPrefillAttention(pool, slots, shards, self.rank, self.cfg, ctx.backend, ctx.scale)
+        attend = SlicedPrefillAttention(pool, slots, shards[self.rank], ctx.backend, ctx.scale)
         hidden = self.model.forward(token_ids.to(self.device), torch.arange(n, device=self.device), attend)   # [N, hidden]
         return self.model.logits(hidden[-1:])[0]
 

@@ -116,7 +116,7 @@ def test_strategies_refuse_models_their_workers_cannot_split():
                                                    "divide them")
     assert {n for n, r in refusals.items() if r} == {"ulysses", "tp", "tp-v3"}
     note = get_strategy("burst-zero", 3).fallback_note(tiny)          # burst-zero keeps the weights whole
-    assert note.startswith("--sp-strategy burst-zero: burst-zero (as tp) splits the 4 attention heads")
+    assert note.startswith("--sp-strategy burst-zero: burst-zero splits the MLP width 352; 3 workers")
     assert get_strategy("burst-zero", 3).weight_slices(tiny, 0) == {}
     assert get_strategy("burst-zero", 2).weight_slices(tiny, 0)
     assert not any(get_strategy(name, 2).model_refusal(tiny) for name in SP_STRATEGIES)

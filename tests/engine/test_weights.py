@@ -14,7 +14,6 @@ from engine.config import EngineConfig, resolve_model
 from engine.model import hf_weight_shapes
 from engine.parallel import get_strategy
 from engine.parallel.tensor_parallel import tp_slices
-from engine.parallel.zero import is_qkv
 from engine.weights import load_weights, random_weights, take_slice, weight_bytes
 from hf_reference import save_checkpoint
 
@@ -80,12 +79,12 @@ def _worker_weight_bytes(rank, world_size, path, strategy):
 @pytest.mark.parametrize("strategy", ["tp", "burst-zero"])
 def test_each_worker_holds_only_its_share(checkpoint, strategy):
     """Bytes of every tensor each of 2 workers holds, as weight_bytes computes: under tp the replicated ones
-    (embedding, norms, LM head) plus half of each sharded one; under burst-zero half of every tensor but
-    the norms and q/k/v (the embedding and LM head cut by vocabulary); together less than twice the model.
-    Under burst-zero a prefill gathers each layer's o and MLP whole, one layer ahead: as each layer starts,
-    its whole weights in use and the next layer's o and MLP in flight (inside layer(i), while layer i's
-    gathered slices are put in order, three layers' worth: LayerGather.reserve_bytes), none left after the
-    prefill."""
+    (embedding, norms, LM head) plus half of each sharded one; under burst-zero half of the MLP, the
+    embedding and the LM head (cut by vocabulary), the attention's weights and the norms whole; together
+    less than twice the model. Under burst-zero a prefill gathers each layer's MLP whole, one layer ahead:
+    as each layer starts, its whole weights in use and the next layer's MLP in flight (inside layer(i),
+    while layer i's gathered slices are put in order, three layers' worth: LayerGather.reserve_bytes), none
+    left after the prefill."""
     path, _ = checkpoint
     cfg, _ = resolve_model(EngineConfig(model=path, devices=["cpu"]))
     shapes = hf_weight_shapes(cfg)
@@ -94,15 +93,14 @@ def test_each_worker_holds_only_its_share(checkpoint, strategy):
     sharded = {n: s for n, s in shapes.items() if n in tp_slices(cfg, 0, 2)}
     layer_bytes = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.")}, 4)
     norms = weight_bytes({n: s for n, s in shapes.items() if n.endswith("norm.weight")}, 4)
-    qkv = weight_bytes({n: s for n, s in shapes.items() if is_qkv(n)}, 4)
-    gathered = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.")
-                             and not is_qkv(n) and not n.endswith("norm.weight")}, 4)
+    attention = weight_bytes({n: s for n, s in shapes.items() if ".self_attn." in n and not n.endswith("norm.weight")}, 4)
+    gathered = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.mlp.")}, 4)
     for rank, (nbytes, samples, left) in enumerate(results):
         assert nbytes == weight_bytes(shapes, 4, get_strategy(strategy, 2).weight_slices(cfg, rank))
         if strategy == "tp":                      # embedding and LM head whole on every worker
             assert nbytes == whole - weight_bytes(sharded, 4) // 2
-        else:                                     # burst-zero: half of everything but the norms and q/k/v
-            assert nbytes == (whole - norms - qkv) // 2 + norms + qkv
+        else:                                     # burst-zero: the norms and the attention whole, half the rest
+            assert nbytes == (whole - norms - attention) // 2 + norms + attention
         if strategy == "burst-zero":
             assert len(samples) == cfg.num_layers and left == 0
             assert all(in_use == layer_bytes for _, in_use in samples), samples

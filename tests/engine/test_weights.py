@@ -112,3 +112,39 @@ def test_weights_that_do_not_fit_are_refused_with_the_numbers():
     """A 70B preset on this machine's CPU: refused before any weight is drawn."""
     with pytest.raises(EngineDeadError, match=r"would hold [\d.]+ GiB of weights .* more than .* use --sp-strategy tp"):
         LLM("llama3-70b", devices="cpu")
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single", "reduce_scatter")
+
+
+def _collectives_of_a_decode_step(rank, world_size, path, strategy):
+    """-> {collective: calls} of one decode step of one sequence, after its prompt's prefill, on this worker."""
+    import torch.distributed as dist
+    from engine.calls import Decode
+    from engine.model_runner import ModelRunner
+    engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32")
+    cfg, max_model_len = resolve_model(engine)
+    runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)
+    runner.prefill(Prefill(0, torch.randint(0, 300, (50,), generator=torch.Generator().manual_seed(1))))
+    calls = dict.fromkeys(COLLECTIVES, 0)
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)
+    runner.decode(Decode([0], [7], [50]))
+    return {name: n for name, n in calls.items() if n}, cfg.num_layers
+
+
+def test_a_burst_zero_decode_step_takes_two_collectives_a_layer(checkpoint):
+    """burst-zero decodes with the attention's weights whole and the MLP sliced: per layer the partials'
+    all-gather and the all-reduce after down (as tp's two), and per step the embedding's all-reduce and the
+    logits' all-gather over the vocabulary slices; burst (whole weights) one all-gather a layer."""
+    path, _ = checkpoint
+    one_each = {"all_gather": 1, "all_reduce": 1}
+    for strategy, per_layer, per_step in (("burst-zero", one_each, one_each), ("burst", {"all_gather": 1}, {})):
+        for calls, layers in run_on_ranks(_collectives_of_a_decode_step, 2, path, strategy):
+            want = {name: n * layers + per_step.get(name, 0) for name, n in per_layer.items()}
+            assert calls == want, (strategy, calls)

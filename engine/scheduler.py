@@ -23,7 +23,6 @@ import logging
 import queue
 import time
 from collections import deque
-from typing import Callable
 
 import torch
 
@@ -32,6 +31,7 @@ from engine.cache.kv_manager import KVManager
 from engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.decode_steps import DecodeSteps
+from engine.dispatch import Dispatch
 from engine.inbox import Inbox
 from engine.outputs import PrefillStats, Request, StepOutput
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
@@ -56,9 +56,9 @@ def mixed_batch_limit(runner) -> int | None:
 
 
 class Scheduler:
-    def __init__(self, call: Callable, requests: "queue.Queue", outputs: "queue.Queue", runner,
+    def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", runner,
                  max_model_len: int, eos_token_ids: list[int]):
-        """runner: worker 0's ModelRunner, read here once: its WorkerCache's ledger, page planner and host tier
+        """call: runs a call on every worker (engine/dispatch.py); runner: worker 0's ModelRunner, read here once: its WorkerCache's ledger, page planner and host tier
         (the same on every worker), its engine options, model shapes, device and extend graphs."""
         engine = runner.engine
         self.call, self.requests, self.outputs = call, requests, outputs
@@ -97,7 +97,10 @@ class Scheduler:
             if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
                 self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
                 time.sleep(IDLE_PUMP_SECONDS)
-            if not self.inbox.take(block=not self.state.busy() and not pumping):
+            idle = not self.state.busy() and not pumping
+            if idle:
+                self.call.flush()       # the workers' cache as worker 0's before the wait
+            if not self.inbox.take(block=idle):
                 self.decode.drain()
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it

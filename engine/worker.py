@@ -2,9 +2,10 @@
 
 Started by `LLM` with torch.multiprocessing (spawn), or by `torchrun` (RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment; see `main`). There is exactly one way for worker 0
-to drive the rest: `call(name, *args)` sends (name, args) over the control plane (engine/control.py:
-pipes when every worker is on worker 0's host, a gloo group otherwise) and runs the same method
-locally; every other worker loops receiving and running those calls.
+to drive the rest: its scheduler's `call(message)` (engine/dispatch.py) runs the call locally and sends
+the same calls, one Turn message a scheduler turn, over the control plane (engine/control.py: pipes when
+every worker is on worker 0's host, a gloo group otherwise); every other worker loops receiving Turns and
+running their calls in order.
 """
 import gc
 import logging
@@ -19,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload, Prefill,
-                          PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate)
+                          PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
 from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
+from engine.dispatch import Dispatch
 from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from engine.model_runner import ModelRunner
 from engine.worker_cache import WorkerCache
@@ -168,26 +170,29 @@ def run_call(runner: ModelRunner, message):
     return HANDLERS[kind](runner.cache if kind in CACHE_CALLS else runner, message)
 
 
-def _make_call(runner: ModelRunner, control, world_size: int):
-    """Worker 0's `call(message)`: sent to every other worker, then run here."""
-    def call(message):
-        if world_size > 1:
-            control.send(message)
-        if isinstance(message, Shutdown):
-            return None
-        runner.cache.pump_stores()              # the next part of the host tier's queued stores, around each call
-        result = run_call(runner, message)
-        runner.cache.pump_stores()
-        return result
-    return call
+def _make_call(runner: ModelRunner, control, world_size: int) -> Dispatch:
+    """Worker 0's `call(message)`: run here, sent to every other worker in that turn's Turn."""
+    return Dispatch(lambda message: _run_pumping(runner, message), control.send if world_size > 1 else None)
+
+
+def _run_pumping(runner: ModelRunner, message):
+    """run_call, with the next part of the host tier's queued stores issued before and after it."""
+    runner.cache.pump_stores()
+    result = run_call(runner, message)
+    runner.cache.pump_stores()
+    return result
 
 
 def _follow(runner: ModelRunner, control) -> None:
-    """Another worker: runs worker 0's calls in order until Shutdown."""
-    while not isinstance(message := control.receive(), Shutdown):
-        runner.cache.pump_stores()
-        run_call(runner, message)
-        runner.cache.pump_stores()
+    """Another worker: runs worker 0's calls in order, a Turn at a time, until Shutdown."""
+    while True:
+        turn: Turn = control.receive()
+        for message in turn.changes:
+            _run_pumping(runner, message)
+        if isinstance(turn.work, Shutdown):
+            return
+        if turn.work is not None:
+            _run_pumping(runner, turn.work)
 
 
 def main(argv: list[str] | None = None) -> None:

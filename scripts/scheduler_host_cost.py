@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, resolve_model
+from engine.dispatch import Dispatch
 from engine.messages import AddRequest, StopScheduler, Tokens
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
@@ -33,7 +34,7 @@ def step_times(batch: int) -> tuple[list[float], list[float]]:
     logits = torch.randn(batch, cfg.vocab_size)
     runner.decode_forward = lambda step_inputs, num_pages=None: logits[:step_inputs.shape[1]]
     requests, outputs = queue.Queue(), queue.Queue()
-    scheduler = Scheduler(lambda message: run_call(runner, message), requests, outputs, runner, max_model_len, [])
+    scheduler = Scheduler(Dispatch(lambda message: run_call(runner, message), None), requests, outputs, runner, max_model_len, [])
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     for i in range(batch):
         prompt = [random.randrange(cfg.vocab_size) for _ in range(256)]

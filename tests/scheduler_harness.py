@@ -1,12 +1,15 @@
 """Worker 0's Scheduler run in this process over one CPU ModelRunner, every call it makes to the workers
-recorded: for tests of what the scheduler decides (tests/engine/test_recompute.py, test_async_scheduling.py)."""
+recorded, and every Turn message it would send the others: for tests of what the scheduler decides
+(tests/engine/test_recompute.py, test_async_scheduling.py, test_step_plan.py)."""
 import queue
 import threading
 import time
 
 import torch
 
+from engine.calls import Shutdown
 from engine.config import EngineConfig, resolve_model
+from engine.dispatch import Dispatch
 from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
@@ -14,19 +17,21 @@ from engine.scheduler import Scheduler
 from engine.worker import run_call
 
 
-def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None):
+def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None, sent: list | None = None):
     """Each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
     (outputs by request id: lists of StepOutput, the scheduler's calls (engine/calls.py messages), the scheduler).
-    prepare(scheduler, runner): called before it runs (to wrap its methods)."""
+    prepare(scheduler, runner): called before it runs (to wrap its methods). sent: a list that receives the
+    Turns the other workers would be sent (with the Shutdown that ends them)."""
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cpu"), None, max_model_len)
     calls = []
 
-    def call(message):
+    def run_here(message):
         calls.append(message)
         return run_call(runner, message)
 
     requests, outputs = queue.Queue(), queue.Queue()
+    call = Dispatch(run_here, sent.append if sent is not None else None)
     scheduler = Scheduler(call, requests, outputs, runner, max_model_len, [])
     if prepare is not None:
         prepare(scheduler, runner)
@@ -55,4 +60,5 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
     requests.put(StopScheduler())
     thread.join(timeout=60)
     assert not failure, failure
+    call(Shutdown())
     return got, calls, scheduler

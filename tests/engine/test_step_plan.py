@@ -1,13 +1,15 @@
 """The scheduler's plan (engine/step_plan.py) is a question, not an action: every plan computed over a run
 that admits, chunks, preempts, resumes, evicts prefix-cache entries, restores from the KV host tier and
 decodes ahead leaves the KV manager, the worker's pages, the prefix cache, the host tier and the scheduler's
-state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every request (the plans carried out do what
-the scheduler did before plans existed: tests/engine/test_recompute.py and test_async_scheduling.py)."""
+state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every
+request (the plans carried out do what the scheduler did before plans existed: tests/engine/test_recompute.py
+and test_async_scheduling.py). Carrying a plan out sends the other workers at most one message
+(engine/dispatch.py), and those messages hold worker 0's calls, all of them, in worker 0's order."""
 import copy
 import random
 
 from engine import step_plan as plans
-from engine.calls import Offload
+from engine.calls import Offload, Shutdown
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
@@ -35,7 +37,9 @@ def _snapshot(scheduler, runner) -> tuple:
     return ledger, pages, prefix, queues, sizer, host
 
 
-def test_every_plan_changes_nothing():
+def _workload() -> tuple[list, dict]:
+    """Requests that admit, chunk, preempt, resume, evict, restore and decode ahead -> (the batch, the engine's
+    options but its pool)."""
     rng = random.Random()
     vocab = 256
     # lengths fixed, tokens drawn: in a pool of 40 pages of 4 tokens, two 56-60-token prompts growing by 30
@@ -46,6 +50,16 @@ def test_every_plan_changes_nothing():
     params = {rid: SamplingParams(temperature=0, max_tokens=rng.randrange(28, 31) if rid[0] == "p" else
                                   rng.randrange(8, 13), ignore_eos=True) for rid in prompts}
     batch = [(rid, prompt, params[rid]) for rid, prompt in prompts.items()]
+    engine = dict(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8,
+                  max_num_batched_tokens=16, itl_target_ms=None, enable_prefix_caching=True)
+    return batch, engine
+
+
+SMALL_POOL = dict(kv_cache_tokens=160, kv_offload_gb=0.01)
+
+
+def test_every_plan_changes_nothing():
+    batch, engine = _workload()
     seen, calls_during_plans = [], []
 
     def check_plans(scheduler, runner):
@@ -57,7 +71,7 @@ def test_every_plan_changes_nothing():
                 return call(message)
             return counting
 
-        scheduler.call, scheduler.kv.call = counted(scheduler.call), counted(scheduler.kv.call)
+        scheduler.call.run_here = counted(scheduler.call.run_here)       # every call, the KV manager's too
 
         def checked(state):
             before, calls_before = _snapshot(scheduler, runner), calls[0]
@@ -69,11 +83,8 @@ def test_every_plan_changes_nothing():
 
         scheduler.policy.plan = checked
 
-    engine = dict(model="tiny", devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8,
-                  max_num_batched_tokens=16, itl_target_ms=None, enable_prefix_caching=True)
     want, _, _ = serve_in_process(EngineConfig(**engine, kv_cache_tokens=4096), [batch])
-    got, calls, scheduler = serve_in_process(EngineConfig(**engine, kv_cache_tokens=160, kv_offload_gb=0.01), [batch],
-                                             check_plans)
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], check_plans)
     assert {r: [o.token_id for o in outs] for r, outs in got.items()} == \
         {r: [o.token_id for o in outs] for r, outs in want.items()}
     assert not any(calls_during_plans)
@@ -83,3 +94,27 @@ def test_every_plan_changes_nothing():
     assert any(getattr(p, "evict", None) for p in seen), "no plan evicted a prefix-cache entry"
     assert scheduler.num_preemptions > 0, "the pool was large enough for every request at once"
     assert any(isinstance(c, Offload) for c in calls), "nothing was written to the host tier"
+
+
+def test_a_turn_sends_the_other_workers_one_message_with_worker_0s_calls_in_order():
+    batch, engine = _workload()
+    sent, sent_by_turn = [], []
+
+    def count_turns(scheduler, runner):
+        carry_out = scheduler.carry_out
+
+        def counted(plan):
+            before = len(sent)
+            carry_out(plan)
+            sent_by_turn.append(len(sent) - before)
+
+        scheduler.carry_out = counted
+
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], count_turns, sent=sent)
+    assert len(got) == len(batch)
+    assert max(sent_by_turn) == 1 and len(sent_by_turn) > 50, sent_by_turn
+    assert isinstance(sent[-1].work, Shutdown) and not sent[-1].changes   # sent before the scheduler waited
+    relayed = [call for turn in sent for call in [*turn.changes, turn.work] if call is not None]
+    assert relayed[:-1] == calls                   # the same objects, in the same order
+    assert len(calls) > sum(sent_by_turn), "no turn carried the cache's changes with its work"
+    assert scheduler.num_preemptions > 0 and any(isinstance(c, Offload) for c in calls)

@@ -1,10 +1,12 @@
 """Worker 0's loop: take requests in, plan a turn, carry it out, send each token back as soon as it exists.
 
-One turn: `Policy.plan` (engine/step_plan.py) answers what runs now without changing anything (admit the
-head of the queue, resume a preempted sequence, prefill a chunk, decode the running sequences, preempt,
-...) with the prefix-cache entries to evict for its pages; `carry_out` does it: evicts through the KV
-manager (engine/cache/kv_manager.py), calls the workers (engine/calls.py), and absorbs what comes back
-(tokens sampled, sequences ended, chunks done). The step diagram is in docs/design.md.
+One turn: `Policy.plan` (engine/step_plan.py) answers what runs now and how without changing anything (admit
+the head of the queue as a copy of a twin, of a cached prefix or a prefill; resume a preempted sequence;
+prefill a chunk; decode the running sequences; preempt; ...) with the prefix-cache entries to evict for its
+pages; `carry_out` does it, asking the policy nothing more: evicts through the KV manager
+(engine/cache/kv_manager.py), calls the workers (engine/calls.py; one message to the others a turn,
+engine/dispatch.py), and absorbs what comes back (tokens sampled, sequences ended, chunks done). The step
+diagram is in docs/design.md.
 
 KV pages: a request is admitted when its prompt's pages fit on every worker (with a small watermark left
 for the running sequences to grow); nothing is reserved for the tokens it may generate. When a decode
@@ -33,7 +35,7 @@ from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_token
 from engine.decode_steps import DecodeSteps
 from engine.dispatch import Dispatch
 from engine.inbox import Inbox
-from engine.outputs import PrefillStats, Request, StepOutput
+from engine.outputs import PrefillStats, StepOutput
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from engine.stats_publisher import StatsPublisher
 from engine.token_outputs import TokenOutputs
@@ -115,116 +117,83 @@ class Scheduler:
     # admitting and resuming
 
     def _admit(self, plan: plans.Admit) -> None:
-        """The head of the queue is prefilled: beside a long prompt in chunks (then a decode step), or alone."""
+        """The head of the queue starts as the plan says: a copy of a running twin's prompt, a copy of a cached
+        prefix, or a prefill. Beside a long prompt in chunks it is prefilled whole in this turn (then a decode
+        step); otherwise in one call now, or (from a cached prefix, or chunked) in chunks from the next turn."""
         request = self.state.waiting.popleft()
         beside = self.state.prefilling is not None
         if beside:
             self.state.short_went_first = True     # then a chunk: short requests cannot starve the long one
         self.state.decode_owed = beside
-        self._prefill(request, plan.chunked)
-
-    def _prefill(self, request: Request, chunked: bool) -> None:
-        """As a copy of a running twin's prompt, from the longest cached prefix (the rest in chunks), in
-        chunks, or in one call; a copy only where its pages fit beside a prompt being prefilled in chunks."""
         queued = time.time() - request.arrival_time
         seq = RunningSequence(request, self.next_seq_id, grammar=self.tokens.new_grammar(request))
         self.next_seq_id += 1
-        twin = self.state.running_twin(request)
-        if twin is not None and not self._make_room_beside(self.kv.pages.fork_pages(twin.seq_id)):
-            twin = None                                  # its copy does not fit: a prefill, as admitted
-        cached = 0
-        looked_up = time.perf_counter()
-        hit = None
-        if twin is None and self.kv.prefix_cache is not None and request.params.prompt_logprobs is None:
-            hit = self._adopt_cached_prefix(seq, request.prompt_token_ids)
-            cached = hit.length if hit else 0
-        if twin is None and (cached or chunked):   # prefilled by extending what is cached
-            job = ChunkedPrefill(seq, request.prompt_token_ids, done=cached, cached=cached,
-                                 host_cached=cached if hit and hit.on_host else 0,
-                                 adopt_seconds=time.perf_counter() - looked_up, queued_seconds=queued)
-            if self.state.prefilling is None:
-                self._start_chunks(job)
-            else:           # a short prompt beside a long one: its rest in one call
-                self._advance(job, job.remaining)
-            return
-        if twin is not None:   # the same prompt is already in the cache: copy its K/V instead of a prefill
+        if isinstance(plan.start, plans.CopyTwin):   # the same prompt is already in the cache: its K/V copied
+            twin = plan.start.twin
             self.kv.fork(twin.seq_id, seq.seq_id)
-            logits, stats, prompt_logprobs = twin.prompt_logits, PrefillStats(prefill_seconds=0.0, shared_prefill=True), None
+            seq.prompt_logits = twin.prompt_logits
+            self._emit(seq, twin.prompt_logits, prefill=PrefillStats(prefill_seconds=0.0, shared_prefill=True),
+                       keep_logits=request.return_logits)
+            return
+        if request.params.prompt_logprobs is None:
+            self.kv.count_query(request.prompt_token_ids)
+        hit = plan.start.hit if isinstance(plan.start, plans.FromPrefix) else None
+        if hit is None and not plan.chunked:
+            self._prefill_whole(seq, queued)
+            return
+        adopting = time.perf_counter()
+        if hit is not None:
+            self.kv.adopt(hit, seq.seq_id)
+        cached = hit.length if hit else 0
+        job = ChunkedPrefill(seq, request.prompt_token_ids, done=cached, cached=cached,
+                             host_cached=cached if hit and hit.on_host else 0,
+                             adopt_seconds=time.perf_counter() - adopting, queued_seconds=queued)
+        if beside:                  # a short prompt beside a long one: its rest in one call
+            self._advance(job, job.remaining)
         else:
-            called = time.perf_counter()
-            result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
-            stats = result.stats()
-            stats.call_seconds = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
-            stats.queued_seconds = queued
-            self._observe(len(request.prompt_token_ids), 0, result)
-            logits, prompt_logprobs = result.logits, result.prompt_logprobs
-        seq.prompt_logits = logits
-        self._emit(seq, logits, prefill=stats, keep_logits=request.return_logits, prompt_logprobs=prompt_logprobs)
+            self.state.prefilling = job
 
-    def _start_chunks(self, job: ChunkedPrefill) -> None:
-        """The prompt is prefilled chunk by chunk, its first chunk in this turn (alone: not with a decode
-        step), the others in the turns the policy gives them. After a restore from the host tier that is still
-        copying, while others decode, its first chunk waits for a later turn (they decode meanwhile); alone, it
-        runs now, each layer waiting for its own copy (engine/worker_cache.py AfterRestore)."""
-        self.state.prefilling = job
-        if self.state.running and self.kv.restore_pending(job.seq.seq_id):
-            return
-        plan = self.policy.next_chunk(self.state, mixed=False)
-        if isinstance(plan, plans.GiveWay):
-            self._give_way()
-            return
-        self.kv.evict(plan.evict)
-        if self._advance(job, plan.tokens):
-            self.state.prefilling = None
-
-    def _make_room_beside(self, need: list[int], keep_entry: int | None = None) -> bool:
-        """Makes room for `need` pages beside the prompt being prefilled in chunks, if they fit -> did they?"""
-        evict = self.policy.room_beside(self.state, need, keep_entry)
-        if evict is None:
-            return False
-        self.kv.evict(evict)
-        return True
-
-    def _adopt_cached_prefix(self, seq: RunningSequence, ids: list[int]):
-        """The sequence starts from a copy of the longest cached prefix of ids (in the pool, or restored from
-        the host tier) that fits with its extension -> that Hit (None: none fits; a prefill, as admitted)."""
-        for hit in self.kv.look_up_prefixes(ids):
-            need = self.kv.hit_pages(hit, len(ids) - hit.length, self.policy.chunk_tokens)
-            if self._make_room_beside(need, keep_entry=None if hit.on_host else hit.entry):
-                self.kv.adopt(hit, seq.seq_id)
-                return hit
-        return None
+    def _prefill_whole(self, seq: RunningSequence, queued: float) -> None:
+        """The request's prompt prefilled in one call, its first token sampled."""
+        request = seq.request
+        called = time.perf_counter()
+        result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
+        stats = result.stats()
+        stats.call_seconds = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
+        stats.queued_seconds = queued
+        self._observe(len(request.prompt_token_ids), 0, result)
+        seq.prompt_logits = result.logits
+        self._emit(seq, result.logits, prefill=stats, keep_logits=request.return_logits,
+                   prompt_logprobs=result.prompt_logprobs)
 
     def _resume(self, plan: plans.Resume) -> None:
-        """A preempted sequence decodes again: on its kept pages when its entry is still there, else after
-        recomputing its cache (prompt + generated) as a prompt is prefilled: from the longest prefix the
-        prefix cache holds, in chunks when longer than one (between them the others decode), then
-        sampling its next token."""
+        """A preempted sequence decodes again as the plan says: on its kept pages (all of them: it decodes on;
+        else its lost tail recomputed in chunks), or its cache (prompt + generated) recomputed as a prompt is
+        prefilled, from a copy of a cached prefix or from nothing, then sampling its next token."""
         seq = self.state.preempted.popleft()
         self.state.decode_owed = False
         ids = seq.request.prompt_token_ids + seq.generated
         kept = self.kv.kept(seq.seq_id)
-        host = self.kv.host_hit(ids, kept) if kept < len(ids) - 1 else None
-        if host is not None:                  # the host tier holds more of it than its kept pages: restored
-            if kept:
-                self.kv.drop(seq.seq_id)
-            hit = self._adopt_cached_prefix(seq, ids)
-            cached = hit.length if hit else 0
-        elif kept:                            # it takes back its entry's pages
+        if isinstance(plan.start, plans.TakeBack):
             self.kv.reinstate(seq.seq_id)
-            if kept == len(ids) - 1:          # all of them: it decodes on
+            if kept == len(ids) - 1:
                 self.state.running.append(seq)
                 log.info("request %s resumed on its kept pages", seq.request.request_id)
                 return
             cached = kept
         else:
-            hit = self._adopt_cached_prefix(seq, ids) if self.kv.prefix_cache is not None else None
+            if kept:                          # what its entry kept gives way to a longer copy, or to nothing
+                self.kv.drop(seq.seq_id)
+            self.kv.count_query(ids)
+            hit = plan.start.hit if isinstance(plan.start, plans.FromPrefix) else None
+            if hit is not None:
+                self.kv.adopt(hit, seq.seq_id)
             cached = hit.length if hit else 0
         self.recomputed_tokens += len(ids) - cached
         log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",
                  seq.request.request_id, len(ids), cached)
-        if cached or self.policy.chunk_long(len(ids)):
-            self._start_chunks(ChunkedPrefill(seq, ids, done=cached, cached=cached))
+        if cached or plan.chunked:            # in chunks, from the next turn
+            self.state.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
             return
         result = self.call(Prefill(seq.seq_id, token_tensor(ids)))
         self._observe(len(ids), 0, result)
@@ -295,7 +264,7 @@ class Scheduler:
 
     def _decode(self, plan: plans.DecodeStep) -> None:
         self.state.decode_owed = False
-        if self.policy.pipelines(plan.batch):
+        if plan.ahead:
             self.state.inflight = self.decode.launch(plan.batch, None)   # read back by the next StepAhead, or drain
         else:
             self.decode.run(plan.batch)

@@ -1,8 +1,9 @@
 """What the scheduler does next: one plan per turn, computed without changing anything.
 
 Policy.plan(state) reads the scheduler's state (engine/sequences.py) and the KV manager's queries
-(engine/cache/kv_manager.py) and answers with one of the plans below; Scheduler.carry_out does it. A
-plan that needs pages says which prefix-cache entries to evict for them.
+(engine/cache/kv_manager.py) and answers with one of the plans below; Scheduler.carry_out does it, asking
+nothing more. A plan is complete: what runs, how (a request's start: a copy of a running twin, of a cached
+prefix, or a prefill; whole or in chunks), and which prefix-cache entries to evict for its pages.
 
 The rules, in order:
 1. A decode step in flight (asynchronous scheduling) is followed by the next decode step, launched before
@@ -14,33 +15,60 @@ The rules, in order:
    the pages the long one still needs goes first, every other turn; otherwise the next chunk runs (with the
    running sequences' decode step in the same call when that is one CUDA graph, or asked for).
 4. Otherwise, preempted sequences resume before any new request is admitted; requests are admitted first
-   come, first served (a batch slot and their pages, leaving a watermark free while others run).
+   come, first served (a batch slot and their pages, leaving a watermark free while others run), each
+   started the cheapest way whose pages fit: a copy of a running twin's prompt, of the longest cached
+   prefix, else a prefill. A prompt in chunks runs its first chunk in the next turn.
 5. Otherwise the running sequences decode. A decode step whose new pages do not fit makes room: the prompt
    being prefilled gives way first (back to the head of the queue), then the newest running sequence is
    preempted.
 """
 from dataclasses import dataclass, field
 
-from engine.cache.kv_manager import Eviction, KVManager
+from engine.cache.kv_manager import Eviction, Hit, KVManager
 from engine.chunk_sizer import ChunkSizer
 from engine.outputs import Request
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState
 
 
 @dataclass(frozen=True)
+class CopyTwin:
+    """The request starts as a copy of a running sequence's prompt K/V (the same prompt: one request's n
+    choices), its first token sampled from the twin's prompt logits."""
+    twin: RunningSequence
+
+
+@dataclass(frozen=True)
+class FromPrefix:
+    """The request starts as a copy of a cached prefix (in the pool, or restored from the host tier); the rest
+    is prefilled in chunks from the next turn on, or at once in one call beside a long prompt's chunks."""
+    hit: Hit
+
+
+@dataclass(frozen=True)
 class Admit:
-    """Prefill a waiting request (the head of the queue): whole, as a copy of a running twin's prompt, or
-    from a cached prefix and in chunks."""
+    """Admit a waiting request (the head of the queue): as `start` says, else prefilled, in one call now or
+    (`chunked`) in chunks from the next turn on; beside a long prompt's chunks always in one call now."""
     request: Request
     chunked: bool                 # its prefill is chunked (engine/step_plan.Policy.chunked)
     evict: list[Eviction] = field(default_factory=list)
+    start: "CopyTwin | FromPrefix | None" = None
+
+
+@dataclass(frozen=True)
+class TakeBack:
+    """A preempted sequence takes its prefix-cache entry's pages back (what is left of them)."""
 
 
 @dataclass(frozen=True)
 class Resume:
-    """A preempted sequence (the oldest) decodes again: on its kept pages, or after recomputing its cache."""
+    """A preempted sequence (the oldest) decodes again: on its kept pages (`start` TakeBack; the tail it lost,
+    if any, recomputed in chunks from the next turn), or after recomputing its cache (prompt + generated) as
+    a prompt is prefilled: from a copy of a cached prefix (its own entry dropped first) or from nothing, in
+    one call now or (`chunked`, or from a prefix) in chunks from the next turn."""
     seq: RunningSequence
     evict: list[Eviction] = field(default_factory=list)
+    start: "TakeBack | FromPrefix | None" = None
+    chunked: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,9 +82,10 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One decode step of the running sequences."""
+    """One decode step of the running sequences (`ahead`: launched, read back by the next turn)."""
     batch: list[RunningSequence]
     evict: list[Eviction] = field(default_factory=list)
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,7 +205,7 @@ class Policy:
         the newest sequence is preempted."""
         evict = self._room(s, self.kv.step_pages([x.seq_id for x in s.running]))
         if evict is not None:
-            return DecodeStep(list(s.running), evict)
+            return DecodeStep(list(s.running), evict, self.pipelines(s.running))
         if s.prefilling is not None:
             return GiveWay()
         if len(s.running) == 1:   # alone and out of pages: larger than the cache, which check_fits refuses
@@ -191,12 +220,7 @@ class Policy:
         if s.preempted or not s.waiting or len(s.running) >= self.max_num_seqs:
             return None
         request = s.waiting[0]
-        if not self.short(request):
-            return None
-        ids = request.prompt_token_ids
-        need = self._plus(self.kv.pages.prefill_pages(len(ids)), self._keep(s), self._prefilling_reserve(s))
-        evict = self._room(s, need, prompt=ids)
-        return None if evict is None else Admit(request, self.chunked(s, request), evict)
+        return self._admit(s, request) if self.short(request) else None
 
     def short(self, request: Request) -> bool:
         """At most one chunk's worth of tokens (a prompt-logprobs request, never chunked, may be longer)."""
@@ -208,13 +232,15 @@ class Policy:
         job = s.prefilling
         if job is None:
             return [0] * self.kv.ledger.world_size
-        return [max(0, n + 1) for n in self.kv.pages.growth_pages(job.seq.seq_id, job.remaining, self.chunk_tokens)]
+        pages = (self.kv.pages.growth_pages(job.seq.seq_id, job.remaining, self.chunk_tokens) if job.done else
+                 self.kv.pages.chunked_prefill_pages(job.remaining, self.chunk_tokens))    # not started yet
+        return [max(0, n + 1) for n in pages]
 
-    def next_chunk(self, s: SchedulerState, mixed: bool = True):
-        """The next chunk, with the running sequences' decode step when the chunk is small enough (and `mixed`);
-        GiveWay when its pages no longer fit beside the running sequences."""
+    def next_chunk(self, s: SchedulerState):
+        """The next chunk, with the running sequences' decode step when the chunk is small enough; GiveWay when
+        its pages no longer fit beside the running sequences."""
         job = s.prefilling
-        if mixed and self.mixed_limit != 0 and s.running and job.done > 0:
+        if self.mixed_limit != 0 and s.running and job.done > 0:
             n = self._next_mixed_chunk(job)
             if self.mixed_limit is None or n <= self.mixed_limit:
                 step = self.kv.step_pages([x.seq_id for x in s.running])
@@ -237,36 +263,59 @@ class Policy:
     # rule 4
 
     def _resume(self, s: SchedulerState, seq: RunningSequence) -> Resume | None:
-        """Taking its entry back needs a batch slot, the watermark, and the pages its next step (all kept) or
-        its recomputed tail takes; a recompute, its pages as a prompt's (chunked when longer than a chunk)."""
-        kept = self.kv.kept(seq.seq_id)
-        n = seq.tokens_to_recompute()
-        if not kept:
-            evict = self._admission_room(s, n, self.chunk_long(n), seq.request.prompt_token_ids)
-        elif len(s.running) >= self.max_num_seqs:
-            return None
-        else:
-            need = (self.kv.step_pages([seq.seq_id]) if kept == n - 1   # whole: else its next step preempts it
-                    else self.kv.pages.growth_pages(seq.seq_id, n - kept, self.chunk_tokens))
-            evict = self._room(s, self._plus(need, self._keep(s)), keep_entry=seq.seq_id)
-        return None if evict is None else Resume(seq, evict)
-
-    def _admit(self, s: SchedulerState, request: Request) -> Admit | None:
-        ids = request.prompt_token_ids
-        chunked = self.chunked(s, request)
-        evict = self._admission_room(s, len(ids), chunked, ids)
-        return None if evict is None else Admit(request, chunked, evict)
-
-    def _admission_room(self, s: SchedulerState, n: int, chunked: bool, prompt: list[int]):
-        """A batch slot and the pages of n tokens prefilled in one call or in chunks (as its chunks place
-        them), with the watermark -> the evictions that make room, or None."""
+        """A batch slot and the watermark, then: its entry taken back (the pages its next step takes when it
+        kept everything, else its recomputed tail's), unless the host tier holds enough more of it; else, its
+        entry dropped first, a copy of the longest cached prefix and the rest, or a recompute from nothing
+        (chunked when longer than a chunk)."""
         if len(s.running) >= self.max_num_seqs:
             return None
-        # planned with chunks of chunk_tokens; adapted sizes end as level (every worker within one token of
-        # N / workers), so on a cache with no running sequences the plan's largest share always fits
-        pages = (self.kv.pages.chunked_prefill_pages(n, self.chunk_tokens) if chunked
-                 else self.kv.pages.prefill_pages(n))
-        return self._room(s, self._plus(pages, self._keep(s)), prompt=prompt)
+        ids = seq.request.prompt_token_ids + seq.generated
+        n, kept, keep = len(ids), self.kv.kept(seq.seq_id), self._keep(s)
+        host = self.kv.host_hit(ids, kept) if kept < n - 1 else None
+        if kept and host is None:
+            need = (self.kv.step_pages([seq.seq_id]) if kept == n - 1   # whole: else its next step preempts it
+                    else self.kv.pages.growth_pages(seq.seq_id, n - kept, self.chunk_tokens))
+            evict = self._room(s, self._plus(need, keep), keep_entry=seq.seq_id)
+            return None if evict is None else Resume(seq, evict, TakeBack())
+        drop = [seq.seq_id] if kept else []            # its own entry goes first: a longer copy replaces it
+        for hit in self.kv.prefixes(ids, skip=seq.seq_id):
+            need = self.kv.hit_pages(hit, n - hit.length, self.chunk_tokens)
+            evict = self._room(s, self._plus(need, keep), None if hit.on_host else hit.entry, first=drop)
+            if evict is not None:
+                return Resume(seq, evict, FromPrefix(hit))
+        chunked = self.chunk_long(n)
+        evict = self._room(s, self._plus(self._prefill_pages(n, chunked), keep), prompt=ids, first=drop)
+        return None if evict is None else Resume(seq, evict, None, chunked)
+
+    def _admit(self, s: SchedulerState, request: Request) -> Admit | None:
+        """A batch slot, then the first way whose pages fit (with the watermark, and beside a long prompt its
+        remaining chunks' pages): a copy of a running twin's prompt, a copy of the longest cached prefix (its
+        entry kept whole) and the rest, a prefill."""
+        if len(s.running) >= self.max_num_seqs:
+            return None
+        ids = request.prompt_token_ids
+        keep, reserve = self._keep(s), self._prefilling_reserve(s)
+        twin = s.running_twin(request)
+        if twin is not None:
+            evict = self._room(s, self._plus(self.kv.pages.fork_pages(twin.seq_id), keep, reserve))
+            if evict is not None:
+                return Admit(request, False, evict, CopyTwin(twin))
+        if request.params.prompt_logprobs is None:      # prompt logprobs come out of a whole prefill
+            for hit in self.kv.prefixes(ids):
+                need = self.kv.hit_pages(hit, len(ids) - hit.length, self.chunk_tokens)
+                evict = self._room(s, self._plus(need, keep, reserve), None if hit.on_host else hit.entry, ids)
+                if evict is not None:
+                    return Admit(request, True, evict, FromPrefix(hit))
+        chunked = self.chunked(s, request)
+        evict = self._room(s, self._plus(self._prefill_pages(len(ids), chunked), keep, reserve), prompt=ids)
+        return None if evict is None else Admit(request, chunked, evict)
+
+    def _prefill_pages(self, n: int, chunked: bool) -> list[int]:
+        """The pages of n tokens prefilled in one call or in chunks (as its chunks place them). Planned with
+        chunks of chunk_tokens; adapted sizes end as level (every worker within one token of N / workers), so
+        on a cache with no running sequences the plan's largest share always fits."""
+        return (self.kv.pages.chunked_prefill_pages(n, self.chunk_tokens) if chunked
+                else self.kv.pages.prefill_pages(n))
 
     def chunked(self, s: SchedulerState, request: Request) -> bool:
         """Is this prompt prefilled in chunks (chunked prefill on)? One longer than chunk_tokens
@@ -293,10 +342,8 @@ class Policy:
         return [n + keep + (reserve[r] if reserve else 0) for r, n in enumerate(need)]
 
     def _room(self, s: SchedulerState, need: list[int], keep_entry: int | None = None,
-              prompt: list[int] | None = None) -> "list[Eviction] | None":
-        """kv.room_for, preempted sequences' entries evicted last (the next to resume last of all)."""
-        return self.kv.room_for(need, keep_entry, prompt, last=[x.seq_id for x in reversed(s.preempted)])
-
-    def room_beside(self, s: SchedulerState, need: list[int], keep_entry: int | None = None):
-        """_room for a sequence admitted while a long prompt prefills: the pages it still needs stay free."""
-        return self._room(s, [n + r for n, r in zip(need, self._prefilling_reserve(s))], keep_entry)
+              prompt: list[int] | None = None, first: list[int] = ()) -> "list[Eviction] | None":
+        """kv.room_for, preempted sequences' entries evicted last (the next to resume last of all), but
+        `first`."""
+        last = [x.seq_id for x in reversed(s.preempted) if x.seq_id not in first]
+        return self.kv.room_for(need, keep_entry, prompt, last=last, first=first)

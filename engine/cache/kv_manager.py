@@ -66,14 +66,15 @@ class KVManager:
     # queries
 
     def room_for(self, need: list[int], keep_entry: int | None = None, prompt: list[int] | None = None,
-                 last: list[int] = ()) -> "list[Eviction] | None":
+                 last: list[int] = (), first: list[int] = ()) -> "list[Eviction] | None":
         """Do `need` pages fit on every worker? -> the evictions that make them fit ([] when they fit now),
         None when even evicting every entry (but `keep_entry`) would not do. `last`: entries evicted after
-        all others, in this order; `prompt`: what the pages are for (its longest cached prefix goes last)."""
+        all others, in this order; `first`: before all others; `prompt`: what the pages are for (its longest
+        cached prefix goes last)."""
         free = self.ledger.free_pages()
         if all(n <= f for n, f in zip(need, free)):
             return []
-        entries = self._eviction_order(keep_entry, prompt, last)
+        entries = self._eviction_order(keep_entry, prompt, last, first)
         evictable = [sum(self.ledger.pages_of(e, r) for e in entries) for r in range(len(free))]
         if not all(n <= f + e for n, f, e in zip(need, free, evictable)):
             return None
@@ -88,11 +89,13 @@ class KVManager:
             evictions.append(eviction)
         return evictions
 
-    def _eviction_order(self, keep_entry: int | None, prompt: list[int] | None, last: list[int]) -> list[int]:
+    def _eviction_order(self, keep_entry: int | None, prompt: list[int] | None, last: list[int],
+                        first: list[int]) -> list[int]:
         """The entries to evict from, first to last."""
         if self.prefix_cache is None:
             return []
-        entries = [e for e in self.prefix_cache.entries if e != keep_entry]
+        early = [e for e in first if e in self.prefix_cache.entries and e != keep_entry]
+        entries = [e for e in self.prefix_cache.entries if e != keep_entry and e not in early]
         copying = [e for e in entries if self._store_pending(e)]       # freeing them would wait for the copy
         entries = [e for e in entries if e not in copying] + copying
         hit = self.prefix_cache.longest(prompt) if prompt else None
@@ -100,7 +103,7 @@ class KVManager:
             entries.remove(hit[0])
             entries.append(hit[0])
         late = [e for e in last if e in entries]
-        return [e for e in entries if e not in late] + late
+        return early + [e for e in entries if e not in late] + late
 
     def _eviction_of(self, seq_id: int, short: list[int]) -> Eviction:
         """What frees at least `short` pages per worker from an entry: its tail when keeping a prefix of whole
@@ -123,15 +126,14 @@ class KVManager:
             return 0
         return len(self.prefix_cache.entries[seq_id])
 
-    def look_up_prefixes(self, ids: list[int]) -> list[Hit]:
-        """Counts a query of the prefix cache (`adopt` counts the hit) -> the longest cached prefixes of ids to
-        copy, best first: the pool's, or the host tier's where that holds enough more (RESTORE_GAIN); after the
-        pool's, the host tier's (restored when the pool's copy does not fit beside its source)."""
+    def prefixes(self, ids: list[int], skip: int | None = None) -> list[Hit]:
+        """The longest cached prefixes of ids to copy, best first: the pool's, or the host tier's where that
+        holds enough more (RESTORE_GAIN); after the pool's, the host tier's (restored when the pool's copy does
+        not fit beside its source). skip: an entry of the pool not to copy (about to be dropped)."""
         if self.prefix_cache is None:
             return []
-        self.prefix_cache.queries += len(ids)
         keys = Chain(ids, len(ids) - 1)                       # hashed once for both caches
-        gpu = self.prefix_cache.longest(ids, keys=keys)
+        gpu = self.prefix_cache.longest(ids, keys=keys, skip=skip)
         in_pool = Hit(*gpu) if gpu is not None else None
         host = self.host_cache.longest(ids, keys=keys) if self.host_cache is not None else None
         if host is None:
@@ -189,6 +191,11 @@ class KVManager:
         return self.ledger.tokens_per_worker(only=entries) if cached else self.ledger.tokens_per_worker(skip=entries)
 
     # actions
+
+    def count_query(self, ids: list[int]) -> None:
+        """A prompt looked up in the prefix cache (its tokens counted as queried; `adopt` counts a hit)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.queries += len(ids)
 
     def evict(self, evictions: "list[Eviction]") -> None:
         for e in evictions:

@@ -105,15 +105,18 @@ class PrefixCache:
             self.hits += hit[1]
         return hit
 
-    def longest(self, prompt: list[int], limit: int | None = None, keys: Chain | None = None) -> tuple[int, int] | None:
+    def longest(self, prompt: list[int], limit: int | None = None, keys: Chain | None = None,
+                skip: int | None = None) -> tuple[int, int] | None:
         """lookup's answer, without counting the query or touching the entry (for the scheduler's eviction
         order: the entry a waiting prompt would copy from is evicted last). limit: the longest prefix
-        wanted (default len(prompt) - 1); keys: the prompt's Chain to that limit, if the caller has one."""
+        wanted (default len(prompt) - 1); keys: the prompt's Chain to that limit, if the caller has one;
+        skip: an entry not to answer with."""
         best = None
         limit = len(prompt) - 1 if limit is None else limit
         keys = self._indexed_keys(prompt, limit, keys)
         for depth in range(len(keys), 0, -1):
-            holders = sorted(self.index.get(keys[depth - 1], ()), key=self.used.__getitem__, reverse=True)
+            holders = sorted((e for e in self.index.get(keys[depth - 1], ()) if e != skip), key=self.used.__getitem__,
+                             reverse=True)
             for seq_id in holders:                          # most recently used first
                 if self.entries[seq_id][:depth * BLOCK] == prompt[:depth * BLOCK]:    # never trust the hash alone
                     best = (seq_id, depth * BLOCK)

@@ -94,7 +94,7 @@ def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
 
 
 def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():
-    """Three 40-token prompts in a pool of 32 pages of 4 tokens (one worker), two of them generating 30
+    """Three 40-token prompts in a pool of 28 pages of 4 tokens (one worker), two of them generating 30
     tokens: the newest is preempted as they grow; its pages stay as a prefix-cache entry whose tail the
     others' growth takes (an entry gives back pages from its tail, not all at once); when a request
     finishes, the preempted one takes back what is left and recomputes only the lost tail, with the
@@ -104,7 +104,7 @@ def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():
     want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), [batch])
     want_logprobs = dict(_LOGPROBS)
     assert not preempted
-    got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=128), [batch])
+    got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=112), [batch])
     _assert_same_tokens(got, want, want_logprobs)
     assert len(preempted) == 1, preempted
     victim = preempted[0]

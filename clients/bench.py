@@ -342,3 +342,14 @@ def _check_reachable(url: str) -> None:
         raise BurstServeError(f"no server answers at {url} ({type(e).__name__}: {e}): start one with `burstserve "
                               f"serve`, give its address with --url, or let --serve ARGS start one for this "
                               f"run") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m clients.bench MODE ...`: `burstserve bench MODE ...` from a checkout that was not installed."""
+    parser = argparse.ArgumentParser(prog="burstserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    run(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -179,27 +179,38 @@ def _version() -> str:
         return "(not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `burstserve` command line: serve, worker and bench."""
+COMMANDS_GROUP = "burstserve.commands"    # entry points: subcommands other packages add (pyproject.toml: bench)
+
+
+def added_commands() -> dict:
+    """name -> the module of each subcommand the installed distribution adds (clients/bench.py's `bench`): it has
+    add_parser(subparsers) and run(args). A checkout that was not installed has none (`python -m clients.bench`
+    runs the benchmark there)."""
+    from importlib.metadata import entry_points
+    return {point.name: point.load() for point in entry_points(group=COMMANDS_GROUP)}
+
+
+def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
+    """The `burstserve` command line: serve, worker and the added commands (bench)."""
     parser = argparse.ArgumentParser(prog="burstserve", description="Long-context LLM inference server")
     parser.add_argument("--version", action="version", version=f"burstserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
     worker_parser(sub)
-    from clients.bench import add_parser as bench_parser
-    bench_parser(sub)
+    for module in (added_commands() if commands is None else commands).values():
+        module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    commands = added_commands()
+    args = build_parser(commands).parse_args(argv)
     if args.command == "serve":
         serve(args)
     elif args.command == "worker":
         worker(args)
-    elif args.command == "bench":
-        from clients.bench import run as run_bench
-        run_bench(args)
+    else:
+        commands[args.command].run(args)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ GPU_SH_RUNS = [
 
 
 def _gpu_sh_bench_lines(tmp_path) -> list[list[str]]:
-    """Every `python3 -m server.cli bench ...` command line of GPU_SH_RUNS, as its argv after server.cli."""
+    """Every `python3 -m clients.bench ...` command line of GPU_SH_RUNS, as `bench` and its argv after clients.bench."""
     lines = []
     for part, knobs in GPU_SH_RUNS:
         env = dict(os.environ, DRY="4", OUT=str(tmp_path / "gpu-sh"), KIND="cuda", **knobs)
@@ -133,8 +133,7 @@ def _gpu_sh_bench_lines(tmp_path) -> list[list[str]]:
         proc = subprocess.run(["bash", "scripts/gpu.sh", *part.split()], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
         printed = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
-        found = [argv[argv.index("server.cli") + 1:] for argv in printed
-                 if "server.cli" in argv and argv[argv.index("server.cli") + 1:][:1] == ["bench"]]
+        found = [["bench", *argv[argv.index("clients.bench") + 1:]] for argv in printed if "clients.bench" in argv]
         assert found, (part, knobs, proc.stdout[-2000:], proc.stderr[-2000:])
         lines += found
     return lines

@@ -135,8 +135,9 @@ class ExtendGraphs:
     @classmethod
     def create(cls, runner, engine) -> "ExtendGraphs | None":
         """Graphs for this worker's small extends, or None (eager), as DecodeGraphs decides: CUDA with
-        flash-attn-4 (its paged call reads lengths only on the device), not burst-zero (its extends run on
-        the weight slices), not FP8 pages (an extend gathers them)."""
+        flash-attn-4 (its paged call reads lengths only on the device), not burst-zero (its small extends run
+        on the MLP's slices, whose partial sums an all-reduce adds up: every worker must hold the same rows,
+        not a shard of them), not FP8 pages (an extend gathers them)."""
         if runner.whole_layers is not None or engine.max_num_batched_tokens is None and not engine.enable_prefix_caching:
             return None
         sizes = [m for m in SIZES if m < runner.max_model_len + STEP]        # up to the first that holds any prompt

@@ -432,7 +432,8 @@ def test_engine_bf16_on_several_gpus_matches_transformers(hf_bf16_checkpoint, gp
                                       "burst-zero-sliced"])
 def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, strategy):
     """Also: the last prompt is sent twice, so its twin decodes from forked K/V. burst-zero-sliced: burst-zero
-    with prompts up to 1000 tokens on the weight slices (its NCCL all-to-all of K/V), the 4099 gathered."""
+    with prompts up to 1000 tokens on the MLP's slices (every worker attends every head and keeps its own rows),
+    the 4099 gathered."""
     from engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 4099)]

@@ -60,8 +60,9 @@ def mixed_batch_limit(runner) -> int | None:
 class Scheduler:
     def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", runner,
                  max_model_len: int, eos_token_ids: list[int]):
-        """call: runs a call on every worker (engine/dispatch.py); runner: worker 0's ModelRunner, read here once: its WorkerCache's ledger, page planner and host tier
-        (the same on every worker), its engine options, model shapes, device and extend graphs."""
+        """call: runs a call on every worker (engine/dispatch.py); runner: worker 0's ModelRunner, read here
+        once: its WorkerCache's ledger, page planner and host tier (the same on every worker), its engine
+        options, model shapes, device and extend graphs."""
         engine = runner.engine
         self.call, self.requests, self.outputs = call, requests, outputs
         self.tokens = TokenOutputs(outputs, runner.device, eos_token_ids, max_model_len)
@@ -172,7 +173,7 @@ class Scheduler:
         prefilled, from a copy of a cached prefix or from nothing, then sampling its next token."""
         seq = self.state.preempted.popleft()
         self.state.decode_owed = False
-        ids = seq.request.prompt_token_ids + seq.generated
+        ids = seq.recompute_ids()
         kept = self.kv.kept(seq.seq_id)
         if isinstance(plan.start, plans.TakeBack):
             self.kv.reinstate(seq.seq_id)

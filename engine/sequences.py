@@ -27,6 +27,7 @@ class RunningSequence:
     prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
     grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
     preemptions: int = 0                         # times preempted (its cache now starts with prompt + generated)
+    _recompute: tuple | None = field(default=None, repr=False, compare=False)   # (generated count, its tokens)
 
     def sampling(self) -> RowSampling:
         """How its next token is sampled (seeded requests: the same noise for the same token index)."""
@@ -44,6 +45,13 @@ class RunningSequence:
     def tokens_to_recompute(self) -> int:
         """Its prompt and generated tokens: what a recompute after preemption prefills."""
         return len(self.request.prompt_token_ids) + len(self.generated)
+
+    def recompute_ids(self) -> list[int]:
+        """Those tokens, one list while they do not change: a preempted sequence is planned every turn until it
+        resumes, and the prefix cache hashes a list it was asked about last only once (KVManager._chain)."""
+        if self._recompute is None or self._recompute[0] != len(self.generated):
+            self._recompute = (len(self.generated), self.request.prompt_token_ids + self.generated)
+        return self._recompute[1]
 
 
 @dataclass

@@ -269,7 +269,7 @@ class Policy:
         (chunked when longer than a chunk)."""
         if len(s.running) >= self.max_num_seqs:
             return None
-        ids = seq.request.prompt_token_ids + seq.generated
+        ids = seq.recompute_ids()
         n, kept, keep = len(ids), self.kv.kept(seq.seq_id), self._keep(s)
         host = self.kv.host_hit(ids, kept) if kept < n - 1 else None
         if kept and host is None:

@@ -156,7 +156,7 @@ class KVManager:
     def host_hit(self, ids: list[int], in_pool: int) -> Hit | None:
         """The host tier's longest prefix of ids, if it is worth restoring over the `in_pool` tokens the pool
         holds."""
-        host = self.host_cache.longest(ids) if self.host_cache is not None else None
+        host = self.host_cache.longest(ids, keys=self._chain(ids)) if self.host_cache is not None else None
         if host is None or not self._worth_restoring(Hit(*host), in_pool):
             return None
         return Hit(*host, on_host=True)

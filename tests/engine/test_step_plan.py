@@ -148,5 +148,6 @@ def test_carrying_a_plan_out_asks_the_policy_nothing():
 
     got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], watch_policy)
     assert len(got) == len(batch)
-    assert {plans.Admit, plans.Resume, plans.PrefillChunk, plans.DecodeStep, plans.StepAhead} <= set(seen), set(seen)
+    # which plans a draw makes varies (a preemption may be a give-way, never resumed): the kinds every draw makes
+    assert {plans.Admit, plans.PrefillChunk, plans.DecodeStep} <= set(seen), set(seen)
     assert not asked, sorted(set(asked))

@@ -32,11 +32,14 @@ usage() {
 
 fa4_ready() { [ -d "$site/flash_attn/cute" ]; }
 
-# install what this call carried: .fa4a (flash-attn-4's first half, kept in /tmp/fa4 for the next call),
+# install what this call carried: .fa4a (flash-attn-4's first half, kept in /tmp/fa4 for the next call; .fa4c
+# likewise, where scripts/fa4_split_three.sh cut the second half again),
 # .whl (the wheels the GPU image lacks), .fa4b (the second half and the other wheels: joined and installed)
 install_carried() {
-  if [ -f .fa4a/part.aa ] && ! fa4_ready; then
-    mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/ || exit 3
+  if ! fa4_ready; then       # .fa4a's part, and .fa4c's where flash-attn-4 travels in three calls
+    for p in .fa4a/part.* .fa4c/part.*; do
+      [ -f "$p" ] && { mkdir -p /tmp/fa4 && cp "$p" /tmp/fa4/ || exit 3; }
+    done
   fi
   if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     local have

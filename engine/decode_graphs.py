@@ -26,6 +26,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def release_graphs(*holders) -> None:
+    """Resets and drops every CUDA graph of these holders (DecodeGraphs, ExtendGraphs, or None)."""
+    for holder in holders:
+        if holder is not None:
+            for graph in holder.graphs.values():
+                graph.reset()
+            holder.graphs.clear()
+            holder.outputs.clear()
+
+
 class DecodeGraphs:
     @classmethod
     def create(cls, runner, engine) -> "DecodeGraphs | None":

@@ -9,43 +9,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.cache.ledger import KVLedger, pages_for
-from engine.cache.page_planner import ExtendWay, PagePlanner
-from engine.cache.page_pool import PagePool
+from engine.cache.page_planner import ExtendWay
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.decode_attention import DecodeAttention
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, release_graphs
 from engine.extend_attention import ExtendAttention, warm_extend_kernels
 from engine.extend_graphs import ExtendGraphs
 from engine.devices import host_to_device, synchronize
 from engine.model import hf_weight_shapes
-from engine.parallel import PrefillContext, PrefillStrategy, get_strategy
+from engine.parallel import PrefillContext, PrefillStrategy, get_strategy, kv_view
 from engine.parallel.exchange_time import ExchangeTime
-from engine.parallel.pass_kv import block_bytes
+from engine.parallel.pass_kv import PassKVChoice
 from engine.parallel.ring import RingCommunicator
 from engine.parallel.sharding import Shard, owner_of_position
 from engine.prompt_logprobs import as_entries
 from engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
 from engine.step_tokens import FedTokens, PendingTokens, sampled_result
 from engine.weights import load_weights, random_weights, weight_bytes
-from engine.worker_cache import AfterRestore, PlacedExtend, WorkerCache, host_tier
-from engine.worker_memory import check_weights_fit, peak_memory_all_workers, size_pool
+from engine.worker_cache import AfterRestore, PlacedExtend, WorkerCache
+from engine.worker_memory import check_weights_fit, peak_memory_all_workers
 from kernels.attention import select_backend
 from kernels.kv_quant import SCALE_BYTES, is_fp8
 from kernels.paged_attention import fa4_available
 
 log = logging.getLogger(__name__)
-
-
-def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k, v [n, Hkv, D] -> [n, 2, Hkv, D]: a view where v follows k in each row (as the qkv projection's
-    output lays them out), else a stack. No ring sends it, so no copy is needed (a copy a layer is a
-    measurable share of a short prefill)."""
-    n, hkv, d = k.shape
-    if (k.stride() == v.stride() and k.stride()[1:] == (d, 1)
-            and v.data_ptr() == k.data_ptr() + hkv * d * k.element_size()):
-        return k.as_strided((n, 2, hkv, d), (k.stride(0), hkv * d, d, 1))
-    return torch.stack([k, v], dim=1)
 
 
 class ModelRunner:
@@ -80,21 +67,13 @@ class ModelRunner:
         self.dtype, self.attn_cfg = dtype, attn
         self.block_size = engine.page_size
         self.max_model_len = max_model_len
-        size = size_pool(engine, cfg, attn.num_kv_heads, dtype, self.strategy, self.layout, device, rank, data_group,
-                         max_model_len)
-        num_pages, self.prefill_rows_max, self.pass_q_reserve_bytes = size.pages, size.prefill_rows_max, \
-            size.pass_q_reserve_bytes
-        self._logged_pass_kv_fallback = False
+        self.cache, size = WorkerCache.build(engine, cfg, attn.num_kv_heads, dtype, self.strategy, self.layout, device,
+                                             rank, data_group, max_model_len)   # its pages sized from memory
+        self.pool, self.ledger, self.pages = self.cache.pool, self.cache.ledger, self.cache.pages
+        self.prefill_rows_max = size.prefill_rows_max
+        self.passes_kv = PassKVChoice(engine, attn.num_kv_heads, cfg.head_dim, dtype.itemsize, size.pass_q_reserve_bytes,
+                                      device, rank)   # a "ring" extend's way of passing
         share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
-        self.pool = PagePool(cfg.num_layers, num_pages, self.block_size, attn.num_kv_heads, cfg.head_dim, dtype,
-                             device, max_seqs=engine.max_num_seqs + 1,
-                             max_pages_per_seq=min(num_pages, pages_for(share, self.block_size)),
-                             kv_cache_dtype=engine.kv_cache_dtype)
-        self.ledger = KVLedger(self.world_size, self.block_size, num_pages, replicated=self.strategy.replicated_kv)
-        self.pages = PagePlanner(self.strategy, self.ledger, self.pool.max_pages_per_seq, engine.extend_ring_min_tokens)
-        host = host_tier(engine, cfg, attn.num_kv_heads, dtype.itemsize, self.pool, rank, device, data_group,
-                         self.strategy.replicated_kv)   # --kv-offload-gb (engine/cache/host_pool.py), or (None, None)
-        self.cache = WorkerCache(self.pool, self.ledger, self.pages, self.strategy, rank, *host)
         self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
         # prompts this short run on the weight slices (burst-zero; else 0)
         self.sliced_max_tokens = self.layout.sliced_limit(engine.zero_sliced_max_tokens, share, self.prefill_context)
@@ -111,7 +90,7 @@ class ModelRunner:
             ((2, attn.num_kv_heads, cfg.head_dim), dtype)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, *message, device)
                               if self.ring is not None else None)
-        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, num_pages,
+        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, self.ledger.num_pages,
                  self.block_size, self.pool.bytes() / 2**30,
                  "FP8 with a scale per token and head" if self.pool.fp8 else str(dtype).removeprefix("torch."),
                  "in CUDA graphs" if self.graphs else "eager")
@@ -276,27 +255,11 @@ class ModelRunner:
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
                                  self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8,
-                                 placed.cached_all if self._passes_kv(placed) else None)
+                                 placed.cached_all if self.passes_kv(placed) else None)
         if restore_waits:
             attend = AfterRestore(attend, restore_waits)
         last = (0, n - 1) if way == ExtendWay.WHOLE else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
-
-    def _passes_kv(self, placed: PlacedExtend) -> bool:
-        """Does a "ring" extend pass the cached K/V around the ring (engine/parallel/pass_kv.py) rather than
-        its queries to them? With --extend-pass kv on bf16 pages, where the blocks fit what the pool left for
-        a chunk's pass-Q (on a GPU; a CPU worker's memory is taken as used). The same answer on every worker."""
-        if placed.way != ExtendWay.RING or self.engine.extend_pass != "kv" or self.kv_fp8:
-            return False
-        need = block_bytes(placed.cached_all, placed.shards, self.attn_cfg.num_kv_heads, self.cfg.head_dim,
-                           self.dtype.itemsize, self.block_size)
-        fits = self.device.type != "cuda" or need <= self.pass_q_reserve_bytes
-        if not fits and not self._logged_pass_kv_fallback:
-            self._logged_pass_kv_fallback = True
-            log.info("worker %d: --extend-pass kv: an extend's K/V blocks (%.1f GiB) do not fit the %.1f GiB reserved "
-                     "for a chunk's pass-Q (none without chunked prefill, --kv-cache-tokens or flash-attn-4): it "
-                     "passes Q (logged once)", self.rank, need / 2**30, self.pass_q_reserve_bytes / 2**30)
-        return fits
 
     def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str,
                        graphed: bool = False) -> PrefillResult:
@@ -358,12 +321,7 @@ class ModelRunner:
         graph that captured an NCCL collective holds a reference to its communicator, and destroying the
         group waits for every such reference (pytorch/pytorch#115388): with the graphs alive, a worker of
         several GPUs would hang at shutdown."""
-        for holder in (self.graphs, self.extend_graphs):
-            if holder is not None:
-                for graph in holder.graphs.values():
-                    graph.reset()
-                holder.graphs.clear()
-                holder.outputs.clear()
+        release_graphs(self.graphs, self.extend_graphs)
         self.graphs = self.extend_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -10,13 +10,12 @@ diagram is in docs/design.md.
 
 KV pages: a request is admitted when its prompt's pages fit on every worker (with a small watermark left
 for the running sequences to grow); nothing is reserved for the tokens it may generate. When a decode
-step needs more pages than a worker has free, the newest running sequence is preempted and later resumed,
-before any new request. With the prefix cache its pages stay as an entry, evicted like any other; it
-takes back what is left of them and recomputes only the rest. Otherwise its pages are freed and its prompt
-and generated tokens are prefilled again as a prompt is (from the longest cached prefix, in chunks when
-longer than --max-num-batched-tokens), after which it goes on sampling; a seeded request's noise depends
-only on its seed and the token's index (engine/sampling.py), so a seeded or greedy request gives the same
-tokens as if it had never been preempted (vLLM's recompute preemption).
+step needs more pages than a worker has free, the newest running sequence is preempted (engine/preemption.py)
+and later resumed, before any new request: it takes back what its prefix-cache entry kept, or its prompt and
+generated tokens are prefilled again (from the longest cached prefix, in chunks when longer than
+--max-num-batched-tokens); a seeded request's noise depends only on its seed and the token's index
+(engine/sampling.py), so a seeded or greedy request gives the same tokens as if it had never been preempted
+(vLLM's recompute preemption).
 
 Sampling: a decode step's tokens are drawn on worker 0's device for the whole batch (greedy,
 temperature, top-k, top-p; logprobs there too); only the rows under a grammar (response_format)
@@ -24,7 +23,6 @@ come to the host, masked and sampled by the same rule."""
 import logging
 import queue
 import time
-from collections import deque
 
 import torch
 
@@ -34,27 +32,16 @@ from engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpSt
 from engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from engine.decode_steps import DecodeSteps
 from engine.dispatch import Dispatch
+from engine.extend_graphs import mixed_batch_limit
 from engine.inbox import Inbox
 from engine.outputs import PrefillStats, StepOutput
+from engine.preemption import Preemptions
 from engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from engine.stats_publisher import StatsPublisher
 from engine.token_outputs import TokenOutputs
 
 log = logging.getLogger(__name__)
 IDLE_PUMP_SECONDS = 0.002     # idle with host-tier stores queued: a slice is issued this often
-
-
-def mixed_batch_limit(runner) -> int | None:
-    """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk; 0
-    with --no-mixed-batch), or by default (None) the chunks that worker 0 replays with a decode step as one
-    CUDA graph (engine/extend_graphs.py; every worker decides alike), 0 where none: one graph of a late
-    chunk and the decode step beats the two graphs apart, while an eager mixed pass is bound by the host and
-    slower than both (docs/benchmarks.md, Chunked prefill and interference)."""
-    asked = runner.engine.mixed_batch
-    if asked is not None:
-        return None if asked else 0
-    graphs = runner.extend_graphs
-    return graphs.mixed_max_tokens if graphs is not None else 0
 
 
 class Scheduler:
@@ -73,11 +60,10 @@ class Scheduler:
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
                                 cache.ledger.block_size, min_chunk_tokens(runner.device.type)) if chunk else None
         self.policy = plans.Policy(self.kv, engine.max_num_seqs, max_model_len, chunk, self.sizer,
-                                   mixed_batch_limit(runner), engine.async_scheduling)
+                                   mixed_batch_limit(engine, runner.extend_graphs), engine.async_scheduling)
         self.state = SchedulerState()
         self.inbox = Inbox(requests, self.state, self.kv)                  # engine/inbox.py
-        self.num_preemptions = 0
-        self.recomputed_tokens = 0                              # prefilled again after preemptions (cache hits not)
+        self.preemptions = Preemptions(self.state, self.kv)     # engine/preemption.py
         self.next_seq_id = 0
         self.stats = StatsPublisher(outputs, self.kv)
         # late-bound: what wraps the scheduler's call, _commit or _emit (tests, profiles) wraps the decode steps' too
@@ -85,8 +71,9 @@ class Scheduler:
                                   lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
-                           plans.ReadBack: lambda plan: self.decode.drain(), plans.Preempt: self._preempt_newest,
-                           plans.GiveWay: lambda plan: self._give_way(), plans.Stuck: self._refuse,
+                           plans.ReadBack: lambda plan: self.decode.drain(),
+                           plans.Preempt: lambda plan: self.preemptions.newest(plan.seq),
+                           plans.GiveWay: lambda plan: self.preemptions.give_way(), plans.Stuck: self._refuse,
                            plans.Idle: lambda plan: None}
 
     @property
@@ -95,7 +82,7 @@ class Scheduler:
 
     def run(self) -> None:
         while True:
-            self.stats.publish(self.state, self.num_preemptions, self.recomputed_tokens)
+            self.stats.publish(self.state, self.preemptions.count, self.preemptions.recomputed_tokens)
             pumping = not self.state.busy() and self.kv.stores_queued()
             if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
                 self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
@@ -190,7 +177,7 @@ class Scheduler:
             if hit is not None:
                 self.kv.adopt(hit, seq.seq_id)
             cached = hit.length if hit else 0
-        self.recomputed_tokens += len(ids) - cached
+        self.preemptions.recomputed_tokens += len(ids) - cached
         log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",
                  seq.request.request_id, len(ids), cached)
         if cached or plan.chunked:            # in chunks, from the next turn
@@ -246,21 +233,6 @@ class Scheduler:
         if self.sizer is not None:
             self.sizer.observe(new_tokens, context, result.prefill_seconds)
 
-    def _give_way(self) -> None:
-        """The prompt in chunks, the newest request, gives its pages back: a recompute goes back among the
-        preempted (what it recomputed so far kept as its entry), a prompt to the head of the queue (first
-        come, first served)."""
-        job, self.state.prefilling = self.state.prefilling, None
-        self.state.decode_owed = True
-        if job.resumed:
-            self._preempt(job.seq, job.tokens[:job.done])
-            return
-        self.kv.free([job.seq.seq_id])
-        self.state.waiting.appendleft(job.seq.request)
-        self.num_preemptions += 1
-        log.info("request %s preempted (KV cache full) after %d of its %d prompt tokens; it will be prefilled again",
-                 job.seq.request.request_id, job.done, len(job.tokens))
-
     # decoding
 
     def _decode(self, plan: plans.DecodeStep) -> None:
@@ -273,29 +245,6 @@ class Scheduler:
     def _decode_ahead(self, plan: plans.StepAhead) -> None:
         """Asynchronous scheduling: the next step launched, then the one in flight read back (DecodeSteps)."""
         self.decode.ahead(plan.batch, plan.rows)
-
-    # preemption
-
-    def _preempt_newest(self, plan: plans.Preempt) -> None:
-        self.state.running.remove(plan.seq)
-        self.state.decode_owed = True
-        self._preempt(plan.seq)
-
-    def _preempt(self, seq: RunningSequence, computed: list[int] | None = None) -> None:
-        """Out of the batch; with the prefix cache its pages stay as an entry of the tokens whose K/V exist
-        (`computed`; by default all but its last sampled token's), else (or with none) they are freed."""
-        if computed is None:
-            computed = seq.request.prompt_token_ids + seq.generated[:-1]
-        if self.kv.prefix_cache is not None and computed:
-            self.kv.retire(seq.seq_id, computed)
-        else:
-            self.kv.free([seq.seq_id])
-        seq.preemptions += 1
-        self.num_preemptions += 1
-        self.state.preempted = deque(sorted([*self.state.preempted, seq],
-                                            key=lambda s: (s.request.arrival_time, s.seq_id)))
-        log.info("request %s preempted (KV cache full) after %d tokens; it will be recomputed",
-                 seq.request.request_id, len(seq.generated))
 
     @staticmethod
     def _refuse(plan: plans.Stuck) -> None:

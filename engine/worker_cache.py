@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
-from engine.cache.ledger import KVLedger
+from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import ExtendWay, PagePlanner
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import kv_bytes_per_token
@@ -20,6 +20,7 @@ from engine.calls import (Adopt, Fork, Free, HostFree, Offload, PrefillResult, P
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
 from engine.parallel.sharding import Shard
+from engine.worker_memory import PoolSize, size_pool
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,23 @@ class WorkerCache:
                  host_ledger: KVLedger | None = None, host: HostPool | None = None):
         self.pool, self.ledger, self.pages, self.strategy, self.rank = pool, ledger, pages, strategy, rank
         self.host_ledger, self.host = host_ledger, host
+
+    @classmethod
+    def build(cls, engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dtype: torch.dtype, strategy, layout,
+              device: torch.device, rank: int, data_group, max_model_len: int) -> "tuple[WorkerCache, PoolSize]":
+        """A worker's cache at start, after its weights: the pool sized from what memory is left (the same
+        number of pages on every worker: collective), its ledger and planner, the host tier -> (it, the sizing)."""
+        size = size_pool(engine, cfg, num_kv_heads, dtype, strategy, layout, device, rank, data_group, max_model_len)
+        share = strategy.kv_share(max_model_len)             # a worker's share of the longest sequence
+        pool = PagePool(cfg.num_layers, size.pages, engine.page_size, num_kv_heads, cfg.head_dim, dtype, device,
+                        max_seqs=engine.max_num_seqs + 1,
+                        max_pages_per_seq=min(size.pages, pages_for(share, engine.page_size)),
+                        kv_cache_dtype=engine.kv_cache_dtype)
+        ledger = KVLedger(engine.world_size, engine.page_size, size.pages, replicated=strategy.replicated_kv)
+        pages = PagePlanner(strategy, ledger, pool.max_pages_per_seq, engine.extend_ring_min_tokens)
+        host = host_tier(engine, cfg, num_kv_heads, dtype.itemsize, pool, rank, device, data_group,
+                         strategy.replicated_kv)   # --kv-offload-gb (engine/cache/host_pool.py), or (None, None)
+        return cls(pool, ledger, pages, strategy, rank, *host), size
 
     # ------------------------------------------------------------ placing a step's tokens
 

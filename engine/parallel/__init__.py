@@ -9,7 +9,7 @@ from engine.parallel.burst_attention import BurstNoLaoStrategy, BurstStrategy
 from engine.parallel.cqs import CQSStrategy
 from engine.parallel.ring_rsa import RingRSAStrategy
 from engine.parallel.single import SingleStrategy
-from engine.parallel.strategy import PrefillContext, PrefillStrategy
+from engine.parallel.strategy import PrefillContext, PrefillStrategy, kv_view
 from engine.parallel.tensor_parallel import TensorParallelStrategy, TensorParallelV3Strategy
 from engine.parallel.ulysses import UlyssesStrategy
 from engine.parallel.zero import BurstZeroStrategy
@@ -35,4 +35,4 @@ def get_strategy(name: str, world_size: int) -> PrefillStrategy:
     return STRATEGIES[name](world_size)
 
 
-__all__ = ["PrefillContext", "PrefillStrategy", "SP_STRATEGIES", "STRATEGIES", "get_strategy"]
+__all__ = ["PrefillContext", "PrefillStrategy", "SP_STRATEGIES", "STRATEGIES", "get_strategy", "kv_view"]

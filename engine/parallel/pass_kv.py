@@ -11,16 +11,22 @@ Against pass-Q (engine/extend_attention.py, ExtendAttention._cached_partials_of_
 gathered to each worker's cache, the fp32 partials sent back by an all-to-all, neither overlapped) a cached
 token travels as its K/V (4 KiB for llama3-8b's 8 KV heads in bf16) where a new token's query and partial
 travel as ~24 KiB, and the exchange hides behind the block being attended. The cost is memory that grows
-with the context: the worker's own block and the two ring buffers of the largest block (ModelRunner uses
-it only where that fits the reserve made for a chunk's pass-Q: `block_bytes`).
+with the context: the worker's own block and the two ring buffers of the largest block (PassKVChoice:
+only where that fits the reserve made for a chunk's pass-Q: `block_bytes`).
 """
+import logging
+
 import torch
 
+from engine.cache.page_planner import ExtendWay
 from engine.parallel.burst_attention import BurstAttention
 from engine.parallel.ring import RingCommunicator, RingPass
 from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
+from kernels.kv_quant import is_fp8
 from kernels.merge import merge_into
+
+log = logging.getLogger(__name__)
 
 
 def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, head_dim: int, itemsize: int,
@@ -31,6 +37,32 @@ def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, h
     largest = max(c + s.length for c, s in zip(cached, new_shards))
     pages = max(-(-c // page_size) for c in cached) * page_size
     return (3 * largest * 2 + pages) * num_kv_heads * head_dim * itemsize
+
+
+class PassKVChoice:
+    """Does a "ring" extend pass the cached K/V around the ring rather than its queries to them? With --extend-pass
+    kv on bf16 pages, where the blocks fit what the pool left for a chunk's pass-Q (on a GPU; a CPU worker's
+    memory is taken as used). The same answer on every worker (their ledgers agree)."""
+
+    def __init__(self, engine, num_kv_heads: int, head_dim: int, itemsize: int, reserve_bytes: int,
+                 device: torch.device, rank: int):
+        self.asked = engine.extend_pass == "kv" and not is_fp8(engine.kv_cache_dtype)
+        self.shape = (num_kv_heads, head_dim, itemsize, engine.page_size)
+        self.reserve_bytes, self.on_gpu, self.rank = reserve_bytes, device.type == "cuda", rank
+        self.logged = False
+
+    def __call__(self, placed) -> bool:
+        """placed: an extend's PlacedExtend (engine/worker_cache.py)."""
+        if placed.way != ExtendWay.RING or not self.asked:
+            return False
+        need = block_bytes(placed.cached_all, placed.shards, *self.shape)
+        fits = not self.on_gpu or need <= self.reserve_bytes
+        if not fits and not self.logged:
+            self.logged = True
+            log.info("worker %d: --extend-pass kv: an extend's K/V blocks (%.1f GiB) do not fit the %.1f GiB reserved "
+                     "for a chunk's pass-Q (none without chunked prefill, --kv-cache-tokens or flash-attn-4): it "
+                     "passes Q (logged once)", self.rank, need / 2**30, self.reserve_bytes / 2**30)
+        return fits
 
 
 class PassKVAttention:

@@ -51,6 +51,17 @@ from kernels.attention import AttentionBackend
 Attention = Callable[[torch.Tensor, torch.Tensor, Callable[[], None]], torch.Tensor]
 
 
+def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [n, Hkv, D] -> [n, 2, Hkv, D], an Attention's kv: a view where v follows k in each row (as the qkv
+    projection's output lays them out), else a stack. No ring sends it, so no copy is needed (a copy a layer
+    is a measurable share of a short prefill)."""
+    n, hkv, d = k.shape
+    if (k.stride() == v.stride() and k.stride()[1:] == (d, 1)
+            and v.data_ptr() == k.data_ptr() + hkv * d * k.element_size()):
+        return k.as_strided((n, 2, hkv, d), (k.stride(0), hkv * d, d, 1))
+    return torch.stack([k, v], dim=1)
+
+
 @dataclass(frozen=True)
 class PrefillContext:
     """What a strategy may use to build a prefill's attention; fixed for a runner's life."""

@@ -56,7 +56,7 @@ def test_ring_matches_single_device(world_size, seq_len, heads, kv_heads, causal
 def test_kv_view_is_the_stacked_message_without_a_copy():
     """engine.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
     the qkv projection's rows (v follows k there), and as a stack wherever they do not lie so."""
-    from engine.model_runner import kv_view
+    from engine.parallel import kv_view
     n, h, hkv, d = random.randint(1, 9), 4, 2, 8
     qkv = torch.randn(n, (h + 2 * hkv) * d)
     _, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)

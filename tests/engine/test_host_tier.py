@@ -156,8 +156,8 @@ def test_a_preempted_sequence_comes_back_from_host_memory():
     preempted = []
 
     def spy(scheduler, runner):
-        preempt = scheduler._preempt
-        scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
+        preempt = scheduler.preemptions.preempt
+        scheduler.preemptions.preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
 
     got, calls, scheduler = serve_in_process(engine(kv_cache_tokens=128, kv_offload_gb=TIER), [batch], spy)
     assert {r: [o.token_id for o in v] for r, v in got.items()} == {r: [o.token_id for o in v] for r, v in want.items()}

@@ -22,8 +22,8 @@ def _serve(engine: EngineConfig, batches: list[list[tuple]]):
     preempted = []
 
     def spy(scheduler, runner):
-        preempt = scheduler._preempt
-        scheduler._preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
+        preempt = scheduler.preemptions.preempt
+        scheduler.preemptions.preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
 
     batches = [[(rid, prompt, SamplingParams(temperature=0, max_tokens=(max_tokens or [GEN])[0], ignore_eos=True,
                                              logprobs=2))
@@ -67,7 +67,8 @@ def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
     want_logprobs = dict(_LOGPROBS)
     assert not preempted
     got, calls, preempted, scheduler = _serve(_engine(kv_cache_tokens=160, enable_prefix_caching=False), [batch])
-    assert preempted and scheduler.recomputed_tokens > CHUNK, (preempted, scheduler.recomputed_tokens)
+    recomputed = scheduler.preemptions.recomputed_tokens
+    assert preempted and recomputed > CHUNK, (preempted, recomputed)
     _assert_same_tokens(got, want, want_logprobs)
     sizes = [len(c.token_ids) for c in calls if isinstance(c, (Prefill, Extend))]
     assert max(sizes) <= CHUNK, sizes
@@ -112,4 +113,5 @@ def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():
     assert any(isinstance(c, Truncate) and c.seq_id == victim for c in calls[:reinstated]), "its tail was not taken"
     again = next(c for c in calls[reinstated:] if isinstance(c, (Extend, Prefill)) and c.seq_id == victim)
     assert isinstance(again, Extend) and again.start >= 16, again      # from the tokens it kept
-    assert 0 < scheduler.recomputed_tokens < 40, scheduler.recomputed_tokens   # only the lost tail
+    recomputed = scheduler.preemptions.recomputed_tokens
+    assert 0 < recomputed < 40, recomputed           # only the lost tail

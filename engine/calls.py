@@ -1,6 +1,8 @@
 """What worker 0 asks of every worker, one message type per call, and what each call returns.
 
-Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`); `call(message)` (engine/dispatch.py) runs
+Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`), its KV manager places it (where its tokens go
+over the workers: engine/cache/kv_manager.py `place`, the only keeper of that ledger; a cache change carries
+the tokens by worker it copies or keeps), and `call(message)` (engine/dispatch.py) runs
 it on worker 0's own ModelRunner (the cache's calls on its WorkerCache, engine/worker_cache.py) and sends
 every other worker the same calls in the same order, one Turn message a scheduler turn over the control
 plane (engine/control.py); each runs them with engine/worker.py `run_call` (one handler per type, `HANDLERS`). A handler
@@ -25,12 +27,21 @@ class Prefill:
 
 
 @dataclass
+class ExtendPlacement:
+    """Where an extend's new tokens go over the workers, as the KV manager placed them."""
+    way: str                                   # ExtendWay (engine/cache/page_planner.py)
+    shards: list                               # the new tokens over the workers (Shard by rank)
+    held: list[int]                            # the sequence's tokens on each worker before them, by rank
+
+
+@dataclass
 class Extend:
     """An incremental prefill: tokens start .. start+n-1 after the `start` already cached (a chunk of a
     chunked prefill, or a prompt past its cached prefix)."""
     seq_id: int
     token_ids: torch.Tensor                    # [n] int64, CPU
     start: int
+    placed: ExtendPlacement | None = None      # set by the KV manager's `place`
 
 
 @dataclass
@@ -44,6 +55,7 @@ class Decode:
     sampling: "list | None" = None             # per row its RowSampling (engine/sampling.py); None: greedy
     host_rows: list[int] = field(default_factory=list)   # rows sampled on the host (grammars): their logits back
     fed_from: list[int] | None = None
+    owners: list[list[int]] | None = None      # per row the workers that store its new token (the KV manager's)
 
 
 @dataclass
@@ -61,24 +73,28 @@ class ExtendAndDecode:
 
 @dataclass
 class Fork:
-    """seq_id's cache starts as a copy of source_id's prompt K/V."""
+    """seq_id's cache starts as a copy of source_id's prompt K/V (`counts` of its tokens on each worker)."""
     source_id: int
     seq_id: int
+    counts: list[int]
 
 
 @dataclass
 class Adopt:
-    """seq_id's cache starts as a copy of source_id's tokens before `position` (a cached prefix)."""
+    """seq_id's cache starts as a copy of source_id's tokens before `position` (a cached prefix; `counts` of
+    them on each worker, each worker's first slots of the source)."""
     source_id: int
     seq_id: int
     position: int
+    counts: list[int]
 
 
 @dataclass
 class Truncate:
-    """A prefix-cache entry keeps only its tokens before `position`."""
+    """A prefix-cache entry keeps only its tokens before `position` (`kept` of them on each worker)."""
     seq_id: int
     position: int
+    kept: list[int]
 
 
 @dataclass
@@ -105,6 +121,7 @@ class Offload:
     Returns the bytes copied (on worker 0)."""
     seq_id: int
     position: int
+    counts: list[int]                          # its tokens before `position` on each worker
 
 
 @dataclass
@@ -114,6 +131,7 @@ class Restore:
     host_id: int
     seq_id: int
     position: int
+    counts: list[int]                          # the entry's tokens before `position` on each worker
 
 
 @dataclass

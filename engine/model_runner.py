@@ -69,7 +69,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cache, size = WorkerCache.build(engine, cfg, attn.num_kv_heads, dtype, self.strategy, self.layout, device,
                                              rank, data_group, max_model_len)   # its pages sized from memory
-        self.pool, self.ledger, self.pages = self.cache.pool, self.cache.ledger, self.cache.pages
+        self.pool = self.cache.pool
         self.prefill_rows_max = size.prefill_rows_max
         self.passes_kv = PassKVChoice(engine, attn.num_kv_heads, cfg.head_dim, dtype.itemsize, size.pass_q_reserve_bytes,
                                       device, rank)   # a "ring" extend's way of passing
@@ -90,7 +90,7 @@ class ModelRunner:
             ((2, attn.num_kv_heads, cfg.head_dim), dtype)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, *message, device)
                               if self.ring is not None else None)
-        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, self.ledger.num_pages,
+        log.info("worker %d: KV pool of %d pages x %d tokens (%.2f GiB, %s), decode %s", rank, self.pool.num_pages,
                  self.block_size, self.pool.bytes() / 2**30,
                  "FP8 with a scale per token and head" if self.pool.fp8 else str(dtype).removeprefix("torch."),
                  "in CUDA graphs" if self.graphs else "eager")
@@ -140,7 +140,7 @@ class ModelRunner:
 
     def _begin_prefill(self, seq_id: int, shards: list[Shard]) -> tuple[float, Shard, torch.Tensor]:
         """A prefill's start (every worker's queue drained, the peak memory counted from here) and its prompt
-        placed (the ledger, this worker's pages) -> (start time, this worker's Shard, its slots [n])."""
+        placed (this worker's pages) -> (start time, this worker's Shard, its slots [n])."""
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
@@ -179,7 +179,7 @@ class ModelRunner:
         self._sync()
         start_time = time.perf_counter()
         waits = self.cache.restore_waits(seq_id)                          # a restore still copying
-        placed = self.cache.place_extend(seq_id, token_ids.shape[0], start)
+        placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.placed)
         if self._graphed_extend(placed):
             self.cache.wait_restore(waits)
             logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
@@ -207,11 +207,10 @@ class ModelRunner:
         self._sync()
         start_time = time.perf_counter()
         waits = self.cache.restore_waits(seq_id)                          # a restore still copying
-        step_pages = self.ledger.step_new_pages(seq_ids)                 # the decode rows' pages, taken after
-        placed = self.cache.place_extend(seq_id, token_ids.shape[0], start, step_pages)
+        placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.extend.placed)   # the step's after it
         if self._graphed_extend(placed, len(seq_ids)):
             self.cache.wait_restore(waits)
-            step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions)   # [5, B] (host)
+            step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions, step.owners)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
             result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
@@ -220,7 +219,8 @@ class ModelRunner:
                 result.decode = sampled_result(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions).to(self.device)   # [5, B]
+        step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions,
+                                                     step.owners).to(self.device)                 # [5, B]
         self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
 
@@ -239,7 +239,7 @@ class ModelRunner:
     def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
         """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
         (engine/extend_graphs.py): its way runs every new token on every worker in order ("whole", or "local"
-        on one worker or tp), and a graph is that large. The same answer on every worker (their ledgers agree)."""
+        on one worker or tp), and a graph is that large. The same answer on every worker (one placement)."""
         n = placed.shards_tokens
         return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != ExtendWay.RING
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
@@ -290,7 +290,7 @@ class ModelRunner:
 
     def _decode_logits(self, call: Decode) -> torch.Tensor:
         """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
-        step_inputs = self.cache.place_decode_tokens(call.seq_ids, call.token_ids, call.positions)   # [5, B] int64, host
+        step_inputs = self.cache.place_decode_tokens(call.seq_ids, call.token_ids, call.positions, call.owners)   # [5, B]
         fed = None if call.fed_from is None else self.fed_tokens.rows(call.fed_from)
         if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
             return self.graphs.run(step_inputs, fed)
@@ -327,14 +327,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def info(self) -> dict:
-        per_worker = self.ledger.num_pages * self.block_size
+        per_worker = self.pool.num_pages * self.block_size
         total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
         return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
                 "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
                 "kv_cache_dtype": "fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
-                "kv_pages_per_worker": self.ledger.num_pages, "cuda_graphs": self.graphs is not None,
+                "kv_pages_per_worker": self.pool.num_pages, "cuda_graphs": self.graphs is not None,
                 "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max,
-                "kv_host_capacity_tokens": self.cache.host_ledger.num_pages * self.block_size if self.cache.host else 0}
+                "kv_host_capacity_tokens": self.cache.host.num_pages * self.block_size if self.cache.host else 0}
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)

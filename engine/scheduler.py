@@ -48,17 +48,16 @@ class Scheduler:
     def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", runner,
                  max_model_len: int, eos_token_ids: list[int]):
         """call: runs a call on every worker (engine/dispatch.py); runner: worker 0's ModelRunner, read here
-        once: its WorkerCache's ledger, page planner and host tier (the same on every worker), its engine
-        options, model shapes, device and extend graphs."""
+        once: its engine options, model shapes, device, extend graphs and its cache's sizes (the KV manager's)."""
         engine = runner.engine
         self.call, self.requests, self.outputs = call, requests, outputs
         self.tokens = TokenOutputs(outputs, runner.device, eos_token_ids, max_model_len)
-        cache = runner.cache                                         # engine/worker_cache.py
-        self.kv = KVManager(cache.ledger, cache.pages, call, engine.enable_prefix_caching, cache.host_ledger, cache.host)
+        self.kv = KVManager.of_workers(runner, call, engine.enable_prefix_caching)   # the cache's one ledger
+        call.place = self.kv.place                                   # every work call placed before it runs
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
-                                cache.ledger.block_size, min_chunk_tokens(runner.device.type)) if chunk else None
+                                engine.page_size, min_chunk_tokens(runner.device.type)) if chunk else None
         self.policy = plans.Policy(self.kv, engine.max_num_seqs, max_model_len, chunk, self.sizer,
                                    mixed_batch_limit(engine, runner.extend_graphs), engine.async_scheduling)
         self.state = SchedulerState()
@@ -89,7 +88,7 @@ class Scheduler:
                 time.sleep(IDLE_PUMP_SECONDS)
             idle = not self.state.busy() and not pumping
             if idle:
-                self.call.flush()       # the workers' cache as worker 0's before the wait
+                self.call.flush()       # the cache's changes out to the other workers before the wait
             if not self.inbox.take(block=idle):
                 self.decode.drain()
                 return

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload, Prefill,
                           PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
+from engine.cache.kv_manager import KVManager
 from engine.config import EngineConfig, default_dtype, resolve_model
 from engine.control import GlooControl, PipeControl
 from engine.dispatch import Dispatch
@@ -168,6 +169,15 @@ def run_call(runner: ModelRunner, message):
     """Runs one call on this worker's runner (or its cache) -> its result (engine/calls.py)."""
     kind = type(message)
     return HANDLERS[kind](runner.cache if kind in CACHE_CALLS else runner, message)
+
+
+def runner_alone(runner: ModelRunner) -> KVManager:
+    """A KV manager over this runner alone, for tools and tests that drive ModelRunners without a scheduler (on
+    several workers each one makes its own and places alike): kv.call(message) places work and runs it here."""
+    call = Dispatch(lambda message: run_call(runner, message), None)
+    kv = KVManager.of_workers(runner, call, prefix_caching=False)
+    call.place = kv.place
+    return kv
 
 
 def _make_call(runner: ModelRunner, control, world_size: int) -> Dispatch:

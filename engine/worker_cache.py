@@ -1,8 +1,9 @@
-"""A worker's side of the KV cache: its pages (PagePool), the ledger of which worker holds which tokens (the
-same on every worker), the planner of where new tokens go, and the host-memory tier under the prefix cache
-(--kv-offload-gb). A step's tokens are placed here before its forward runs (a prompt, a chunk, a decode
-token per sequence), and the cache calls of engine/calls.py (fork, adopt, offload, restore, retire,
-truncate, reinstate, free, host_free) are its methods. Every worker places alike: their ledgers agree."""
+"""A worker's side of the KV cache: its pages (PagePool) and the host-memory tier under the prefix cache
+(--kv-offload-gb). Where tokens go over the workers is decided by the scheduler's KV manager
+(engine/cache/kv_manager.py, the one ledger) and arrives with each call: a step's tokens are stored here
+where the call says (a prompt by the strategy's shards, a chunk by its ExtendPlacement, a decode token on
+the workers a row names), and the cache calls of engine/calls.py (fork, adopt, offload, restore, retire,
+truncate, reinstate, free, host_free) are its methods, each with its counts by worker."""
 import logging
 import time
 from dataclasses import dataclass
@@ -11,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
-from engine.cache.ledger import KVLedger, pages_for
-from engine.cache.page_planner import ExtendWay, PagePlanner
+from engine.cache.ledger import pages_for
+from engine.cache.page_planner import ExtendWay
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import kv_bytes_per_token
-from engine.calls import (Adopt, Fork, Free, HostFree, Offload, PrefillResult, PumpStores, Reinstate, Restore, Retire,
-                          Truncate)
+from engine.calls import (Adopt, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult, PumpStores, Reinstate,
+                          Restore, Retire, Truncate)
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
 from engine.parallel.sharding import Shard
@@ -58,56 +59,49 @@ class AfterRestore:
 
 
 class WorkerCache:
-    def __init__(self, pool: PagePool, ledger: KVLedger, pages: PagePlanner, strategy, rank: int,
-                 host_ledger: KVLedger | None = None, host: HostPool | None = None):
-        self.pool, self.ledger, self.pages, self.strategy, self.rank = pool, ledger, pages, strategy, rank
-        self.host_ledger, self.host = host_ledger, host
+    def __init__(self, pool: PagePool, strategy, rank: int, host: HostPool | None = None):
+        self.pool, self.strategy, self.rank, self.host = pool, strategy, rank, host
 
     @classmethod
     def build(cls, engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dtype: torch.dtype, strategy, layout,
               device: torch.device, rank: int, data_group, max_model_len: int) -> "tuple[WorkerCache, PoolSize]":
         """A worker's cache at start, after its weights: the pool sized from what memory is left (the same
-        number of pages on every worker: collective), its ledger and planner, the host tier -> (it, the sizing)."""
+        number of pages on every worker: collective) and the host tier -> (it, the sizing)."""
         size = size_pool(engine, cfg, num_kv_heads, dtype, strategy, layout, device, rank, data_group, max_model_len)
         share = strategy.kv_share(max_model_len)             # a worker's share of the longest sequence
         pool = PagePool(cfg.num_layers, size.pages, engine.page_size, num_kv_heads, cfg.head_dim, dtype, device,
                         max_seqs=engine.max_num_seqs + 1,
                         max_pages_per_seq=min(size.pages, pages_for(share, engine.page_size)),
                         kv_cache_dtype=engine.kv_cache_dtype)
-        ledger = KVLedger(engine.world_size, engine.page_size, size.pages, replicated=strategy.replicated_kv)
-        pages = PagePlanner(strategy, ledger, pool.max_pages_per_seq, engine.extend_ring_min_tokens)
-        host = host_tier(engine, cfg, num_kv_heads, dtype.itemsize, pool, rank, device, data_group,
-                         strategy.replicated_kv)   # --kv-offload-gb (engine/cache/host_pool.py), or (None, None)
-        return cls(pool, ledger, pages, strategy, rank, *host), size
+        host = host_tier(engine, cfg, num_kv_heads, dtype.itemsize, pool, rank, device, data_group)   # or None
+        return cls(pool, strategy, rank, host), size
 
     # ------------------------------------------------------------ placing a step's tokens
 
     def place_prompt(self, seq_id: int, shards: list[Shard]) -> tuple[Shard, torch.Tensor]:
         """A prompt's first prefill over `shards` -> (this worker's Shard, its slots [n] int64)."""
         shard = self.strategy.shard_of(shards, self.rank)
-        self.ledger.add(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
         self.pool.add(seq_id, shard.length)
         return shard, self.pool.slots(seq_id, 0, shard.length)
 
-    def place_extend(self, seq_id: int, num_tokens: int, start: int, reserved: list[int] | None = None) -> PlacedExtend:
-        """num_tokens new tokens after the sequence's `start` cached ones: their way, the ledger, this worker's
-        pages. reserved: pages per worker a decode step in the same call takes (see PagePlanner.extend_way)."""
-        held = self.ledger.seqs[seq_id].tokens
-        way = self.pages.extend_way(num_tokens, held, reserved)
-        shards = self.pages.extend_shards(held, num_tokens, way)
+    def place_extend(self, seq_id: int, num_tokens: int, placed: ExtendPlacement) -> PlacedExtend:
+        """num_tokens new tokens of the sequence, placed over the workers by the KV manager: this worker's rows
+        and pages."""
+        way, shards = ExtendWay(placed.way), placed.shards
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(num_tokens) if way == ExtendWay.WHOLE else shard.positions()   # [m], of the new tokens
-        cached, cached_all = self.ledger.tokens(seq_id, self.rank), list(held)
-        self.ledger.extend(seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, start))
         host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
-        return PlacedExtend(way, shards, positions, cached, cached_all, host_slots, keeps=shard.length > 0)
+        return PlacedExtend(way, shards, positions, placed.held[self.rank], list(placed.held), host_slots,
+                            keeps=shard.length > 0)
 
-    def place_decode_tokens(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Advances the ledger and this worker's pages by one token per sequence -> [5, B] int64: tokens,
-        positions, slots (scratch where another worker stores the token), keys held here, table rows."""
+    def place_decode_tokens(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
+                            owners: list[list[int]]) -> torch.Tensor:
+        """This worker's pages take one token per sequence where `owners` (per row, the workers that store it)
+        names it -> [5, B] int64: tokens, positions, slots (scratch where another worker stores the token),
+        keys held here, table rows."""
         slots, lens, rows = [], [], []
-        for s in seq_ids:
-            if self.rank in self.ledger.advance(s):
+        for s, stores in zip(seq_ids, owners):
+            if self.rank in stores:
                 slots.append(self.pool.append(s))
             else:
                 slots.append(0)                                             # page 0: scratch
@@ -121,32 +115,27 @@ class WorkerCache:
     def fork(self, call: Fork) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
         fill each worker's first slots; what the source decoded since is not copied)."""
-        source_id, seq_id = call.source_id, call.seq_id
-        counts = self.ledger.prompt_tokens(source_id)
-        self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
-        self.pool.copy_prefix(source_id, seq_id, counts[self.rank])
+        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank])
 
     @torch.inference_mode()
     def adopt(self, call: Adopt) -> None:
         """A new sequence whose cache starts as a copy of the source's tokens before `position` (a
         cached prefix: on every worker, the source's first slots there, whole pages copied)."""
-        counts = self.ledger.add_prefix_of(call.source_id, call.seq_id, call.position)
-        self.pool.copy_prefix(call.source_id, call.seq_id, counts[self.rank])
+        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank])
 
     @torch.inference_mode()
     def offload(self, call: Offload) -> int:
         """A host entry of the sequence's id: a copy of its tokens before `position` (every worker its own
         first slots) -> the bytes this worker copies."""
-        counts = self.host_ledger.add_prefix_of(call.seq_id, call.seq_id, call.position, tier=self.ledger)
-        return self.host.store(self.pool, call.seq_id, call.seq_id, counts[self.rank])
+        return self.host.store(self.pool, call.seq_id, call.seq_id, call.counts[self.rank])
 
     @torch.inference_mode()
     def restore(self, call: Restore) -> int:
         """A new sequence whose cache starts as a copy of the host entry's tokens before `position` (on every
         worker, the entry's first slots there, whole pages copied) -> the bytes this worker copies."""
-        counts = self.ledger.add_prefix_of(call.host_id, call.seq_id, call.position, tier=self.host_ledger)
-        self.pool.add(call.seq_id, counts[self.rank])
-        return self.host.load(self.pool, call.host_id, call.seq_id, counts[self.rank])
+        count = call.counts[self.rank]
+        self.pool.add(call.seq_id, count)
+        return self.host.load(self.pool, call.host_id, call.seq_id, count)
 
     def pump_stores(self) -> None:
         """Issues the next STORE_IN_FLIGHT bytes of the host tier's queued stores (before every call)."""
@@ -160,7 +149,6 @@ class WorkerCache:
     def host_free(self, call: HostFree) -> None:
         for h in call.host_ids:
             self.host.free(h)
-            self.host_ledger.remove(h)
 
     def retire(self, call: Retire) -> None:
         """These sequences stop decoding and stay in the cache (prefix-cache entries: copied from, freed later)."""
@@ -170,7 +158,7 @@ class WorkerCache:
     def truncate(self, call: Truncate) -> None:
         """A prefix-cache entry keeps only its tokens before `position` (its tail's pages freed on every worker)."""
         self._pages_unused(call.seq_id)
-        self.pool.truncate(call.seq_id, self.ledger.truncate(call.seq_id, call.position)[self.rank])
+        self.pool.truncate(call.seq_id, call.kept[self.rank])
 
     def reinstate(self, call: Reinstate) -> None:
         """Retired sequences decode again on the pages they kept (a preempted sequence's entry taken back)."""
@@ -181,7 +169,6 @@ class WorkerCache:
         for s in call.seq_ids:
             self._pages_unused(s)
             self.pool.free(s)
-            self.ledger.remove(s)
 
     # ------------------------------------------------------------ the host tier around a step
 
@@ -216,12 +203,12 @@ class WorkerCache:
 
 
 def host_tier(engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, itemsize: int, pool: PagePool, rank: int,
-              device: torch.device, data_group, replicated: bool) -> tuple[KVLedger | None, HostPool | None]:
+              device: torch.device, data_group) -> HostPool | None:
     """The host-memory tier under the prefix cache: --kv-offload-gb GiB of pages shaped like the pool's (the
-    fewest over the workers, so every worker's tier is the same size), and its ledger; (None, None) at 0."""
+    fewest over the workers, so every worker's tier is the same size); None at 0."""
     gib = engine.kv_offload_gb
     if not gib:
-        return None, None
+        return None
     page_bytes = engine.page_size * kv_bytes_per_token(cfg, num_kv_heads, itemsize, engine.kv_cache_dtype)
     agreed = torch.tensor([int(gib * 2**30) // page_bytes], dtype=torch.int64, device=device)
     if engine.world_size > 1:
@@ -234,4 +221,4 @@ def host_tier(engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, itemsiz
     host = HostPool(pool, pages)
     log.info("worker %d: KV host tier of %d pages x %d tokens (%.2f GiB%s, %.1f s)", rank, pages,
              engine.page_size, host.bytes() / 2**30, ", pinned" if host.cuda else "", time.perf_counter() - start)
-    return KVLedger(engine.world_size, engine.page_size, pages, replicated=replicated), host
+    return host

@@ -11,6 +11,7 @@ from profile_table import kernel_table
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.worker import runner_alone
 from engine.calls import Extend, Prefill
 from kernels.paged_attention import _fa4_call, guarded_table, paged_attention
 
@@ -69,24 +70,25 @@ torch.cuda.empty_cache()
 engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16)
 cfg, max_model_len = resolve_model(engine)
 runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
+kv = runner_alone(runner)                       # places each call, then runs it here
 prompt = torch.randint(0, 250, (ctx + 32768,))
-runner.prefill(Prefill(9, prompt[:8192]))
-whole = runner.prefill(Prefill(1, prompt[:ctx])).prefill_seconds
+kv.call(Prefill(9, prompt[:8192]))
+whole = kv.call(Prefill(1, prompt[:ctx])).prefill_seconds
 print(f"\n## extend calls (unchunked prefill of {ctx}: {whole:.3f} s)\n")
 print("| new tokens | context | wall ms | ms per 1K tokens |\n|---|---|---|---|")
 done = 0
 for stop in (16384, 65536, ctx - 16384):
     while done < stop:
         if done == 0:
-            runner.prefill(Prefill(2, prompt[:8192]))
+            kv.call(Prefill(2, prompt[:8192]))
         else:
-            runner.extend(Extend(2, prompt[done:done + 8192], done))
+            kv.call(Extend(2, prompt[done:done + 8192], done))
         done += 8192
     for n in (256, 512, 1024):
-        runner.extend(Extend(2, prompt[done:done + n], done))          # warm this shape
+        kv.call(Extend(2, prompt[done:done + n], done))          # warm this shape
         done += n
         t0 = time.perf_counter()
-        runner.extend(Extend(2, prompt[done:done + n], done))
+        kv.call(Extend(2, prompt[done:done + n], done))
         wall = time.perf_counter() - t0
         print(f"| {n} | {done} | {wall * 1e3:.1f} | {wall * 1e3 / n * 1024:.1f} |")
         done += n
@@ -97,7 +99,7 @@ from torch.profiler import ProfilerActivity, profile
 n = 256
 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
     t0 = time.perf_counter()
-    runner.extend(Extend(2, prompt[done:done + n], done))
+    kv.call(Extend(2, prompt[done:done + n], done))
     wall = time.perf_counter() - t0
 busy, kernels, table = kernel_table(prof, top=12)
 print(f"\n## one extend of {n} after {done}: wall {wall * 1e3:.1f} ms, GPU busy {busy:.1f} ms, kernels {kernels}\n")

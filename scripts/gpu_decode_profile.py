@@ -24,7 +24,7 @@ from engine import model_runner
 from engine.config import EngineConfig, ModelConfig, resolve_model
 from engine.model_runner import ModelRunner
 from engine.calls import Decode, Extend, Prefill
-from engine.worker import host_threads
+from engine.worker import host_threads, runner_alone
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 CHUNK = int(os.environ.get("CHUNK", "0"))       # > 0: prefill in chunks of CHUNK (the pool sized for them): 512K fits
@@ -59,15 +59,15 @@ def build(rank: int) -> tuple[EngineConfig, ModelConfig, ModelRunner]:
     return engine, cfg, ModelRunner(engine, cfg, rank, dev, None, max_model_len)
 
 
-def prefill(runner: ModelRunner) -> None:
-    """The same prompt of ctx tokens on every worker (seeded), whole or in chunks of CHUNK."""
+def prefill(kv) -> None:
+    """The same prompt of ctx tokens on every worker (seeded), whole or in chunks of CHUNK (kv: runner_alone's)."""
     prompt = torch.randint(0, 250, (ctx,), generator=torch.Generator().manual_seed(0))
     if CHUNK:
-        runner.prefill(Prefill(0, prompt[:CHUNK]))
+        kv.call(Prefill(0, prompt[:CHUNK]))
         for start in range(CHUNK, ctx, CHUNK):
-            runner.extend(Extend(0, prompt[start:start + CHUNK], start))
+            kv.call(Extend(0, prompt[start:start + CHUNK], start))
     else:
-        runner.prefill(Prefill(0, prompt))
+        kv.call(Prefill(0, prompt))
 
 
 def replay_of(runner: ModelRunner, state: SimpleNamespace):
@@ -75,7 +75,7 @@ def replay_of(runner: ModelRunner, state: SimpleNamespace):
     inputs), or eagerly (CPU) one more token's forward (its slot written again at each call, as a replay does)."""
     if runner.graphs is not None:
         return runner.graphs.graphs[1].replay
-    inputs = runner.cache.place_decode_tokens([0], [state.tok], [state.pos])   # [5, 1] int64
+    inputs = runner.cache.place_decode_tokens([0], [state.tok], [state.pos], [state.kv.ledger.advance(0)])   # [5, 1]
     state.pos += 1
     pages, eager = len(runner.pool.pages[0]), runner._decode_eager
     return torch.inference_mode()(lambda: eager(inputs, pages))
@@ -135,11 +135,12 @@ def run(rank: int) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     say = print if rank == 0 else (lambda *a, **k: None)
     engine, cfg, runner = build(rank)
-    prefill(runner)
-    state = SimpleNamespace(tok=5, pos=ctx)
+    kv = runner_alone(runner)
+    prefill(kv)
+    state = SimpleNamespace(tok=5, pos=ctx, kv=kv)
 
     def step():
-        result = runner.decode(Decode([0], [state.tok], [state.pos]))   # worker 0 only: the tokens
+        result = kv.call(Decode([0], [state.tok], [state.pos]))   # worker 0 only: the tokens
         if WORLD == 1:          # on G workers the input token stays: the others do not see the sampled one
             state.tok = result.tokens[0]
         state.pos += 1

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.worker import runner_alone
 from engine.calls import Extend, Prefill, Truncate
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 122880
@@ -18,10 +19,11 @@ engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", m
                       max_num_batched_tokens=chunk, mixed_batch=False)
 cfg, max_model_len = resolve_model(engine)
 runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, ctx + 4096)
+kv = runner_alone(runner)                       # places each call, then runs it here
 prompt = torch.randint(0, 250, (ctx + 2048,), generator=torch.Generator().manual_seed(0))
-runner.prefill(Prefill(0, prompt[:chunk]))
+kv.call(Prefill(0, prompt[:chunk]))
 for start in range(chunk, ctx, chunk):
-    runner.extend(Extend(0, prompt[start:min(start + chunk, ctx)], start))
+    kv.call(Extend(0, prompt[start:min(start + chunk, ctx)], start))
 print(f"runs as the engine picks them, {ctx} cached, {torch.cuda.get_device_name(0)}\n")
 print("| new tokens | runs | extend ms (mean of 5) | graphed | attention TFLOP/s (whole call) |\n|---|---|---|---|---|")
 for m in range(256, 1025, 128):
@@ -29,12 +31,12 @@ for m in range(256, 1025, 128):
     for i in range(6):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = runner.extend(Extend(0, prompt[ctx:ctx + m], ctx))
+        result = kv.call(Extend(0, prompt[ctx:ctx + m], ctx))
         torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
         graphed = result.graphed
-        runner.cache.truncate(Truncate(0, ctx))
+        kv.call(Truncate(0, ctx, kv.ledger.truncate(0, ctx)))
     ms = sum(times) / len(times) * 1e3
     flop = 4.0 * m * (ctx + m / 2) * cfg.num_heads * cfg.head_dim * cfg.num_layers
     runs = runner.extend_graphs.runs.get(m) if runner.extend_graphs else None

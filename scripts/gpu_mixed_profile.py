@@ -11,27 +11,29 @@ from profile_table import kernel_table
 from engine.calls import Decode, Extend, ExtendAndDecode, Prefill
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
+from engine.worker import runner_alone
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 114688
 dev = torch.device("cuda:0")
 engine = EngineConfig(model="llama3-8b", devices=["cuda:0"], dtype="bfloat16", max_num_seqs=16, mixed_batch=True)
 cfg, max_model_len = resolve_model(engine)
 runner = ModelRunner(engine, cfg, 0, dev, None, max_model_len)
+kv = runner_alone(runner)                       # places each call, then runs it here
 prompt = torch.randint(0, 250, (ctx + 65536,))
 streams = list(range(100, 108))
 for s in streams:
-    runner.prefill(Prefill(s, prompt[:1024]))
+    kv.call(Prefill(s, prompt[:1024]))
 tokens, positions = [5] * 8, [1024] * 8
 done = 0
 while done < ctx:
-    runner.prefill(Prefill(2, prompt[:8192])) if done == 0 else runner.extend(Extend(2, prompt[done:done + 8192], done))
+    kv.call(Prefill(2, prompt[:8192])) if done == 0 else kv.call(Extend(2, prompt[done:done + 8192], done))
     done += 8192
 
 
 def separate(n):
     global done, positions
-    runner.extend(Extend(2, prompt[done:done + n], done))
-    runner.decode(Decode(streams, tokens, positions))
+    kv.call(Extend(2, prompt[done:done + n], done))
+    kv.call(Decode(streams, tokens, positions))
     done, positions = done + n, [p + 1 for p in positions]
 
 
@@ -48,7 +50,7 @@ def eagerly(fn):
 
 def mixed(n):
     global done, positions
-    runner.extend_and_decode(ExtendAndDecode(Extend(2, prompt[done:done + n], done), Decode(streams, tokens, positions)))
+    kv.call(ExtendAndDecode(Extend(2, prompt[done:done + n], done), Decode(streams, tokens, positions)))
     done, positions = done + n, [p + 1 for p in positions]
 
 

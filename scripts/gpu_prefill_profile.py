@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.config import EngineConfig, resolve_model
 from engine.model_runner import ModelRunner
-from engine.calls import Free, Prefill
-from engine.worker import host_threads
+from engine.calls import Prefill
+from engine.worker import host_threads, runner_alone
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
 WORLD = int(os.environ.get("CP", "1"))
@@ -94,6 +94,7 @@ def run(rank: int) -> None:
         cfg = dataclasses.replace(cfg, num_layers=LAYERS)
         max_model_len = min(max_model_len, max(LENGTHS) + 256)
     runner = ModelRunner(engine, cfg, rank, dev, None, max_model_len)
+    kv = runner_alone(runner)                   # places each call, then runs it here
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"model: {MODEL}, {cfg.num_layers} layers; attention backend: {runner.backend.name}; {WORLD} x {torch.cuda.get_device_name(0) if cuda else 'cpu'}\n")
     prompt = torch.randint(0, cfg.vocab_size, (max(LENGTHS),), generator=torch.Generator().manual_seed(0))
@@ -103,11 +104,11 @@ def run(rank: int) -> None:
         """-> (wall s, exposed exchange s) of one prefill of the prompt's first n tokens."""
         s = next(seq)
         wall0 = time.perf_counter()
-        result = runner.prefill(Prefill(s, prompt[:n]))
+        result = kv.call(Prefill(s, prompt[:n]))
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - wall0
-        runner.cache.free(Free([s]))
+        kv.free([s])
         return wall, result.exposed_seconds or 0.0
 
     rows, firsts, tops = [], [], {}

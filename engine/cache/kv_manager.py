@@ -1,11 +1,14 @@
-"""Worker 0's scheduler's view of the KV cache: the pages every worker holds, the prefix cache's entries,
-and what a call would take.
+"""The KV cache's one owner, on worker 0's scheduler's side: the ledger of which worker holds which tokens of
+every sequence (engine/cache/ledger.py), the pages that takes on each, the prefix cache's entries, and what
+a call would take. Workers keep no ledger: `place` says where a call's new tokens go (a prompt by the
+strategy's shards, an extend's way and shards, each decode row's storing workers) and every cache change
+carries its tokens by worker, so a worker stores what it is told.
 
 Queries change nothing: how many pages a prefill, chunk, copy or decode step takes on each worker
 (engine/cache/page_planner.py), and whether they fit, after evicting which prefix-cache entries
 (`room_for`: a list of Evictions, or None). Actions change the cache and tell every worker: evict,
-retire a sequence into an entry, take one back, copy a prefix or a prompt, free. The ledger it reads is
-worker 0's, which every worker keeps identical (engine/cache/ledger.py).
+retire a sequence into an entry, take one back, copy a prefix or a prompt, free; each changes the ledger and
+sends its call.
 
 Eviction: least recently used entry first, from its tail (an entry gives back only the pages needed,
 keeping its longest prefix of whole hashed blocks); entries still being copied to the host tier after the
@@ -14,7 +17,7 @@ will be resumed), and the entry holding the longest prefix of the prompt being a
 is about to be copied).
 
 The host tier (--kv-offload-gb, engine/cache/host_pool.py), when there is one, is a second prefix cache
-with its own ledger (every worker keeps it identical, as the pool's). A sequence retiring into an entry is
+with its own ledger, kept here as the pool's. A sequence retiring into an entry is
 copied there at once (write-through: the copy runs beside compute, so evicting the GPU entry later costs
 nothing), unless the tier already holds all but a little of it (less than an eighth, OFFLOAD_GAIN); host
 entries are evicted whole, least recently used first, and one that is a prefix of a newer entry goes when
@@ -23,10 +26,13 @@ eighth of it (RESTORE_GAIN) restores it from there (Restore), else copies it in 
 """
 from dataclasses import dataclass
 
+from dataclasses import replace
+
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner
 from engine.cache.prefix_cache import BLOCK, Chain, PrefixCache
-from engine.calls import Adopt, Fork, Free, HostFree, Offload, Reinstate, Restore, Retire, Truncate
+from engine.calls import (Adopt, Decode, Extend, ExtendAndDecode, ExtendPlacement, Fork, Free, HostFree, Offload,
+                          Prefill, Reinstate, Restore, Retire, Truncate)
 
 OFFLOAD_GAIN = 8     # a retiring entry is copied to the host tier when at least 1/8 of it is not there yet
 RESTORE_GAIN = 8     # a host hit is restored when it is longer than the pool's by at least 1/8 of it
@@ -47,10 +53,22 @@ class Hit:
 
 
 class KVManager:
+    @classmethod
+    def of_workers(cls, runner, call, prefix_caching: bool) -> "KVManager":
+        """The KV manager of the workers whose worker 0 is `runner` (a ModelRunner: read here once, its strategy,
+        its pool's and host tier's sizes, the same on every worker, and its HostPool)."""
+        engine, pool, host = runner.engine, runner.pool, runner.cache.host
+        ledger = KVLedger(engine.world_size, engine.page_size, pool.num_pages, runner.strategy.replicated_kv)
+        pages = PagePlanner(runner.strategy, ledger, pool.max_pages_per_seq, engine.extend_ring_min_tokens)
+        host_ledger = (KVLedger(engine.world_size, engine.page_size, host.num_pages, runner.strategy.replicated_kv)
+                       if host is not None else None)
+        return cls(ledger, pages, call, prefix_caching, host_ledger, host)
+
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
                  host_ledger: KVLedger | None = None, host_pool=None):
-        """call(message): sends one engine/calls.py message to every worker; host_ledger: the host tier's (None:
-        no tier); host_pool: worker 0's HostPool, asked whether a restore is still copying."""
+        """ledger, pages: its own (no worker's); call(message): sends one engine/calls.py message to every
+        worker; host_ledger: the host tier's (None: no tier); host_pool: worker 0's HostPool, asked whether a
+        restore is still copying."""
         self.ledger, self.pages, self.call = ledger, pages, call
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.host = host_ledger if prefix_caching else None
@@ -202,6 +220,32 @@ class KVManager:
 
     # actions
 
+    def place(self, call):
+        """Where a call's new tokens go, recorded in the ledger -> the call, placed (work calls; any other as it is):
+        a prefill's prompt by the strategy's shards; an extend's way and shards (ExtendPlacement); each decode
+        row's storing workers; a chunk with a decode step: the step's pages set aside first, the chunk placed
+        beside them, then the step's tokens (as a worker stores them)."""
+        if isinstance(call, Prefill):
+            shards = self.pages.prefill_shards(call.token_ids.shape[0])
+            self.ledger.add(call.seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
+            return call
+        if isinstance(call, Extend):
+            return self._place_extend(call)
+        if isinstance(call, Decode):
+            return replace(call, owners=[self.ledger.advance(s) for s in call.seq_ids])
+        if isinstance(call, ExtendAndDecode):
+            extend = self._place_extend(call.extend, self.ledger.step_new_pages(call.decode.seq_ids))
+            return ExtendAndDecode(extend, self.place(call.decode))
+        return call
+
+    def _place_extend(self, call: Extend, reserved: list[int] | None = None) -> Extend:
+        """reserved: pages per worker a decode step in the same call takes (PagePlanner.extend_way)."""
+        n, held = call.token_ids.shape[0], list(self.ledger.seqs[call.seq_id].tokens)
+        way = self.pages.extend_way(n, held, reserved)
+        shards = self.pages.extend_shards(held, n, way)
+        self.ledger.extend(call.seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, call.start))
+        return replace(call, placed=ExtendPlacement(way, shards, held))
+
     def count_query(self, ids: list[int]) -> None:
         """A prompt looked up in the prefix cache (its tokens counted as queried; `adopt` counts a hit)."""
         if self.prefix_cache is not None:
@@ -211,14 +255,14 @@ class KVManager:
         for e in evictions:
             if e.keep:
                 self.prefix_cache.truncate(e.seq_id, e.keep)
-                self.call(Truncate(e.seq_id, e.keep))
+                self.call(Truncate(e.seq_id, e.keep, self.ledger.truncate(e.seq_id, e.keep)))
             else:
                 self.drop(e.seq_id)
 
     def drop(self, seq_id: int) -> None:
         """A prefix-cache entry freed."""
         self.prefix_cache.remove(seq_id)
-        self.call(Free([seq_id]))
+        self.free([seq_id])
 
     def retire(self, seq_id: int, computed: list[int]) -> None:
         """The sequence's pages stay as a prefix-cache entry of the tokens whose K/V they hold (and are copied
@@ -242,7 +286,8 @@ class KVManager:
         position = self._host_room(seq_id, len(tokens))
         if position < BLOCK:
             return
-        self.stored_bytes += self.call(Offload(seq_id, position))
+        counts = self.host.add_prefix_of(seq_id, seq_id, position, tier=self.ledger)
+        self.stored_bytes += self.call(Offload(seq_id, position, counts))
         self.host_cache.insert(seq_id, tokens[:position], keys if position == len(tokens) else None)
 
     def _host_room(self, seq_id: int, length: int) -> int:
@@ -273,6 +318,7 @@ class KVManager:
             if evicted:
                 self.host_evicted_tokens += len(self.host_cache.entries[h])
             self.host_cache.remove(h)
+            self.host.remove(h)
         self.call(HostFree(list(host_ids)))
 
     def reinstate(self, seq_id: int) -> None:
@@ -287,14 +333,20 @@ class KVManager:
         if hit.on_host:
             self.host_cache.touch(hit.entry)
             self.host_hits += hit.length
-            self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length))
+            counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length, tier=self.host)
+            self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length, counts))
         else:
             self.prefix_cache.touch(hit.entry)
-            self.call(Adopt(hit.entry, seq_id, hit.length))
+            counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length)
+            self.call(Adopt(hit.entry, seq_id, hit.length, counts))
 
     def fork(self, source_id: int, seq_id: int) -> None:
         """A new sequence starts as a copy of the source's prompt."""
-        self.call(Fork(source_id, seq_id))
+        counts = self.ledger.prompt_tokens(source_id)
+        self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
+        self.call(Fork(source_id, seq_id, counts))
 
     def free(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.ledger.remove(s)
         self.call(Free(seq_ids))

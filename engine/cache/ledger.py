@@ -1,8 +1,9 @@
 """Which worker holds how many of each sequence's tokens, and how many pages that takes.
 
-Every worker keeps an identical ledger (the calls that change it reach every worker in the same
-order), so worker 0's scheduler can decide admission and preemption for all workers without
-asking them. A worker's tokens of one sequence fill `ceil(tokens / block_size)` pages of its pool.
+One ledger, the KV manager's (engine/cache/kv_manager.py) on worker 0's scheduler side: it places every
+call from it and decides admission and preemption for all workers without asking them; the workers
+keep none (each call carries what a worker stores). A worker's tokens of one sequence fill
+`ceil(tokens / block_size)` pages of its pool.
 """
 from dataclasses import dataclass
 

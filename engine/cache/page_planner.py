@@ -1,9 +1,9 @@
 """Where a sequence's new tokens go over the workers, and how many pages that takes on each.
 
-Pure arithmetic over a strategy's sharding and a ledger (engine/cache/ledger.py), changing nothing:
-the worker places a prefill or an incremental prefill (extend) with it, and the scheduler's KV manager
-(engine/cache/kv_manager.py) asks it, before a call, what the call will take. Both read the same ledger
-state, so a plan and the placement it predicts agree.
+Pure arithmetic over a strategy's sharding and a ledger (engine/cache/ledger.py), changing nothing: the
+scheduler's KV manager (engine/cache/kv_manager.py) asks it what a call will take (planning) and where a
+call's tokens go (`place`, just before the call runs), over the same ledger, so a plan and the placement
+it predicts agree.
 
 An extend (a chunk of a prompt after its first, or a prompt beyond its cached prefix) runs in one of
 three ways (engine/extend_attention.py): "local" (one worker, or replicated K/V), "whole" (every worker

@@ -42,7 +42,7 @@ def block_bytes(cached: list[int], new_shards: list[Shard], num_kv_heads: int, h
 class PassKVChoice:
     """Does a "ring" extend pass the cached K/V around the ring rather than its queries to them? With --extend-pass
     kv on bf16 pages, where the blocks fit what the pool left for a chunk's pass-Q (on a GPU; a CPU worker's
-    memory is taken as used). The same answer on every worker (their ledgers agree)."""
+    memory is taken as used). The same answer on every worker (one placement)."""
 
     def __init__(self, engine, num_kv_heads: int, head_dim: int, itemsize: int, reserve_bytes: int,
                  device: torch.device, rank: int):

@@ -151,3 +151,35 @@ def test_carrying_a_plan_out_asks_the_policy_nothing():
     # which plans a draw makes varies (a preemption may be a give-way, never resumed): the kinds every draw makes
     assert {plans.Admit, plans.PrefillChunk, plans.DecodeStep} <= set(seen), set(seen)
     assert not asked, sorted(set(asked))
+
+
+def test_the_kv_managers_ledger_is_what_the_worker_holds_after_every_turn():
+    """The KV manager keeps the one ledger and places every call (engine/cache/kv_manager.py); the worker stores
+    what it is told. After every turn of a run that admits, chunks, preempts, resumes, evicts, writes to the
+    host tier and restores from it, and decodes ahead, the ledger's tokens and pages on this worker are the
+    pool's, sequence by sequence, and the host tier's ledger holds the host pool's entries."""
+    batch, engine = _workload()
+    mismatches, turns, kinds = [], [0], set()
+
+    def compare_after_each_turn(scheduler, runner):
+        kv, pool, carry_out = scheduler.kv, runner.pool, scheduler.carry_out
+
+        def compared(plan):
+            carry_out(plan)
+            turns[0] += 1
+            kinds.add(type(plan))
+            held = {s: seq.tokens[0] for s, seq in kv.ledger.seqs.items()}
+            if held != pool.lengths or kv.ledger.free_pages()[0] != pool.free_pages:
+                mismatches.append((type(plan).__name__, held, dict(pool.lengths)))
+            host = runner.cache.host
+            stored = {h: len(p) for h, p in host.pages.items()}
+            if {h: kv.host.pages_of(h, 0) for h in kv.host.seqs} != stored:
+                mismatches.append((type(plan).__name__, "host tier", list(kv.host.seqs), stored))
+
+        scheduler.carry_out = compared
+
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], compare_after_each_turn)
+    assert len(got) == len(batch) and turns[0] > 50, turns
+    assert {plans.Admit, plans.PrefillChunk, plans.DecodeStep, plans.StepAhead} <= kinds, kinds
+    assert scheduler.preemptions.count > 0 and any(isinstance(c, Offload) for c in calls)
+    assert not mismatches, mismatches[:3]

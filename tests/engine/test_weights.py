@@ -15,6 +15,7 @@ from engine.model import hf_weight_shapes
 from engine.parallel import get_strategy
 from engine.parallel.tensor_parallel import tp_slices
 from engine.weights import load_weights, random_weights, take_slice, weight_bytes
+from engine.worker import runner_alone
 from hf_reference import save_checkpoint
 
 
@@ -72,7 +73,7 @@ def _worker_weight_bytes(rank, world_size, path, strategy):
             samples.append((gather.bytes_in_flight(), _tensor_bytes(vars(weights).values())))
             return weights
         gather.layer = layer
-        runner.prefill(Prefill(0, torch.randint(0, 300, (50,))))
+        runner_alone(runner).call(Prefill(0, torch.randint(0, 300, (50,))))
     return held, samples, len(gather._arriving) if gather else 0
 
 
@@ -126,7 +127,8 @@ def _collectives_of_a_decode_step(rank, world_size, path, strategy):
     engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32")
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)
-    runner.prefill(Prefill(0, torch.randint(0, 300, (50,), generator=torch.Generator().manual_seed(1))))
+    kv = runner_alone(runner)
+    kv.call(Prefill(0, torch.randint(0, 300, (50,), generator=torch.Generator().manual_seed(1))))
     calls = dict.fromkeys(COLLECTIVES, 0)
     for name in COLLECTIVES:
         real = getattr(dist, name)
@@ -135,7 +137,7 @@ def _collectives_of_a_decode_step(rank, world_size, path, strategy):
             calls[_name] += 1
             return _real(*args, **kwargs)
         setattr(dist, name, counted)
-    runner.decode(Decode([0], [7], [50]))
+    kv.call(Decode([0], [7], [50]))
     return {name: n for name, n in calls.items() if n}, cfg.num_layers
 
 

@@ -300,6 +300,7 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     from engine.config import EngineConfig, resolve_model
     from engine.model_runner import ModelRunner
     from engine.calls import Extend, Prefill
+    from engine.worker import runner_alone
     if not pa.fa4_available(torch.device("cuda:0")):
         pytest.skip("the prefix runs need flash-attn-4")
     path, model = hf_bf16_checkpoint
@@ -315,8 +316,9 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
     taken.clear()                           # the runner's start warms the split path's kernels (warm_extend_kernels)
     ids = [random.randrange(2000) for _ in range(4100)]
-    runner.prefill(Prefill(0, torch.tensor(ids[:4000])))
-    logits = runner.extend(Extend(0, torch.tensor(ids[4000:]), 4000)).logits
+    kv = runner_alone(runner)                 # places each call (where its tokens go) and runs it on the runner
+    kv.call(Prefill(0, torch.tensor(ids[:4000])))
+    logits = kv.call(Extend(0, torch.tensor(ids[4000:]), 4000)).logits
     assert taken == [3] * cfg.num_layers                       # min(132 // 8 CTAs, 4000 // 1024, 8)
     ref = model(torch.tensor([ids], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
     diff = (logits - ref).abs().max().item()

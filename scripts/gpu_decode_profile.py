@@ -166,11 +166,12 @@ def run(rank: int) -> None:
     say(f"{engine.model}, {cfg.num_layers} layers, context {ctx}: ModelRunner.decode step {step_ms:.3f} ms; graph replay (GPU) {replay_ms:.3f} ms; "
         f"replay launch (host, queued) {launch_ms:.3f} ms")
 
-    # the step's host parts (wall time each, summed over n steps): the inputs built on the host, the graph's
+    # the step's host parts (wall time each, summed over n steps): the KV manager's placement, the inputs built
+    # on the host, the graph's
     # input copy and launch (eager on CPU: the forward), the sampling and the wait for the tokens (which
     # holds the replay's GPU time)
     forward = "graphs.run" if runner.graphs is not None else "_decode_eager"
-    parts = {"cache.place_decode_tokens": 0.0, forward: 0.0, "sampled_result": 0.0}
+    parts = {"kv.place": 0.0, "cache.place_decode_tokens": 0.0, forward: 0.0, "sampled_result": 0.0}
 
     def timed_part(name, fn):
         def wrapper(*args, **kwargs):
@@ -180,6 +181,7 @@ def run(rank: int) -> None:
             return result
         return wrapper
 
+    kv.call.place = timed_part("kv.place", kv.call.place)            # what Dispatch runs before the step
     runner.cache.place_decode_tokens = timed_part("cache.place_decode_tokens", runner.cache.place_decode_tokens)
     if runner.graphs is not None:
         runner.graphs.run = timed_part(forward, runner.graphs.run)

@@ -60,6 +60,7 @@ def run_scene(scene: str, long_len: int) -> str:
     p.sort_stats("tottime").print_stats(30)
     p.sort_stats("cumulative").print_stats(40)
     p.print_callees(r"decode_graphs.py.*\(run\)|model_runner.py.*\(decode\)|step_tokens.py.*\((sampled_result|keep)\)|worker_cache.py.*\(place_decode_tokens\)|"
+                    r"kv_manager.py.*\(place\)|"
                     r"scheduler.py.*\((_decode|run)\)|inbox.py.*\(take\)|decode_steps.py.*\((run|finish|collect)\)")
     if os.environ.get("OUT"):
         os.replace(path, os.path.join(os.environ["OUT"], os.path.basename(path)))

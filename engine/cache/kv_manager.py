@@ -24,9 +24,7 @@ entries are evicted whole, least recently used first, and one that is a prefix o
 that one comes. A prompt whose longest prefix in the host tier is longer than in the pool by at least an
 eighth of it (RESTORE_GAIN) restores it from there (Restore), else copies it in the pool (Adopt).
 """
-from dataclasses import dataclass
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine.cache.ledger import KVLedger, pages_for
 from engine.cache.page_planner import PagePlanner

@@ -184,8 +184,8 @@ decode_sweep() {
   local s=$1; shift
   decode_bench "engine-1x8K$s" "${FIRST_LIMIT:-50}" --lengths 8192 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
   decode_bench "engine-1x128K$s" 80 --lengths 131072 --label "engine, ${CP:-1} GPU, 1 stream$s" "$@"
-  decode_bench "engine-16x8K$s" 50 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams$s" "$@"
-  decode_bench "engine-64x2K$s" 50 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams$s" "$@"
+  decode_bench "engine-16x8K$s" 120 --lengths 8192 --batch 16 --label "engine, ${CP:-1} GPU, 16 streams$s" "$@"
+  decode_bench "engine-64x2K$s" 120 --lengths 2048 --batch 64 --label "engine, ${CP:-1} GPU, 64 streams$s" "$@"
 }
 
 # decode_load NAME LIMIT SERVE_ARGS...: `bench load` (48 x 8K prompts, 128 out, concurrency 16) on a server
@@ -264,8 +264,11 @@ regress_benches() {
   if has decode8k; then
     decode_bench "engine-1x8K$s" "${FIRST_LIMIT:-150}" --lengths 8192 --label "engine, 1 GPU, 1 stream$s"
   fi
+  if has decode16; then
+    decode_bench "engine-16x8K$s" 120 --lengths 8192 --batch 16 --label "engine, 1 GPU, 16 streams$s"
+  fi
   if has ttft; then
-    _rows=5 bench "ttft$s" 200 sweep $off --lengths 8192,32768,$long --repeats 2 --warmup 1 --label "ttft$s"
+    _rows=5 bench "ttft$s" 200 sweep $off --lengths "${TTFT_LENGTHS:-8192,32768,$long}" --repeats "${TTFT_REPEATS:-2}" --warmup 1 --label "ttft$s"
   fi
   if has shared; then
     bench "shared-128K$s" 300 shared $off --doc-len "$long" --question-len 512 --questions "${QUESTIONS:-3}" \

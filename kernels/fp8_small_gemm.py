@@ -16,9 +16,8 @@ How:
   fp32 every 128 products).
 - K cut into SPLIT runs when the outputs alone would not fill the SMs `waves` times; each run's fp32
   partial goes to part [SPLIT, M, N] and a second kernel sums them, applies the scales and the bias and
-  casts (a fixed order: the same bits every call). Unsplit, the first kernel does that itself. Launch
-  option `serial=True`: the run that finishes last does it instead (a counter per output tile), one launch
-  fewer a linear; off until measured.
+  casts (a fixed order: the same bits every call). Unsplit, the first kernel does that itself. (Summing in
+  the run that finishes last instead, one launch fewer, measured no faster at one row and slower at 64.)
 Shapes the kernels take: M <= 64, N a multiple of BLOCK_N, K of BLOCK_K (llama-family layers are).
 
 Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on the CPU
@@ -40,7 +39,7 @@ MAX_SPLIT = 16
 
 def scaled_mm_few_rows(xq: torch.Tensor, xs: torch.Tensor, w, bias: torch.Tensor | None, dtype: torch.dtype,
                        **launch) -> torch.Tensor | None:
-    """See the module docstring. launch: block_n, block_k, stages, warps, waves, serial (for measuring them)."""
+    """See the module docstring. launch: block_n, block_k, stages, warps, waves (for measuring them)."""
     if xq.shape[0] > MAX_ROWS or xq.shape[0] == 0:
         return None
     kern = _triton.kernels(xq.device)
@@ -59,9 +58,8 @@ def choose_split(n_tiles: int, k_tiles: int, num_sms: int, waves: int) -> int:
     return max(1, min(wanted, k_tiles // MIN_K_TILES, MAX_SPLIT))
 
 
-def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3, warps=4, waves=3, serial=False):
-    """The launch's defaults are the fastest measured at decode shapes (docs/benchmarks.md, "FP8 linears"). serial: the split's
-    partials summed by the run that finishes last, not by a second kernel (not measured yet: off)."""
+def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3, warps=4, waves=3):
+    """The launch's defaults are the fastest measured at decode shapes (docs/benchmarks.md, "FP8 linears")."""
     m, k = xq.shape
     n = w.shape[0]
     unit_strides = [xq.stride(1), w.stride(1), xs.stride(0), ws.stride(-1)] + ([] if bias is None else [bias.stride(0)])
@@ -76,33 +74,15 @@ def _launch(kern, xq, xs, w, ws, bias, dtype, block_n=64, block_k=256, stages=3,
     part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else ws
-    counts = _run_counts(xq.device, n // block_n) if serial and split > 1 else None
     kern["gemm"][(n // block_n, split)](
-        xq.view(torch.uint8), xs, w.view(torch.uint8), ws, bias_arg, out, part, ws if counts is None else counts,
-        m, n, k, xq.stride(0), w.stride(0), per * block_k, HAS_BIAS=has_bias, SPLIT=split > 1,
-        SERIAL=counts is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps)
-    if split > 1 and counts is None:
+        xq.view(torch.uint8), xs, w.view(torch.uint8), ws, bias_arg, out, part, m, n, k, xq.stride(0), w.stride(0),
+        per * block_k, HAS_BIAS=has_bias, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, num_warps=warps)
+    if split > 1:
         block = min(1024, next_pow2(n))
         kern["reduce"][(m, ceil_div(n, block))](part, xs, ws, bias_arg, out, m, n, SPLIT=split, HAS_BIAS=has_bias,
                                                  BLOCK=block, num_warps=4)
     return out
-
-
-MAX_TILES = 4096           # output tiles a serial split can count (more: the reduce kernel)
-_COUNTS: dict[str, torch.Tensor] = {}
-
-
-def _run_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's int32 counters of finished runs, one per output tile (zeros between calls), or None
-    (more tiles than MAX_TILES, or first asked while a CUDA graph captures: the reduce kernel then). One
-    set a device: the GEMMs using it must run one after another (the engine's forward is on one stream)."""
-    key = str(device)
-    if key not in _COUNTS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTS[key] if tiles <= MAX_TILES else None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -123,12 +103,10 @@ def _build() -> dict:
             y += tl.load(bias_ptr + cols).to(tl.float32)[:, None]
         tl.store(out_ptr + rows[None, :] * N + cols[:, None], y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
 
-    def gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride,
-                    w_stride, k_per_run, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-        """Program (output tile j, K run r): outputs j*BLOCK_N.. over K run r. x, w as uint8 (e4m3 bits).
-        SERIAL: the run that finishes last sums the runs' partials (count_ptr[j]: the runs done, back to 0
-        after), in place of the reduce kernel."""
+    def gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, x_stride, w_stride,
+                    k_per_run, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        """Program (output tile j, K run r): outputs j*BLOCK_N.. over K run r. x, w as uint8 (e4m3 bits)."""
         j = tl.program_id(0)
         r = tl.program_id(1)
         cols = j * BLOCK_N + tl.arange(0, BLOCK_N)                                 # [BN] output columns
@@ -150,17 +128,6 @@ def _build() -> dict:
         at = rows[None, :] * N + cols[:, None]                                     # [BN, BM] in [M, N]
         if SPLIT:
             tl.store(part_ptr + r.to(tl.int64) * M * N + at, acc, mask=row_ok[None, :])
-            if SERIAL:
-                tl.debug_barrier()                                                 # every thread's part stored
-                runs = tl.num_programs(1)
-                done = tl.atomic_add(count_ptr + j, 1, sem="acq_rel", scope="gpu")  # runs before this one
-                if done == runs - 1:
-                    total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                    for q in range(0, runs):          # in order: the same bits (offsets < 2^31: <= 16 runs, 64 rows)
-                        total += tl.load(part_ptr + q * M * N + at, mask=row_ok[None, :], other=0.0,
-                                         cache_modifier=".cg")
-                    scaled_store(total, xs_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, row_ok, N, HAS_BIAS)
-                    tl.atomic_xchg(count_ptr + j, 0)                              # ready for the next call
         else:
             scaled_store(acc, xs_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, row_ok, N, HAS_BIAS)
 

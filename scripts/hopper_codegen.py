@@ -9,7 +9,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
-                                       small-gemm-serial|silu-and-mul-fp8|rms-norm|rms-norm-fp8 ...]
+                                       silu-and-mul-fp8|rms-norm|rms-norm-fp8 ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -55,9 +55,8 @@ PREFILL_VT_ARGS = [(a, t, _VT.get(a, v)) for a, t, v in PREFILL_ARGS]
 # the few-rows FP8 GEMM on llama3-8b's o projection (K 4096), 16 rows (a 16-sequence decode step)
 GEMM_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("w_ptr", "*u8", None), ("ws_ptr", "*fp32", None),
              ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None),
-             ("count_ptr", "*i32", None), ("M", "i32", 16),
-             ("N", "i32", 4096), ("K", "i32", 4096), ("x_stride", "i32", 4096), ("w_stride", "i32", 4096),
-             ("k_per_run", "i32", 1024)]
+             ("M", "i32", 16), ("N", "i32", 4096), ("K", "i32", 4096), ("x_stride", "i32", 4096),
+             ("w_stride", "i32", 4096), ("k_per_run", "i32", 1024)]
 
 
 def _defaults(launcher) -> dict:
@@ -97,8 +96,7 @@ LAUNCHES = {
     "silu-and-mul-fp8": (fused, "silu_and_mul_fp8", SILU_FP8_ARGS, dict(BLOCK=16384), fused._row_warps(16384), 1),
     "rms-norm": (fused, "rms_norm", NORM_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
     "rms-norm-fp8": (fused, "rms_norm_fp8", NORM_FP8_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
-    "small-gemm": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=_GEMM["serial"]), _GEMM["warps"], _GEMM["stages"]),
-    "small-gemm-serial": (sg, "gemm", GEMM_ARGS, dict(_GEMM_CONSTS, SERIAL=True), _GEMM["warps"], _GEMM["stages"]),
+    "small-gemm": (sg, "gemm", GEMM_ARGS, _GEMM_CONSTS, _GEMM["warps"], _GEMM["stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

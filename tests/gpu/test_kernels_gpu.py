@@ -475,10 +475,9 @@ def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
 
 @pytest.mark.parametrize("m,n,k,bias", [(1, 6144, 4096, False), (3, 4096, 4096, True), (16, 4096, 14336, False),
                                         (16, 28672, 4096, False), (64, 1024, 4096, True), (37, 4096, 512, False)])
-@pytest.mark.parametrize("serial", [False, True])
-def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bias, serial):
-    """kernels/fp8_small_gemm.py (FP8 MMAs, K split or not; a split's partials summed by a second kernel or
-    by the run that finishes last) against torch._scaled_mm on the same FP8 operands (fp32 sums in another
+def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bias):
+    """kernels/fp8_small_gemm.py (FP8 MMAs, K split or not; a split's partials summed by a second kernel)
+    against torch._scaled_mm on the same FP8 operands (fp32 sums in another
     order, one bf16 rounding), eagerly and replayed from a CUDA graph on new rows; and fp8.linear takes it
     for these rows (the default launch)."""
     from kernels import fp8
@@ -491,7 +490,7 @@ def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bia
     def cublas():
         return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=b, out_dtype=torch.bfloat16)
 
-    out = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16, serial=serial)
+    out = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16)
     assert sg._triton.enabled and out is not None, "the Triton kernel failed or declined"
     scales = xs.double() * w.scale.double()
     exact = (xq.double() @ w.weight.double().t()) * scales
@@ -507,11 +506,11 @@ def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bia
     assert torch.equal(fp8.linear(fp8.Fp8Rows(xq, xs, torch.bfloat16), w, b), out)   # deterministic, and used
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        graphed = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16, serial=serial)
+        graphed = sg.scaled_mm_few_rows(xq, xs, w, b, torch.bfloat16)
     new_q, new_s = fp8.quantize_rows(torch.randn(m, k, device=DEV, dtype=torch.bfloat16))
     xq.copy_(new_q)
     xs.copy_(new_s)
-    for _ in range(2):                                    # twice: a serial split's counters are back at 0
+    for _ in range(2):
         g.replay()
         want = cublas().double()
         terms = (xq.double().abs() @ w.weight.double().abs().t()) * xs.double() * w.scale.double()

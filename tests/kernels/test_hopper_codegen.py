@@ -18,7 +18,7 @@ import hopper_codegen  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16", "prefill-vt", "prefill-vt-qsplit",
-                                  "small-gemm", "small-gemm-serial"])
+                                  "small-gemm"])
 def test_fp8_tiles_are_copied_asynchronously_not_byte_by_byte(name):
     counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
     assert counts["ld.global.b8"] == 0, counts                                   # byte-wise global loads

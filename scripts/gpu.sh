@@ -287,8 +287,9 @@ part_regress() {   # the same benchmarks on an older tree (.ab/base.tgz, carried
   if [ -f .ab/base.tgz ]; then rm -rf "$base" && mkdir -p "$base" && tar xzf .ab/base.tgz -C "$base"; fi
   [ -d "$base/engine" ] || { echo "$me regress: carry .ab/base.tgz (git archive REV | gzip > .ab/base.tgz)" >&2; return 2; }
   cat .ab/REV "$base/.ab-rev" 2>/dev/null | head -1 | sed 's/^/base tree: /'
+  if [ "${ORDER:-}" = this-first ]; then regress_benches "-this"; fi   # the other order: a drift (heat) shows
   (cd "$base" && PYTHONPATH=${PYTHONPATH/%$here/$base} regress_benches "-base")
-  regress_benches "-this"
+  if [ "${ORDER:-}" != this-first ]; then regress_benches "-this"; fi
 }
 
 part_extend() {   # a late chunk's extend time by size (scripts/gpu_extend_sizes.py), then the interference run

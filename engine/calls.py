@@ -24,6 +24,7 @@ class Prefill:
     seq_id: int
     token_ids: torch.Tensor                    # [N] int64, CPU
     prompt_logprobs: int | None = None         # top k of every prompt position, or None
+    pages: list[list[int]] | None = None       # by rank, the pages its prompt fills (set by the KV manager's `place`)
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ExtendPlacement:
     way: str                                   # ExtendWay (engine/cache/page_planner.py)
     shards: list                               # the new tokens over the workers (Shard by rank)
     held: list[int]                            # the sequence's tokens on each worker before them, by rank
+    pages: list[list[int]]                     # by rank, the pages each worker takes for them
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Decode:
     host_rows: list[int] = field(default_factory=list)   # rows sampled on the host (grammars): their logits back
     fed_from: list[int] | None = None
     owners: list[list[int]] | None = None      # per row the workers that store its new token (the KV manager's)
+    new_pages: list[list[int]] | None = None   # per row, the page each of those workers takes for it (0: none)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Fork:
     source_id: int
     seq_id: int
     counts: list[int]
+    pages: list[list[int]] | None = None       # by rank, the pages of seq_id's copy (the KV manager's)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Adopt:
     seq_id: int
     position: int
     counts: list[int]
+    pages: list[list[int]] | None = None       # by rank, the pages of seq_id's copy (the KV manager's)
 
 
 @dataclass
@@ -122,6 +127,7 @@ class Offload:
     seq_id: int
     position: int
     counts: list[int]                          # its tokens before `position` on each worker
+    pages: list[list[int]] | None = None       # by rank, the host tier's pages of the copy (the KV manager's)
 
 
 @dataclass
@@ -132,6 +138,7 @@ class Restore:
     seq_id: int
     position: int
     counts: list[int]                          # the entry's tokens before `position` on each worker
+    pages: list[list[int]] | None = None       # by rank, the pages of seq_id's copy (the KV manager's)
 
 
 @dataclass

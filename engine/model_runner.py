@@ -100,17 +100,17 @@ class ModelRunner:
         """call.token_ids [N] int64 (CPU). Returns timings, and on worker 0 the logits [V] (CPU fp32) and with
         `prompt_logprobs` (top k) one entry per prompt position (see engine/prompt_logprobs.py)."""
         entered = time.perf_counter()
-        seq_id, token_ids, prompt_logprobs = call.seq_id, call.token_ids, call.prompt_logprobs
+        token_ids, prompt_logprobs = call.token_ids, call.prompt_logprobs
         num_tokens = token_ids.shape[0]
         shards = self.strategy.shards(num_tokens)
         if prompt_logprobs is None and num_tokens <= self.sliced_max_tokens:   # on the weight slices (burst-zero)
-            start, _, slots = self._begin_prefill(seq_id, shards)
+            start, _, slots = self._begin_prefill(call, shards)
             logits = self.layout.prefill_on_slices(self.prefill_context, self.pool, slots, shards, token_ids)   # [V]
             return self._prefill_result(self.layout.sliced_name, logits, start, entered)
         chosen = self.strategy.for_prompt(num_tokens, self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q, kv, between) -> [n, H, D]
         exchange_alone = self._exchange_seconds_alone(chosen, shards)      # arithmetic (ExchangeTime)
-        start, shard, slots = self._begin_prefill(seq_id, shards)           # slots [n]
+        start, shard, slots = self._begin_prefill(call, shards)           # slots [n]
         n, positions = shard.length, shard.positions()                      # [n]
         seq_parallel = chosen.sequence_parallel(num_tokens, self.rank, self.data_group)   # tp-v3
         local_ids = (seq_parallel.local_ids(token_ids) if seq_parallel else token_ids[positions]).to(self.device)
@@ -138,14 +138,14 @@ class ModelRunner:
             result.wrapup_seconds += time.perf_counter() - wrapup
         return result
 
-    def _begin_prefill(self, seq_id: int, shards: list[Shard]) -> tuple[float, Shard, torch.Tensor]:
+    def _begin_prefill(self, call: Prefill, shards: list[Shard]) -> tuple[float, Shard, torch.Tensor]:
         """A prefill's start (every worker's queue drained, the peak memory counted from here) and its prompt
-        placed (this worker's pages) -> (start time, this worker's Shard, its slots [n])."""
+        placed (on the pages the call names) -> (start time, this worker's Shard, its slots [n])."""
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # the peak of this prefill alone
         start = time.perf_counter()
-        shard, slots = self.cache.place_prompt(seq_id, shards)
+        shard, slots = self.cache.place_prompt(call.seq_id, shards, call.pages)
         return start, shard, slots
 
     def _prefill_result(self, strategy: str, logits: torch.Tensor, start: float, entered: float, stats=None,
@@ -203,14 +203,14 @@ class ModelRunner:
         `extend`'s result, and on worker 0 in its `decode` what `decode` returns."""
         seq_id, token_ids, start = call.extend.seq_id, call.extend.token_ids, call.extend.start
         step = call.decode
-        seq_ids, decode_tokens, decode_positions = step.seq_ids, step.token_ids, step.positions
+        seq_ids = step.seq_ids
         self._sync()
         start_time = time.perf_counter()
         waits = self.cache.restore_waits(seq_id)                          # a restore still copying
         placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.extend.placed)   # the step's after it
         if self._graphed_extend(placed, len(seq_ids)):
             self.cache.wait_restore(waits)
-            step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions, step.owners)
+            step_inputs = self.cache.place_decode_tokens(step)
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
             result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
@@ -219,8 +219,7 @@ class ModelRunner:
                 result.decode = sampled_result(decode_logits, step)
             return result
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        step_inputs = self.cache.place_decode_tokens(seq_ids, decode_tokens, decode_positions,
-                                                     step.owners).to(self.device)                 # [5, B]
+        step_inputs = self.cache.place_decode_tokens(step).to(self.device)                         # [5, B]
         self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
         m = ids.shape[0]
 
@@ -290,7 +289,7 @@ class ModelRunner:
 
     def _decode_logits(self, call: Decode) -> torch.Tensor:
         """The step's forward (a CUDA graph where one fits) -> logits [B, V] fp32 on the device."""
-        step_inputs = self.cache.place_decode_tokens(call.seq_ids, call.token_ids, call.positions, call.owners)   # [5, B]
+        step_inputs = self.cache.place_decode_tokens(call)                                          # [5, B]
         fed = None if call.fed_from is None else self.fed_tokens.rows(call.fed_from)
         if self.graphs is not None and self.graphs.fits(len(call.seq_ids)):
             return self.graphs.run(step_inputs, fed)

@@ -2,8 +2,9 @@
 (--kv-offload-gb). Where tokens go over the workers is decided by the scheduler's KV manager
 (engine/cache/kv_manager.py, the one ledger) and arrives with each call: a step's tokens are stored here
 where the call says (a prompt by the strategy's shards, a chunk by its ExtendPlacement, a decode token on
-the workers a row names), and the cache calls of engine/calls.py (fork, adopt, offload, restore, retire,
-truncate, reinstate, free, host_free) are its methods, each with its counts by worker."""
+the workers a row names), on the pages the call names, and the cache calls of engine/calls.py (fork, adopt,
+offload, restore, retire, truncate, reinstate, free, host_free) are its methods, each with its counts and pages
+by worker. The pools check that every page they are given is free (engine/cache/page_pool.py HeldPages)."""
 import logging
 import time
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from engine.cache.ledger import pages_for
 from engine.cache.page_planner import ExtendWay
 from engine.cache.page_pool import PagePool
 from engine.cache.sizing import kv_bytes_per_token
-from engine.calls import (Adopt, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult, PumpStores, Reinstate,
-                          Restore, Retire, Truncate)
+from engine.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult, PumpStores,
+                          Reinstate, Restore, Retire, Truncate)
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
 from engine.parallel.sharding import Shard
@@ -72,16 +73,17 @@ class WorkerCache:
         pool = PagePool(cfg.num_layers, size.pages, engine.page_size, num_kv_heads, cfg.head_dim, dtype, device,
                         max_seqs=engine.max_num_seqs + 1,
                         max_pages_per_seq=min(size.pages, pages_for(share, engine.page_size)),
-                        kv_cache_dtype=engine.kv_cache_dtype)
+                        kv_cache_dtype=engine.kv_cache_dtype, placed=True)
         host = host_tier(engine, cfg, num_kv_heads, dtype.itemsize, pool, rank, device, data_group)   # or None
         return cls(pool, strategy, rank, host), size
 
     # ------------------------------------------------------------ placing a step's tokens
 
-    def place_prompt(self, seq_id: int, shards: list[Shard]) -> tuple[Shard, torch.Tensor]:
-        """A prompt's first prefill over `shards` -> (this worker's Shard, its slots [n] int64)."""
+    def place_prompt(self, seq_id: int, shards: list[Shard], pages: list[list[int]]) -> tuple[Shard, torch.Tensor]:
+        """A prompt's first prefill over `shards`, on the pages the KV manager gave each worker -> (this worker's
+        Shard, its slots [n] int64)."""
         shard = self.strategy.shard_of(shards, self.rank)
-        self.pool.add(seq_id, shard.length)
+        self.pool.add(seq_id, shard.length, pages[self.rank])
         return shard, self.pool.slots(seq_id, 0, shard.length)
 
     def place_extend(self, seq_id: int, num_tokens: int, placed: ExtendPlacement) -> PlacedExtend:
@@ -90,24 +92,23 @@ class WorkerCache:
         way, shards = ExtendWay(placed.way), placed.shards
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(num_tokens) if way == ExtendWay.WHOLE else shard.positions()   # [m], of the new tokens
-        host_slots = self.pool.extend(seq_id, shard.length)             # [n_w]: the K/V this worker keeps
+        host_slots = self.pool.extend(seq_id, shard.length, placed.pages[self.rank])   # [n_w]: the K/V kept here
         return PlacedExtend(way, shards, positions, placed.held[self.rank], list(placed.held), host_slots,
                             keeps=shard.length > 0)
 
-    def place_decode_tokens(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-                            owners: list[list[int]]) -> torch.Tensor:
-        """This worker's pages take one token per sequence where `owners` (per row, the workers that store it)
-        names it -> [5, B] int64: tokens, positions, slots (scratch where another worker stores the token),
-        keys held here, table rows."""
+    def place_decode_tokens(self, step: Decode) -> torch.Tensor:
+        """This worker's pages take one token per sequence where the step (placed by the KV manager) names it
+        among the row's owners, on the new page it names for it -> [5, B] int64: tokens, positions, slots
+        (scratch where another worker stores the token), keys held here, table rows."""
         slots, lens, rows = [], [], []
-        for s, stores in zip(seq_ids, owners):
+        for s, stores, pages in zip(step.seq_ids, step.owners, step.new_pages):
             if self.rank in stores:
-                slots.append(self.pool.append(s))
+                slots.append(self.pool.append(s, pages[stores.index(self.rank)]))
             else:
                 slots.append(0)                                             # page 0: scratch
             lens.append(self.pool.lengths[s])
             rows.append(self.pool.rows[s])
-        return torch.tensor([token_ids, positions, slots, lens, rows], dtype=torch.int64)
+        return torch.tensor([step.token_ids, step.positions, slots, lens, rows], dtype=torch.int64)
 
     # ------------------------------------------------------------ the cache calls
 
@@ -115,26 +116,26 @@ class WorkerCache:
     def fork(self, call: Fork) -> None:
         """A new sequence whose cache starts as a copy of the source's prompt K/V (the prompt's tokens
         fill each worker's first slots; what the source decoded since is not copied)."""
-        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank])
+        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank], call.pages[self.rank])
 
     @torch.inference_mode()
     def adopt(self, call: Adopt) -> None:
         """A new sequence whose cache starts as a copy of the source's tokens before `position` (a
         cached prefix: on every worker, the source's first slots there, whole pages copied)."""
-        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank])
+        self.pool.copy_prefix(call.source_id, call.seq_id, call.counts[self.rank], call.pages[self.rank])
 
     @torch.inference_mode()
     def offload(self, call: Offload) -> int:
         """A host entry of the sequence's id: a copy of its tokens before `position` (every worker its own
         first slots) -> the bytes this worker copies."""
-        return self.host.store(self.pool, call.seq_id, call.seq_id, call.counts[self.rank])
+        return self.host.store(self.pool, call.seq_id, call.seq_id, call.counts[self.rank], call.pages[self.rank])
 
     @torch.inference_mode()
     def restore(self, call: Restore) -> int:
         """A new sequence whose cache starts as a copy of the host entry's tokens before `position` (on every
         worker, the entry's first slots there, whole pages copied) -> the bytes this worker copies."""
         count = call.counts[self.rank]
-        self.pool.add(call.seq_id, count)
+        self.pool.add(call.seq_id, count, call.pages[self.rank])
         return self.host.load(self.pool, call.host_id, call.seq_id, count)
 
     def pump_stores(self) -> None:
@@ -218,7 +219,7 @@ def host_tier(engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, itemsiz
         raise ModelLoadError(f"--kv-offload-gb {gib} holds no KV page (a page is {page_bytes / 2**20:.1f} MiB "
                              f"on a worker): raise it, or 0 for no host tier")
     start = time.perf_counter()
-    host = HostPool(pool, pages)
+    host = HostPool(pool, pages, placed=True)
     log.info("worker %d: KV host tier of %d pages x %d tokens (%.2f GiB%s, %.1f s)", rank, pages,
              engine.page_size, host.bytes() / 2**30, ", pinned" if host.cuda else "", time.perf_counter() - start)
     return host

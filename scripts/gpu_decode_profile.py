@@ -75,7 +75,7 @@ def replay_of(runner: ModelRunner, state: SimpleNamespace):
     inputs), or eagerly (CPU) one more token's forward (its slot written again at each call, as a replay does)."""
     if runner.graphs is not None:
         return runner.graphs.graphs[1].replay
-    inputs = runner.cache.place_decode_tokens([0], [state.tok], [state.pos], [state.kv.ledger.advance(0)])   # [5, 1]
+    inputs = runner.cache.place_decode_tokens(state.kv.place(Decode([0], [state.tok], [state.pos])))   # [5, 1]
     state.pos += 1
     pages, eager = len(runner.pool.pages[0]), runner._decode_eager
     return torch.inference_mode()(lambda: eager(inputs, pages))

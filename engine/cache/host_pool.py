@@ -29,7 +29,7 @@ from collections import deque
 import torch
 
 from engine.cache.ledger import pages_for
-from engine.cache.page_pool import OutOfPagesError, PagePool, page_runs
+from engine.cache.page_pool import HeldPages, OutOfPagesError, PagePool, page_runs
 from engine.errors import DeviceSpecError
 
 
@@ -57,9 +57,10 @@ def unpin(t: torch.Tensor) -> None:
 
 
 class HostPool:
-    def __init__(self, gpu: PagePool, num_pages: int, direct_runs: int = DIRECT_RUNS):
+    def __init__(self, gpu: PagePool, num_pages: int, direct_runs: int = DIRECT_RUNS, placed: bool = False):
         """Host pages shaped like the GPU pool's; num_pages per worker (the same on every worker); direct_runs:
-        the most runs of GPU pages copied run by run (more go through a staging buffer)."""
+        the most runs of GPU pages copied run by run (more go through a staging buffer); placed: the KV
+        manager names the pages of every store (engine/cache/page_pool.py HeldPages)."""
         self.num_pages, self.block_size, self.direct_runs = num_pages, gpu.block_size, direct_runs
         self.cuda = gpu.device.type == "cuda"
         self.tensors = [torch.empty((t.shape[0], num_pages, *t.shape[2:]), dtype=t.dtype) for t in gpu._tensors()]
@@ -70,7 +71,7 @@ class HostPool:
                 self.pinned.append(t)
             self.store_stream, self.load_stream = torch.cuda.Stream(gpu.device), torch.cuda.Stream(gpu.device)
         self.page_bytes = sum(t[0, 0].numel() * t.element_size() for t in self.tensors) * gpu.k.shape[0]
-        self._free = list(range(num_pages - 1, -1, -1))   # a stack: low page ids first, so entries get runs
+        self.held = HeldPages(0, num_pages, placed)        # host page ids 0 .. num_pages - 1
         self.pages: dict[int, list[int]] = {}             # host_id -> its host pages, in token order
         self.stored: dict[int, torch.cuda.Event] = {}     # GPU seq_id -> its latest store's end (CUDA)
         self.written: dict[int, torch.cuda.Event] = {}    # host_id -> its store's end (CUDA)
@@ -86,20 +87,22 @@ class HostPool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.held.free
 
     def bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
-    def store(self, gpu: PagePool, seq_id: int, host_id: int, num_tokens: int) -> int:
-        """A new entry host_id: a copy of the GPU sequence's first num_tokens slots -> bytes copied. On CUDA
+    def store(self, gpu: PagePool, seq_id: int, host_id: int, num_tokens: int,
+              pages: list[int] | None = None) -> int:
+        """A new entry host_id (on `pages` where placed): a copy of the GPU sequence's first num_tokens slots ->
+        bytes copied. On CUDA
         the copy is queued a layer at a time and issued by `pump`: the GPU's copy engine for this direction
         serves its copies in order, so a 16 GiB store issued at once would hold a decode step's 16-byte
         token readback for its 0.3 s (measured)."""
         n = pages_for(num_tokens, self.block_size)
-        if n > len(self._free):
-            raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {len(self._free)} are free")
-        self.pages[host_id] = host_pages = [self._free.pop() for _ in range(n)]
+        if n > self.held.free:
+            raise OutOfPagesError(f"host entry {host_id} needs {n} pages, {self.held.free} are free")
+        self.pages[host_id] = host_pages = self.held.take(f"host entry {host_id}", n, pages)
         dev_pages = gpu.pages[seq_id][:n]
         if not self.cuda:
             self._copy(gpu, host_pages, dev_pages, out=True)
@@ -246,7 +249,7 @@ class HostPool:
             self.pump(until=self.storing_hosts[host_id])
         pages = self.pages.pop(host_id, None)
         if pages is not None:
-            self._free.extend(reversed(pages))
+            self.held.release(pages)
         self.written.pop(host_id, None)
         read = self.read.pop(host_id, None)
         if read is not None:

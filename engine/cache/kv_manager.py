@@ -1,8 +1,9 @@
 """The KV cache's one owner, on worker 0's scheduler's side: the ledger of which worker holds which tokens of
-every sequence (engine/cache/ledger.py), the pages that takes on each, the prefix cache's entries, and what
-a call would take. Workers keep no ledger: `place` says where a call's new tokens go (a prompt by the
-strategy's shards, an extend's way and shards, each decode row's storing workers) and every cache change
-carries its tokens by worker, so a worker stores what it is told.
+every sequence (engine/cache/ledger.py) and on which of its pages, the prefix cache's entries, and what a call
+would take. Workers keep no ledger and pick no page: `place` says where a call's new tokens go (a prompt by
+the strategy's shards, an extend's way and shards, each decode row's storing workers) and on which pages of
+each worker, and every cache change carries its tokens and pages by worker, so a worker stores what it is
+told where it is told.
 
 Queries change nothing: how many pages a prefill, chunk, copy or decode step takes on each worker
 (engine/cache/page_planner.py), and whether they fit, after evicting which prefix-cache entries
@@ -58,8 +59,8 @@ class KVManager:
         engine, pool, host = runner.engine, runner.pool, runner.cache.host
         ledger = KVLedger(engine.world_size, engine.page_size, pool.num_pages, runner.strategy.replicated_kv)
         pages = PagePlanner(runner.strategy, ledger, pool.max_pages_per_seq, engine.extend_ring_min_tokens)
-        host_ledger = (KVLedger(engine.world_size, engine.page_size, host.num_pages, runner.strategy.replicated_kv)
-                       if host is not None else None)
+        host_ledger = (KVLedger(engine.world_size, engine.page_size, host.num_pages, runner.strategy.replicated_kv,
+                                first_page=0) if host is not None else None)
         return cls(ledger, pages, call, prefix_caching, host_ledger, host)
 
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
@@ -225,12 +226,13 @@ class KVManager:
         beside them, then the step's tokens (as a worker stores them)."""
         if isinstance(call, Prefill):
             shards = self.pages.prefill_shards(call.token_ids.shape[0])
-            self.ledger.add(call.seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
-            return call
+            pages = self.ledger.add(call.seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, 0))
+            return replace(call, pages=pages)
         if isinstance(call, Extend):
             return self._place_extend(call)
         if isinstance(call, Decode):
-            return replace(call, owners=[self.ledger.advance(s) for s in call.seq_ids])
+            owners, new_pages = zip(*[self.ledger.advance(s) for s in call.seq_ids]) if call.seq_ids else ((), ())
+            return replace(call, owners=list(owners), new_pages=list(new_pages))
         if isinstance(call, ExtendAndDecode):
             extend = self._place_extend(call.extend, self.ledger.step_new_pages(call.decode.seq_ids))
             return ExtendAndDecode(extend, self.place(call.decode))
@@ -241,8 +243,9 @@ class KVManager:
         n, held = call.token_ids.shape[0], list(self.ledger.seqs[call.seq_id].tokens)
         way = self.pages.extend_way(n, held, reserved)
         shards = self.pages.extend_shards(held, n, way)
-        self.ledger.extend(call.seq_id, self.pages.tokens_per_rank(shards), self.pages.ranges(shards, call.start))
-        return replace(call, placed=ExtendPlacement(way, shards, held))
+        tokens, ranges = self.pages.tokens_per_rank(shards), self.pages.ranges(shards, call.start)
+        pages = self.ledger.extend(call.seq_id, tokens, ranges)
+        return replace(call, placed=ExtendPlacement(way, shards, held, pages))
 
     def count_query(self, ids: list[int]) -> None:
         """A prompt looked up in the prefix cache (its tokens counted as queried; `adopt` counts a hit)."""
@@ -285,7 +288,7 @@ class KVManager:
         if position < BLOCK:
             return
         counts = self.host.add_prefix_of(seq_id, seq_id, position, tier=self.ledger)
-        self.stored_bytes += self.call(Offload(seq_id, position, counts))
+        self.stored_bytes += self.call(Offload(seq_id, position, counts, self._pages(self.host, seq_id)))
         self.host_cache.insert(seq_id, tokens[:position], keys if position == len(tokens) else None)
 
     def _host_room(self, seq_id: int, length: int) -> int:
@@ -332,19 +335,25 @@ class KVManager:
             self.host_cache.touch(hit.entry)
             self.host_hits += hit.length
             counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length, tier=self.host)
-            self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length, counts))
+            self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length, counts,
+                                                     self._pages(self.ledger, seq_id)))
         else:
             self.prefix_cache.touch(hit.entry)
             counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length)
-            self.call(Adopt(hit.entry, seq_id, hit.length, counts))
+            self.call(Adopt(hit.entry, seq_id, hit.length, counts, self._pages(self.ledger, seq_id)))
 
     def fork(self, source_id: int, seq_id: int) -> None:
         """A new sequence starts as a copy of the source's prompt."""
         counts = self.ledger.prompt_tokens(source_id)
-        self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
-        self.call(Fork(source_id, seq_id, counts))
+        pages = self.ledger.add(seq_id, counts, self.ledger.prompt_ranges(source_id))
+        self.call(Fork(source_id, seq_id, counts, pages))
 
     def free(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.ledger.remove(s)
         self.call(Free(seq_ids))
+
+    @staticmethod
+    def _pages(ledger: KVLedger, seq_id: int) -> list[list[int]]:
+        """The sequence's pages in that ledger, by rank (what a copy into them ships)."""
+        return [ledger.page_ids(seq_id, r) for r in range(ledger.world_size)]

@@ -1,9 +1,10 @@
-"""Which worker holds how many of each sequence's tokens, and how many pages that takes.
+"""Which worker holds how many of each sequence's tokens, and on which of its pages.
 
 One ledger, the KV manager's (engine/cache/kv_manager.py) on worker 0's scheduler side: it places every
 call from it and decides admission and preemption for all workers without asking them; the workers
-keep none (each call carries what a worker stores). A worker's tokens of one sequence fill
-`ceil(tokens / block_size)` pages of its pool.
+keep none (each call carries what a worker stores, and on which pages). A worker's tokens of one sequence
+fill `ceil(tokens / block_size)` pages of its pool, in token order: the ledger picks them from that worker's
+free pages (lowest ids first, so that a prompt's pages are runs) and takes them back when the tokens go.
 """
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ class SequenceLedger:
     prompt: list[int]    # of those, the first ones: the prefilled prompt's shard on each worker
     ranges: list[Ranges] = None   # by rank: the positions of the tokens it holds, in slot order (increasing:
                                   # prefill shards, then chunk shards, then decoded tokens, all later than before)
+    pages: list[list[int]] = None  # by rank: the page ids its tokens fill, in token order
 
     def held_before(self, rank: int, position: int) -> int:
         """How many of the rank's tokens lie before `position`: they are its first slots."""
@@ -43,20 +45,48 @@ def pages_for(tokens: int, block_size: int) -> int:
 
 
 class KVLedger:
-    def __init__(self, world_size: int, block_size: int, num_pages: int, replicated: bool = False):
-        """num_pages: usable pages per worker (the same on every worker); replicated: every worker holds
-        every token (tensor parallelism, each for its own heads)."""
+    def __init__(self, world_size: int, block_size: int, num_pages: int, replicated: bool = False,
+                 first_page: int = 1):
+        """num_pages: usable pages per worker (the same on every worker), ids first_page .. first_page +
+        num_pages - 1 (the GPU pool's page 0 is scratch; the host tier's ids start at 0); replicated: every
+        worker holds every token (tensor parallelism, each for its own heads)."""
         self.world_size, self.block_size, self.num_pages = world_size, block_size, num_pages
         self.replicated = replicated
         self.seqs: dict[int, SequenceLedger] = {}
-        self.pages_used = [0] * world_size
+        # by rank, a stack of free page ids: the lowest on top
+        self._free = [list(range(first_page + num_pages - 1, first_page - 1, -1)) for _ in range(world_size)]
 
-    def add(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> None:
+    @property
+    def pages_used(self) -> list[int]:
+        return [self.num_pages - len(f) for f in self._free]
+
+    def add(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> list[list[int]]:
         """A new sequence whose first tokens (its prompt, or the cached prefix it starts from) sit on
-        each rank at the given positions."""
-        self.seqs[seq_id] = SequenceLedger(list(tokens_per_rank), list(tokens_per_rank), [list(r) for r in ranges])
+        each rank at the given positions -> its pages by rank."""
+        seq = SequenceLedger([0] * self.world_size, list(tokens_per_rank), [list(r) for r in ranges],
+                             [[] for _ in range(self.world_size)])
+        self.seqs[seq_id] = seq
         for r, n in enumerate(tokens_per_rank):
-            self.pages_used[r] += pages_for(n, self.block_size)
+            self._grow(seq, r, n)
+        return [list(p) for p in seq.pages]
+
+    def _grow(self, seq: SequenceLedger, rank: int, tokens: int) -> list[int]:
+        """The rank holds `tokens` of the sequence from now: the pages that takes beyond its own -> those."""
+        need = pages_for(tokens, self.block_size) - len(seq.pages[rank])
+        free = self._free[rank]
+        if need > len(free):
+            raise RuntimeError(f"worker {rank} has {len(free)} free pages, {need} asked: the plan did not make room")
+        new = [free.pop() for _ in range(need)]
+        seq.pages[rank].extend(new)
+        seq.tokens[rank] = tokens
+        return new
+
+    def _shrink(self, seq: SequenceLedger, rank: int, tokens: int) -> None:
+        """The rank keeps the sequence's first `tokens`: its pages after them are free again."""
+        keep = pages_for(tokens, self.block_size)
+        self._free[rank].extend(reversed(seq.pages[rank][keep:]))
+        del seq.pages[rank][keep:]
+        seq.tokens[rank] = tokens
 
     def add_prefix_of(self, source_id: int, seq_id: int, position: int, tier: "KVLedger | None" = None) -> list[int]:
         """A new sequence holding, on every rank, the copy of the source's tokens before `position`
@@ -73,8 +103,8 @@ class KVLedger:
         seq = self.seqs[seq_id]
         kept = [seq.held_before(r, position) for r in range(self.world_size)]
         for r, n in enumerate(kept):
-            self.pages_used[r] -= pages_for(seq.tokens[r], self.block_size) - pages_for(n, self.block_size)
-            seq.tokens[r], seq.prompt[r] = n, min(seq.prompt[r], n)
+            self._shrink(seq, r, n)
+            seq.prompt[r] = min(seq.prompt[r], n)
             seq.ranges[r] = truncate(seq.ranges[r], position)
         return kept
 
@@ -92,18 +122,20 @@ class KVLedger:
     def remove(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            for r, n in enumerate(seq.tokens):
-                self.pages_used[r] -= pages_for(n, self.block_size)
+            for r in range(self.world_size):
+                self._shrink(seq, r, 0)
 
-    def extend(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> None:
-        """Records more of the sequence's prompt on each worker (the next chunk: its positions by rank)."""
+    def extend(self, seq_id: int, tokens_per_rank: list[int], ranges: list[Ranges]) -> list[list[int]]:
+        """Records more of the sequence's prompt on each worker (the next chunk: its positions by rank) -> the
+        pages each worker takes for them, by rank."""
         seq = self.seqs[seq_id]
+        new = []
         for r, n in enumerate(tokens_per_rank):
-            self.pages_used[r] += pages_for(seq.tokens[r] + n, self.block_size) - pages_for(seq.tokens[r], self.block_size)
-            seq.tokens[r] += n
+            new.append(self._grow(seq, r, seq.tokens[r] + n))
             seq.prompt[r] += n
             for start, end in ranges[r]:
                 append_range(seq.ranges[r], start, end)
+        return new
 
     def extend_new_pages(self, seq_id: int, tokens_per_rank: list[int]) -> list[int]:
         """Pages each worker must take to store tokens_per_rank more tokens of the sequence."""
@@ -118,17 +150,17 @@ class KVLedger:
         tokens = self.seqs[seq_id].tokens
         return [tokens.index(min(tokens))]
 
-    def advance(self, seq_id: int) -> list[int]:
-        """Records one more token of the sequence; returns the workers that store it."""
+    def advance(self, seq_id: int) -> tuple[list[int], list[int]]:
+        """Records one more token of the sequence -> (the workers that store it, the page each of them takes
+        for it: 0 where it fits in the worker's last page)."""
         owners = self.owners_of_next(seq_id)
         seq = self.seqs[seq_id]
         position = seq.tokens[0] if self.replicated else sum(seq.tokens)
+        new = []
         for r in owners:
-            if seq.tokens[r] % self.block_size == 0:
-                self.pages_used[r] += 1
-            seq.tokens[r] += 1
+            new.append((self._grow(seq, r, seq.tokens[r] + 1) or [0])[0])
             append_range(seq.ranges[r], position, position + 1)
-        return owners
+        return owners, new
 
     def step_new_pages(self, seq_ids: list[int]) -> list[int]:
         """Pages each worker must take if every one of these sequences gets one more token."""
@@ -140,7 +172,11 @@ class KVLedger:
         return need
 
     def free_pages(self) -> list[int]:
-        return [self.num_pages - used for used in self.pages_used]
+        return [len(f) for f in self._free]
+
+    def page_ids(self, seq_id: int, rank: int) -> list[int]:
+        """The pages the rank's tokens of the sequence fill, in token order."""
+        return list(self.seqs[seq_id].pages[rank])
 
     def tokens_per_worker(self, skip: set[int] = frozenset(), only: set[int] | None = None) -> list[int]:
         """Tokens held on each worker by every sequence, but those in `skip` (or only those in `only`)."""

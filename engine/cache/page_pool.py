@@ -9,6 +9,9 @@
 Page 0 is scratch: it is never given to a sequence, and a decode step writes there the new K/V of
 sequences whose token another worker stores (so every step writes B rows, with fixed shapes for
 CUDA graphs). A sequence's tokens fill its pages in order; slot = page * block_size + offset.
+Which pages: in the engine (`placed=True`) the KV manager's ledger picks them (engine/cache/ledger.py) and
+every call that grows a sequence names them, checked here to be free; a pool alone (tests, tools) takes them
+from its own free stack, lowest ids first.
 Each sequence also has a row of `table` ([max_seqs + 1, max_pages] int32, on the device): its page
 ids, which a step gathers into its block table without building it on the host; the last row is
 never given out (all scratch: the padding rows of a CUDA graph's batch).
@@ -41,10 +44,52 @@ class OutOfPagesError(RuntimeError):
     """The scheduler asked for more pages than are free (its ledger and the pool disagree: a bug)."""
 
 
+class HeldPages:
+    """Which of a pool's page ids (first .. first + count - 1) sequences hold. Placed (the engine's pools): the
+    KV manager's ledger names every page a sequence takes, checked here to be free; else (a pool alone: tests,
+    tools) the pool takes them off its own free stack, lowest ids first so that a prompt's pages are runs."""
+
+    def __init__(self, first: int, count: int, placed: bool):
+        self.first, self.count, self.placed = first, count, placed
+        self._stack = None if placed else list(range(first + count - 1, first - 1, -1))
+        self._in_use = bytearray(first + count)      # by page id
+        self._used = 0
+
+    @property
+    def free(self) -> int:
+        return self.count - self._used
+
+    def take(self, what: str, need: int, given: list[int] | None) -> list[int]:
+        """`need` more pages for `what`, marked held -> them: the given ones (placed) or the stack's lowest."""
+        if self.placed:
+            bad = given is None or len(given) != need or any(
+                not self.first <= p < self.first + self.count or self._in_use[p] for p in given)
+            if bad:
+                raise OutOfPagesError(f"{what} needs {need} new pages; the call gave {given} (the KV manager's "
+                                      f"ledger and this pool disagree: a bug)")
+            new = list(given)
+        else:
+            if given is not None:
+                raise ValueError("pages are given only to a placed pool")
+            new = [self._stack.pop() for _ in range(need)]
+        for p in new:
+            self._in_use[p] = 1
+        self._used += len(new)
+        return new
+
+    def release(self, pages: list[int]) -> None:
+        """These pages are free again (on top of the free stack, in order, where the pool keeps one)."""
+        for p in pages:
+            self._in_use[p] = 0
+        self._used -= len(pages)
+        if self._stack is not None:
+            self._stack.extend(reversed(pages))
+
+
 class PagePool:
     def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_seqs: int, max_pages_per_seq: int,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", placed: bool = False):
         shape = (num_layers, num_pages + 1, block_size, num_kv_heads, head_dim)
         # zeros on GPUs: flash-attn-4 reads whole pages, so the slots past a sequence's end must be finite;
         # empty on CPU: the reference reads only the slots in use, and untouched memory costs nothing
@@ -59,7 +104,7 @@ class PagePool:
         self.max_pages_per_seq = max_pages_per_seq
         self.table = torch.zeros(max_seqs + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.pad_row = max_seqs                     # never given out: all scratch (a graph's padding rows)
-        self._free = list(range(num_pages, 0, -1))   # a stack: low page ids first, so prompts get runs
+        self.held = HeldPages(1, num_pages, placed)  # pages 1..num_pages (0: scratch)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self.pages: dict[int, list[int]] = {}       # seq_id -> its pages, in token order
         self.lengths: dict[int, int] = {}           # seq_id -> tokens stored
@@ -67,7 +112,7 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.held.free
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
@@ -83,27 +128,32 @@ class PagePool:
             return Fp8Pages(self.k[i], self.k_scale[i]), Fp8Pages(self.v[i], self.v_scale[i])
         return self.k[i], self.v[i]
 
-    def add(self, seq_id: int, num_tokens: int) -> None:
-        """A new sequence with room for num_tokens (its pages taken now; the slots are written later)."""
+    def add(self, seq_id: int, num_tokens: int, pages: list[int] | None = None) -> None:
+        """A new sequence with room for num_tokens (its pages taken now, `pages` where placed; the slots are
+        written later)."""
         if not self._free_rows:
             raise OutOfPagesError("no free row in the page table")
         self.pages[seq_id], self.lengths[seq_id] = [], 0
         self.rows[seq_id] = self._free_rows.pop()
-        self._grow(seq_id, num_tokens)
+        try:
+            self._grow(seq_id, num_tokens, pages)
+        except OutOfPagesError:
+            self.free(seq_id)                    # nothing of it kept
+            raise
         self.lengths[seq_id] = num_tokens
 
-    def append(self, seq_id: int) -> int:
-        """Room for one more token -> its slot."""
+    def append(self, seq_id: int, page: int = 0) -> int:
+        """Room for one more token (on `page` where it needs a new one and the pool is placed) -> its slot."""
         n = self.lengths[seq_id]
-        self._grow(seq_id, n + 1)
+        self._grow(seq_id, n + 1, ([page] if page else []) if self.held.placed else None)
         self.lengths[seq_id] = n + 1
         return self.slot(seq_id, n)
 
-    def extend(self, seq_id: int, count: int) -> torch.Tensor:
-        """Room for count more tokens -> their slots [count] int64 on the host (a CUDA graph copies them
-        in with its other inputs; an eager extend moves them to the device)."""
+    def extend(self, seq_id: int, count: int, pages: list[int] | None = None) -> torch.Tensor:
+        """Room for count more tokens (on `pages` beyond its own, where placed) -> their slots [count] int64 on
+        the host (a CUDA graph copies them in with its other inputs; an eager extend moves them to the device)."""
         n = self.lengths[seq_id]
-        self._grow(seq_id, n + count)
+        self._grow(seq_id, n + count, pages)
         self.lengths[seq_id] = n + count
         return self.host_slots(seq_id, n, count)
 
@@ -127,9 +177,10 @@ class PagePool:
             return
         store_kv_fp8(self.k[layer], self.k_scale[layer], self.v[layer], self.v_scale[layer], slots, k, v)
 
-    def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int) -> None:
-        """A new sequence whose first num_tokens slots are a copy of the source's (whole pages, every layer)."""
-        self.add(seq_id, num_tokens)
+    def copy_prefix(self, source_id: int, seq_id: int, num_tokens: int, pages: list[int] | None = None) -> None:
+        """A new sequence (on `pages`, where placed) whose first num_tokens slots are a copy of the source's
+        (whole pages, every layer)."""
+        self.add(seq_id, num_tokens, pages)
         n = len(self.pages[seq_id])
         if n == 0:                       # this worker holds none of the prompt (fewer tokens than workers)
             return
@@ -166,7 +217,7 @@ class PagePool:
         """A retired sequence keeps its first num_tokens slots; the pages after them go back to the pool."""
         pages = self.pages[seq_id]
         keep = pages_for(num_tokens, self.block_size)
-        self._free.extend(reversed(pages[keep:]))
+        self.held.release(pages[keep:])
         del pages[keep:]
         self.lengths[seq_id] = num_tokens
 
@@ -183,20 +234,22 @@ class PagePool:
         pages = self.pages.pop(seq_id, None)
         if pages is None:
             return
-        self._free.extend(reversed(pages))
+        self.held.release(pages)
         self.lengths.pop(seq_id)
         self.retire(seq_id)
 
-    def _grow(self, seq_id: int, num_tokens: int) -> None:
+    def _grow(self, seq_id: int, num_tokens: int, given: list[int] | None = None) -> None:
+        """The sequence's pages cover num_tokens: the new ones are `given` (a placed pool: exactly those it
+        needs, each free), or taken off the free stack."""
         pages = self.pages[seq_id]
-        need = pages_for(num_tokens, self.block_size) - len(pages)
-        if need > len(self._free):
-            raise OutOfPagesError(f"sequence {seq_id} needs {need} more pages, {len(self._free)} are free")
+        need = max(0, pages_for(num_tokens, self.block_size) - len(pages))
+        if need > self.free_pages:
+            raise OutOfPagesError(f"sequence {seq_id} needs {need} more pages, {self.free_pages} are free")
         if len(pages) + need > self.max_pages_per_seq:
             raise OutOfPagesError(f"sequence {seq_id} would hold more than {self.max_pages_per_seq} pages")
-        if need <= 0:
+        new = self.held.take(f"sequence {seq_id}", need, given)
+        if not new:
             return
-        new = [self._free.pop() for _ in range(need)]
         row, start = self.rows[seq_id], len(pages)
         # no wait for the device: a decode step grows sequences while the one before it may still run
         self.table[row, start:start + need] = host_to_device(torch.tensor(new, dtype=torch.int32), self.device)

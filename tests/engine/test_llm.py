@@ -152,7 +152,7 @@ def test_device_strings(llm):
 def test_decoded_tokens_go_to_the_worker_holding_fewest():
     ledger = KVLedger(3, 2, 100)
     ledger.add(0, [3, 2, 2], [[(0, 2), (5, 6)], [(2, 3), (6, 7)], [(3, 5)]])     # a 7-token prompt's zigzag shards
-    owners = [ledger.advance(0)[0] for _ in range(7)]
+    owners = [ledger.advance(0)[0][0] for _ in range(7)]
     assert owners == [1, 2, 0, 1, 2, 0, 1] and ledger.seqs[0].tokens == [5, 5, 4]
     assert ledger.seqs[0].ranges == [[(0, 2), (5, 6), (9, 10), (12, 13)], [(2, 3), (6, 8), (10, 11), (13, 14)],
                                      [(3, 5), (8, 9), (11, 12)]]

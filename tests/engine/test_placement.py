@@ -2,8 +2,8 @@
 told (engine/worker_cache.py): on two CPU workers (gloo), each driving its runner through its own KV manager
 as every worker follows worker 0's (engine/worker.py `runner_alone`), after every call of a random run
 (prompts, extends run "whole" and "ring", decode steps, a chunk with a decode step, copies of a prompt and of a
-prefix, a truncated entry, frees) each worker's pool holds exactly the tokens and pages the ledger gives its
-rank, sequence by sequence, for a sharded strategy and for replicated K/V (tp)."""
+prefix, a truncated entry, frees) each worker's pool holds exactly the tokens, on exactly the page ids, the
+ledger gives its rank, sequence by sequence, for a sharded strategy and for replicated K/V (tp)."""
 import random
 
 import pytest
@@ -29,7 +29,8 @@ def _placed_run(rank: int, world_size: int, strategy: str, seed: int) -> tuple[l
 
     def check(what: str) -> None:
         held = {s: seq.tokens[rank] for s, seq in kv.ledger.seqs.items()}
-        if held != pool.lengths or kv.ledger.free_pages()[rank] != pool.free_pages:
+        on_pages = {s: seq.pages[rank] for s, seq in kv.ledger.seqs.items()}
+        if held != pool.lengths or on_pages != pool.pages or kv.ledger.free_pages()[rank] != pool.free_pages:
             mismatches.append((what, held, dict(pool.lengths), kv.ledger.free_pages()[rank], pool.free_pages))
 
     def step(seqs: list[int]) -> Decode:
@@ -57,7 +58,8 @@ def _placed_run(rank: int, world_size: int, strategy: str, seed: int) -> tuple[l
     kv.fork(0, 2)                                   # a copy of sequence 0's prompt
     check("fork")
     position = rng.randrange(1, length[1])          # a copy of a prefix of sequence 1 (KVManager.adopt's call)
-    kv.call(Adopt(1, 3, position, kv.ledger.add_prefix_of(1, 3, position)))
+    counts = kv.ledger.add_prefix_of(1, 3, position)
+    kv.call(Adopt(1, 3, position, counts, [kv.ledger.page_ids(3, r) for r in range(world_size)]))
     check("adopt")
     keep = rng.randrange(1, length[0])
     kv.call(Truncate(0, keep, kv.ledger.truncate(0, keep)))

@@ -131,6 +131,58 @@ def test_ledger_and_pool_truncate_a_sequence_to_its_first_positions():
     assert pool.table[pool.rows[7], :2].tolist() == pool.pages[7]
 
 
+def test_the_ledger_picks_each_workers_pages_and_a_placed_pool_takes_only_those():
+    """KVLedger picks every page a worker's tokens fill (lowest free ids first; what a truncation or a removal
+    frees is free again, each page held by one sequence at a time), and a placed PagePool (the engine's) takes
+    exactly the pages a call names: it refuses a page another sequence holds, too few, too many, or none."""
+    import random
+    import torch
+    from engine.cache.ledger import KVLedger
+    from engine.cache.page_pool import OutOfPagesError, PagePool
+    rng = random.Random()
+    ledger = KVLedger(world_size=2, block_size=4, num_pages=30)
+    pools = [PagePool(1, 30, 4, 1, 2, torch.float32, torch.device("cpu"), max_seqs=80, max_pages_per_seq=30,
+                      placed=True) for _ in range(2)]
+    first = ledger.add(1, [5, 3], [[(0, 5)], [(5, 8)]])
+    assert first == [[1, 2], [1]]                                            # lowest ids first
+    for r in range(2):
+        pools[r].add(1, [5, 3][r], first[r])
+    live = {1}
+    for step in range(60):                                                   # random growth, truncation, removal
+        s = rng.choice(sorted(live) + [100 + step])
+        if s not in live:
+            counts = [rng.randrange(9), rng.randrange(9)]
+            pages = ledger.add(s, counts, [[(0, counts[0])], [(counts[0], sum(counts))]])
+            for r in range(2):
+                pools[r].add(s, counts[r], pages[r])
+            live.add(s)
+        elif rng.random() < 0.5:
+            owners, new = ledger.advance(s)
+            for r, page in zip(owners, new):
+                pools[r].append(s, page)
+        elif rng.random() < 0.5:
+            kept = ledger.truncate(s, rng.randrange(sum(ledger.seqs[s].tokens) + 1))
+            for r in range(2):
+                pools[r].truncate(s, kept[r])
+        else:
+            ledger.remove(s)
+            for r in range(2):
+                pools[r].free(s)
+            live.discard(s)
+        for r in range(2):
+            held = [p for q in live for p in ledger.page_ids(q, r)]
+            assert len(held) == len(set(held)) and ledger.free_pages()[r] == 30 - len(held) == pools[r].free_pages
+            assert all(pools[r].pages[q] == ledger.page_ids(q, r) for q in live)
+    pool = pools[0]
+    free = [p for p in range(1, 31) if not pool.held._in_use[p]]
+    held = [p for q in live for p in pool.pages[q]]
+    wrong = [[free[0]], [free[0], free[1], free[2]], None, [0, free[0]]]      # too few, too many, none, scratch
+    for i, pages in enumerate(wrong + ([[held[0], free[0]]] if held else [])):   # ... and one another holds
+        with pytest.raises(OutOfPagesError, match="disagree"):
+            pool.add(600 + i, 8, pages)
+        assert 600 + i not in pool.pages and pool.free_pages == len(free)     # nothing taken
+
+
 def test_eviction_under_a_small_pool_keeps_every_answer_right(checkpoint):
     """A pool of 3 prompts' worth: 10 distinct prompts and re-asks evict entries (least recently used
     first); every answer equals its solo cold answer, hits or not."""
@@ -206,18 +258,18 @@ def test_a_prefix_copy_copies_every_page(monkeypatch, max_runs, layerwise):
     import torch
     from engine.cache import page_pool
     pool = page_pool.PagePool(num_layers=3, num_pages=40, block_size=4, num_kv_heads=2, head_dim=8,
-                              dtype=torch.float32, device=torch.device("cpu"), max_seqs=4, max_pages_per_seq=16)
+                              dtype=torch.float32, device=torch.device("cpu"), max_seqs=4, max_pages_per_seq=16,
+                              placed=True)                                # the pages named, as the KV manager does
     monkeypatch.setattr(page_pool, "COPY_BYTES", 3 * 4 * 2 * 8 * 4)       # 3 pages of one layer
     monkeypatch.setattr(page_pool, "MAX_RUN_COPIES", max_runs)
     monkeypatch.setattr(page_pool, "LAYERWISE_RUNS", layerwise)
     pool.k.normal_()
     pool.v.normal_()
-    scattered = [22, 21, 20, 11, 10, 9, 31, 30, 3, 2]                     # popped from the end: 2 3 30 31 9 ...
-    pool._free = [p for p in pool._free if p not in scattered] + scattered
-    pool.add(1, 38)                                                       # 10 pages, 38 tokens
-    pool.copy_prefix(1, 2, 38)
+    scattered = [2, 3, 30, 31, 9, 10, 11, 20, 21, 22]
+    pool.add(1, 38, scattered)                                            # 10 pages, 38 tokens
+    pool.copy_prefix(1, 2, 38, [1, 4, 5, 6, 7, 8, 12, 13, 14, 15])
     src, dst = pool.pages[1], pool.pages[2]
-    assert src == scattered[::-1] and len(dst) == 10 and not set(src) & set(dst)
+    assert src == scattered and len(dst) == 10 and not set(src) & set(dst)
     assert len(page_pool.page_runs(src, dst)) >= 4                          # several runs, not one
     assert torch.equal(pool.k[:, dst], pool.k[:, src]) and torch.equal(pool.v[:, dst], pool.v[:, src])
 

@@ -22,8 +22,8 @@ def _snapshot(scheduler, runner) -> tuple:
     kv, s, pool = scheduler.kv, scheduler.state, runner.pool
     cache = kv.prefix_cache
     ledger = (copy.deepcopy(kv.ledger.seqs), list(kv.ledger.pages_used))
-    pages = (copy.deepcopy(pool.pages), dict(pool.lengths), dict(pool.rows), list(pool._free), list(pool._free_rows),
-             pool.table.clone().tolist())
+    pages = (copy.deepcopy(pool.pages), dict(pool.lengths), dict(pool.rows), bytes(pool.held._in_use),
+             list(pool._free_rows), pool.table.clone().tolist())
     prefix = (copy.deepcopy(cache.entries), list(cache.entries), copy.deepcopy(cache.index), dict(cache.used),
               cache.tick, cache.queries, cache.hits)
     queues = ([r.request_id for r in s.waiting], [x.seq_id for x in s.preempted], [x.seq_id for x in s.running],
@@ -35,7 +35,8 @@ def _snapshot(scheduler, runner) -> tuple:
     if kv.host is not None:     # the KV host tier: its ledger, its pages, its index
         h = kv.host_cache
         host = (copy.deepcopy(kv.host.seqs), list(kv.host.pages_used), copy.deepcopy(runner.cache.host.pages),
-                list(runner.cache.host._free), copy.deepcopy(h.entries), list(h.entries), dict(h.used), kv.host_hits)
+                bytes(runner.cache.host.held._in_use), copy.deepcopy(h.entries), list(h.entries), dict(h.used),
+                kv.host_hits)
     return ledger, pages, prefix, queues, sizer, host
 
 
@@ -156,8 +157,8 @@ def test_carrying_a_plan_out_asks_the_policy_nothing():
 def test_the_kv_managers_ledger_is_what_the_worker_holds_after_every_turn():
     """The KV manager keeps the one ledger and places every call (engine/cache/kv_manager.py); the worker stores
     what it is told. After every turn of a run that admits, chunks, preempts, resumes, evicts, writes to the
-    host tier and restores from it, and decodes ahead, the ledger's tokens and pages on this worker are the
-    pool's, sequence by sequence, and the host tier's ledger holds the host pool's entries."""
+    host tier and restores from it, and decodes ahead, the ledger's tokens and page ids on this worker are the
+    pool's, sequence by sequence, and the host tier's ledger's page ids are the host pool's entries'."""
     batch, engine = _workload()
     mismatches, turns, kinds = [], [0], set()
 
@@ -169,12 +170,12 @@ def test_the_kv_managers_ledger_is_what_the_worker_holds_after_every_turn():
             turns[0] += 1
             kinds.add(type(plan))
             held = {s: seq.tokens[0] for s, seq in kv.ledger.seqs.items()}
-            if held != pool.lengths or kv.ledger.free_pages()[0] != pool.free_pages:
+            on_pages = {s: seq.pages[0] for s, seq in kv.ledger.seqs.items()}
+            if held != pool.lengths or on_pages != pool.pages or kv.ledger.free_pages()[0] != pool.free_pages:
                 mismatches.append((type(plan).__name__, held, dict(pool.lengths)))
             host = runner.cache.host
-            stored = {h: len(p) for h, p in host.pages.items()}
-            if {h: kv.host.pages_of(h, 0) for h in kv.host.seqs} != stored:
-                mismatches.append((type(plan).__name__, "host tier", list(kv.host.seqs), stored))
+            if {h: seq.pages[0] for h, seq in kv.host.seqs.items()} != host.pages:
+                mismatches.append((type(plan).__name__, "host tier", list(kv.host.seqs), dict(host.pages)))
 
         scheduler.carry_out = compared
 

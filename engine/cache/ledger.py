@@ -158,7 +158,11 @@ class KVLedger:
         position = seq.tokens[0] if self.replicated else sum(seq.tokens)
         new = []
         for r in owners:
-            new.append((self._grow(seq, r, seq.tokens[r] + 1) or [0])[0])
+            if seq.tokens[r] % self.block_size == 0:             # its last page is full (or it has none)
+                new.append(self._grow(seq, r, seq.tokens[r] + 1)[0])
+            else:
+                seq.tokens[r] += 1
+                new.append(0)
             append_range(seq.ranges[r], position, position + 1)
         return owners, new
 

@@ -145,7 +145,8 @@ class PagePool:
     def append(self, seq_id: int, page: int = 0) -> int:
         """Room for one more token (on `page` where it needs a new one and the pool is placed) -> its slot."""
         n = self.lengths[seq_id]
-        self._grow(seq_id, n + 1, ([page] if page else []) if self.held.placed else None)
+        if page or n == len(self.pages[seq_id]) * self.block_size:   # a new page (named, or one it needs)
+            self._grow(seq_id, n + 1, ([page] if page else []) if self.held.placed else None)
         self.lengths[seq_id] = n + 1
         return self.slot(seq_id, n)
 

@@ -60,6 +60,7 @@ class ExtendAttention:
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
         way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
+        self.paged_backend = backend if backend.fp8 else "auto"      # FP8 attention: the cached pages gathered for it
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
@@ -112,7 +113,7 @@ class ExtendAttention:
             return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
         return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
                                self.scale, causal=self.keeps_new, rows_see_keys=True,
-                               host_sizes=([0, q.shape[0]], [self.key_count]))
+                               host_sizes=([0, q.shape[0]], [self.key_count]), backend=self.paged_backend)
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = lambda: self.pool.write(layer, self.slots, k, v)       # noqa: E731  (behind the first exchange)
@@ -141,7 +142,8 @@ class ExtendAttention:
         if layer == 0:
             self.runs = None
             device = self.pool.device
-            if self.cached_local and device.type == "cuda" and fa4_available(device) and not self.pool.fp8:
+            if (self.cached_local and device.type == "cuda" and fa4_available(device) and not self.pool.fp8
+                    and not self.backend.fp8):
                 hkv = self.pool.k.shape[3]
                 count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local, num_sms(device))
                 if count > 1:
@@ -155,7 +157,7 @@ class ExtendAttention:
         everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, *self.pool.layer(layer), self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
-                                   rows_see_keys=self.has_keys,
+                                   rows_see_keys=self.has_keys, backend=self.paged_backend,
                                    host_sizes=([0, everyone.shape[0]], [self.key_count]))     # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]

@@ -227,7 +227,10 @@ OPTIONS: tuple[Option, ...] = (
            "at start on GPUs (a layer's gather against a row's GEMMs and all-reduces), none on CPU; at most a "
            "worker's share of --max-model-len. 0: never. Other strategies: unused", metavar="N", at_least=0),
     Option("attention_backend", str, "the local attention kernel: auto (flash-attn-4 on SM90+ when installed, then "
-           "cuDNN, PyTorch's FA2; on CPU PyTorch's CPU flash kernel, then the reference) or one by name",
+           "cuDNN, PyTorch's FA2; on CPU PyTorch's CPU flash kernel, then the reference) or one by name. "
+           "fa3-fp8: FP8 attention for prefill (opt-in; FlashAttention-3's FP8 forward on Hopper, package fa3-fwd; "
+           "the same arithmetic in torch on CPU): prompts, ring blocks and chunks; decode and small extends "
+           "keep their kernels",
            default="auto", choices=tuple(ATTENTION_BACKENDS)),
     Option("overlap", bool, "exchange K/V blocks without overlapping compute", off_flag="--no-overlap"),
 )

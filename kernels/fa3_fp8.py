@@ -1,0 +1,149 @@
+"""FP8 attention for prefill (`--attention-backend fa3-fp8`): FlashAttention-3's Hopper forward on e4m3
+operands (the `fa3-fwd` package, `import fa3_fwd_interface`), and the same arithmetic in torch where that
+kernel is not (the CPU, and the tests' yardstick).
+
+    fa3_fp8_attention(q, k, v, causal, scale) -> (out [Sq, H, D] in q's dtype, lse [Sq, H] fp32, natural log)
+
+q [Sq, H, D], k and v [Sk, Hkv, D] (H % Hkv == 0); `causal` aligned to the end (query i sees keys 0 .. Sk - Sq
++ i), which is top-left on the square blocks the AttentionBackend contract uses it on.
+
+The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop_fwd_sm90_tma_gmma_ws.hpp):
+- q, k and v each cast to e4m3 with one scale per KV head for the whole call, amax / 448 (q's over the query
+  heads of the group: FA3's descales are [batch, KV heads] for all three);
+- S = q8 . k8 in fp32 times q's and k's descales and the softmax scale; P = exp(S - running row max) * 2^8
+  (FA3's Max_offset: P in [0, 256], far from e4m3's subnormals), cast to e4m3; P8 . v8, times v's descale,
+  over the row sum of the unrounded P;
+- keys in segments of at most KEY_SEGMENT a kernel call, the segments' partials merged in fp32 by their LSE
+  (kernels.merge): Hopper's FP8 tensor cores carry the P . V accumulation at reduced precision along a whole
+  call, which drifts with the number of keys; a segment bounds it (docs/benchmarks.md, FP8 attention).
+The torch path takes the row maximum over the segment's keys, not the running maximum of FA3's tiles: P is
+never larger than the kernel's, so its e4m3 rounding is never finer (a bound on the kernel's error, and equal
+to it where a row's maximum is in its first tile).
+"""
+import functools
+
+import torch
+
+from kernels.kv_quant import FP8, FP8_MAX
+from kernels.merge import merge_into
+
+KEY_SEGMENT = 32768          # keys a kernel call at most; longer key ranges in segments merged by LSE
+P_OFFSET = 256.0             # FA3's 2^Max_offset for FP8
+MIN_SCALE = 2.0 ** -126
+QUERY_CHUNK = 1024           # the torch path's query rows at a time (no [Sq, Sk] score matrix whole)
+
+FP8_ATTENTION_EXTRA = "fa3-fwd (pip install 'burstserve[fp8-attention]')"
+
+
+# ---------------------------------------------------------------- operands
+
+def to_e4m3(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, Hx, D] (Hx a multiple of num_kv_heads) -> (x8 [S, Hx, D] e4m3, descale [Hkv] fp32): one scale per
+    KV head (its group of heads), amax / 448."""
+    s, hx, d = x.shape
+    grouped = x.view(s, num_kv_heads, (hx // num_kv_heads) * d)                        # [S, Hkv, g * D]
+    descale = (grouped.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=MIN_SCALE)  # [Hkv]
+    x8 = (grouped.float() / descale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x8.view(s, hx, d), descale
+
+
+# ---------------------------------------------------------------- one call on e4m3 operands
+
+def _fa3_call(q8, k8, v8, qd, kd, vd, causal: bool, scale: float):
+    """FlashAttention-3's FP8 forward: (out [Sq, H, D] bf16, lse [Sq, H] fp32)."""
+    res = _fa3_module().flash_attn_func(q8[None], k8[None], v8[None], softmax_scale=scale, causal=causal,
+                                        q_descale=qd[None], k_descale=kd[None], v_descale=vd[None],
+                                        return_attn_probs=True)
+    out, lse = res[0], res[1]                                                          # [1, Sq, H, D], [1, H, Sq]
+    return out[0], lse[0].transpose(0, 1)
+
+
+def _torch_call(q8, k8, v8, qd, kd, vd, causal: bool, scale: float):
+    """The same arithmetic in torch, fp32: (out [Sq, H, D] bf16, lse [Sq, H] fp32). Rows that see no key give
+    out 0, lse -inf."""
+    sq, h, d = q8.shape
+    sk, hkv, _ = k8.shape
+    g = h // hkv
+    kf, vf = k8.float(), v8.float()                                                    # exact
+    score_scale = (qd * kd * scale)[:, None, None, None]                               # [Hkv, 1, 1, 1]
+    out = torch.empty(sq, h, v8.shape[-1], dtype=torch.float32, device=q8.device)
+    lse = torch.empty(sq, h, dtype=torch.float32, device=q8.device)
+    for a in range(0, sq, QUERY_CHUNK):
+        b = min(a + QUERY_CHUNK, sq)
+        qc = q8[a:b].float().view(b - a, hkv, g, d)                                    # [c, Hkv, g, D]
+        s = torch.einsum("qhgd,khd->hgqk", qc, kf) * score_scale                       # [Hkv, g, c, Sk]
+        if causal:
+            rows = torch.arange(a, b, device=q8.device) + (sk - sq)
+            s.masked_fill_(torch.arange(sk, device=q8.device)[None, :] > rows[:, None], float("-inf"))
+        row_max = s.amax(dim=-1, keepdim=True)                                         # [Hkv, g, c, 1]
+        seen = torch.isfinite(row_max)
+        p = torch.exp(s - torch.where(seen, row_max, 0.0))                             # P in [0, 1]
+        total = p.sum(dim=-1, keepdim=True)                                            # unrounded, fp32
+        p8 = (p * P_OFFSET).to(FP8).float()                                            # as the kernel rounds P
+        o = torch.einsum("hgqk,khd->qhgd", p8, vf)                                     # [c, Hkv, g, D]
+        o = o * vd[None, :, None, None] / (P_OFFSET * total.permute(2, 0, 1, 3).clamp(min=1e-30))
+        o = torch.where(seen.permute(2, 0, 1, 3), o, 0.0)
+        out[a:b] = o.reshape(b - a, h, -1)
+        ls = (row_max + torch.log(total)).squeeze(-1)                                  # [Hkv, g, c]
+        lse[a:b] = torch.where(seen.squeeze(-1), ls, float("-inf")).reshape(h, b - a).transpose(0, 1)
+    return out.to(torch.bfloat16), lse
+
+
+# ---------------------------------------------------------------- the backend
+
+def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                      segment: int = KEY_SEGMENT, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. kernel: auto (FA3 on CUDA, torch elsewhere) | fa3 | torch."""
+    hkv = k.shape[1]
+    call = _fa3_call if kernel == "fa3" or (kernel == "auto" and q.is_cuda) else _torch_call
+    (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv), to_e4m3(k, hkv), to_e4m3(v, hkv)
+    pieces = list(segments(q.shape[0], k.shape[0], causal, segment))
+    if len(pieces) == 1:
+        out, lse = call(q8, k8, v8, qd, kd, vd, causal, scale)
+        return out.to(q.dtype), lse
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, q1, k0, k1, masked in pieces:
+        o, s = call(q8[q0:q1], k8[k0:k1], v8[k0:k1], qd, kd, vd, masked, scale)
+        merge_into(out[q0:q1], lse[q0:q1], o, s)
+    return out.to(q.dtype), lse
+
+
+def segments(sq: int, sk: int, causal: bool, segment: int):
+    """The kernel calls of one attention call -> (query rows q0:q1, keys k0:k1, causal) each: the keys every
+    query sees in segments of at most `segment`, without a mask; under a causal mask the last keys, one a query
+    row (the square), in segments too: a segment's own rows causally (a square), the rows after it without a
+    mask. Rows that see no key (fewer keys than queries) are in no call."""
+    if sk <= segment:
+        yield 0, sq, 0, sk, causal
+        return
+    seen = max(sk - sq, 0) if causal else sk
+    for k0 in range(0, seen, segment):
+        yield 0, sq, k0, min(k0 + segment, seen), False
+    if causal:
+        off = sk - sq
+        for r0 in range(max(0, -off), sq, segment):
+            r1 = min(r0 + segment, sq)
+            yield r0, r1, off + r0, off + r1, True
+            if r1 < sq:
+                yield r1, sq, off + r0, off + r1, False
+
+
+@functools.lru_cache(maxsize=None)
+def _fa3_module():
+    import fa3_fwd_interface
+    return fa3_fwd_interface
+
+
+def fa3_fp8_refusal(device: torch.device) -> str | None:
+    """Why FA3's FP8 forward cannot run on this device (None: it can; the CPU runs the torch path)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"--attention-backend fa3-fp8 needs a Hopper GPU (sm_90); {device} is sm_{major}{minor}"
+    try:
+        _fa3_module()
+    except Exception as e:  # ImportError, or a build that does not load under this torch
+        return f"--attention-backend fa3-fp8 needs {FP8_ATTENTION_EXTRA}, which does not import here: {e}"
+    return None

@@ -60,7 +60,10 @@ class ExtendAttention:
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
         way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
-        self.paged_backend = backend if backend.fp8 else "auto"      # FP8 attention: the cached pages gathered for it
+        # FP8 attention over the cached pages, gathered for it; FP8 pages keep the bf16 kernel (their values are
+        # already e4m3 on another grid: rounded again they would lose twice), the new tokens' own K/V in FP8
+        self.paged_backend = backend if backend.fp8 and not pool.fp8 else "auto"
+        self.fresh_in_fp8 = backend.fp8 and pool.fp8
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
@@ -71,6 +74,7 @@ class ExtendAttention:
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
+        self.cached_keys = torch.tensor([cached_local], dtype=torch.int32, device=device)    # [1]
         self.key_count = keys
         self.has_keys = keys > 0
         queries = sum(s.length for s in new_shards) if way != ExtendWay.LOCAL else mine
@@ -104,6 +108,8 @@ class ExtendAttention:
     def _local_partial(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The queries q [m, H, D] against the sequence's keys on this worker (the new ones causally, when
         it keeps them) -> (out [m, H, D] in q's dtype, lse [m, H] fp32)."""
+        if self.fresh_in_fp8 and self.keeps_new:
+            return self._fresh_in_fp8(layer, q, k, v)
         runs = self._prefix_runs(layer, q)
         if runs is not None:                                                                 # the cache in runs
             new_k, new_v = (k, v) if self.keeps_new else (None, None)
@@ -114,6 +120,17 @@ class ExtendAttention:
         return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
                                self.scale, causal=self.keeps_new, rows_see_keys=True,
                                host_sizes=([0, q.shape[0]], [self.key_count]), backend=self.paged_backend)
+
+    def _fresh_in_fp8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """FP8 attention over FP8 pages: the new tokens' own K/V (rounded once) causally through the FP8 kernel,
+        the cached keys through the bf16 one over the pages, merged by LSE -> (out [m, H, D], lse [m, H])."""
+        fresh = self.backend(q, k, v, True, self.scale)                                    # a square
+        if not self.cached_local:
+            return fresh
+        cached = paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.cached_keys,
+                                 self.scale, causal=False, rows_see_keys=True,
+                                 host_sizes=([0, q.shape[0]], [self.cached_local]))
+        return merge_partials(torch.stack([cached[0], fresh[0]]), torch.stack([cached[1], fresh[1]]), q.dtype)
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = lambda: self.pool.write(layer, self.slots, k, v)       # noqa: E731  (behind the first exchange)

@@ -78,9 +78,12 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, quantization: str = "none",
-                 vocab=None, kv_cache_dtype: str = "auto", reduce_attention: bool = True):
+                 vocab=None, kv_cache_dtype: str = "auto", reduce_attention: bool = True,
+                 fp8_attention: bool = False):
         """quantization "fp8": the layers' linear weights quantized at load (kernels/fp8.py). kv_cache_dtype
-        "fp8": K and V rounded as the FP8 cache keeps them (kernels/kv_quant.py) before any attention. vocab
+        "fp8": K and V rounded as the FP8 cache keeps them (kernels/kv_quant.py) before any attention, unless
+        fp8_attention (--attention-backend fa3-fp8): that kernel rounds K/V to e4m3 itself, and rounding them to
+        the cache's grid first would round them twice (the pages still store them rounded once). vocab
         (engine.parallel.vocab.VocabShards, burst-zero): the embedding and LM head hold this worker's
         vocabulary rows only; embedding and logits are then collective calls. reduce: the all-reduce of
         partial sums after down_proj, and after o_proj too where reduce_attention (tp; burst-zero holds the
@@ -99,7 +102,7 @@ class LlamaModel:
         # quantized (kernels/fp8.py: one kernel each on GPUs, the same bits as quantizing the bf16 rows
         # apart, and a quantization kernel fewer each: docs/benchmarks.md, FP8 linears)
         self.fp8_rows = quantization == "fp8"
-        self.kv_fp8 = is_fp8(kv_cache_dtype)
+        self.kv_fp8 = is_fp8(kv_cache_dtype) and not fp8_attention      # K/V rounded before attention
         self.inv_freq = inverse_frequencies(cfg).to(device)
         self.rope_scaling = attention_scaling(cfg)                     # YaRN's factor on cos/sin, else 1
 

@@ -51,16 +51,19 @@ class ModelRunner:
         else:
             weights = load_weights(engine.model, list(shapes), device, dtype, slices)
         self.layout = self.strategy.weight_layout(cfg, rank, device, data_group)   # what follows from the weights
-        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype)
-        self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
         attn = self.layout.attn_cfg                    # the heads a prefill attends with and the K/V cache holds
         self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
+        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype,
+                                             self.backend.fp8)
+        self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
         self.kv_fp8 = is_fp8(engine.kv_cache_dtype)
+        # K/V are the cache's FP8 values, so a ring sends their bytes; not under FP8 attention (not rounded first)
+        self.ring_fp8 = self.kv_fp8 and not self.backend.fp8
         self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
-                                              cfg.num_heads, engine.auto_ulysses_max_tokens, self.kv_fp8)
+                                              cfg.num_heads, engine.auto_ulysses_max_tokens, self.ring_fp8)
         note = self.strategy.fallback_note(cfg)
         if note and rank == 0:
             log.warning("%s", note)
@@ -86,7 +89,7 @@ class ModelRunner:
             self._sync()
         # the yardstick of hidden_fraction: a ring step's time alone, timed once here (collective), for the
         # block the ring sends (FP8 pages: FP8 bytes and a scale a row)
-        message = ((2, attn.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.uint8) if self.kv_fp8 else \
+        message = ((2, attn.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.uint8) if self.ring_fp8 else \
             ((2, attn.num_kv_heads, cfg.head_dim), dtype)
         self.exchange_time = (ExchangeTime.measure(self.ring, self.world_size, rank, *message, device)
                               if self.ring is not None else None)
@@ -253,7 +256,7 @@ class ModelRunner:
         way, shards, positions = placed.way, placed.shards, placed.positions
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
-                                 self.ring, self.engine.overlap, self.data_group, way, self.kv_fp8,
+                                 self.ring, self.engine.overlap, self.data_group, way, self.ring_fp8,
                                  placed.cached_all if self.passes_kv(placed) else None)
         if restore_waits:
             attend = AfterRestore(attend, restore_waits)

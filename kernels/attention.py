@@ -127,7 +127,22 @@ def reference_attention(q, k, v, causal, scale, query_chunk: int = 1024):
 
 _GPU_BACKENDS = {"flash_attn_4": _flash_attn_4, "cudnn": _cudnn, "flash_attn": _flash_attn_pkg,
                  "flash": _flash_aten}
-FP8_BACKEND = AttentionBackend("fa3_fp8", fa3_fp8_attention, fp8=True)   # opt-in only: never chosen by auto
+FP8_NAME = "fa3_fp8"                     # --attention-backend fa3-fp8: opt-in only, never chosen by auto
+FP8_KERNEL = AttentionBackend(FP8_NAME, fa3_fp8_attention, fp8=True)
+FP8_MIN_PAIRS = 1 << 27                  # on CUDA fewer visible (query, key) pairs than this run the bf16 kernel
+
+
+def fp8_backend(fallback: AttentionBackend) -> AttentionBackend:
+    """--attention-backend fa3-fp8: FP8 attention (kernels/fa3_fp8.py). On CUDA a call of fewer than FP8_MIN_PAIRS
+    visible pairs, square or unmasked, runs `fallback` (bf16) instead: there the operands' casts cost more than
+    the FP8 kernel saves (docs/benchmarks.md, FP8 attention). Elsewhere every call is FP8 (the tests' path)."""
+    def attend(q, k, v, causal, scale):
+        sq, sk = q.shape[0], k.shape[0]
+        pairs = sq * (sk - sq) + sq * (sq + 1) // 2 if causal else sq * sk
+        if q.is_cuda and pairs < FP8_MIN_PAIRS and (not causal or sq == sk):
+            return fallback.fn(q, k, v, causal, scale)
+        return fa3_fp8_attention(q, k, v, causal, scale)
+    return AttentionBackend(FP8_NAME, attend, fp8=True)
 
 
 # flash-attn-4 compiles each kernel configuration on its first call (seconds). Its persistent cache,
@@ -201,12 +216,14 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     for name in names:
         if name == "reference":
             return AttentionBackend("reference", reference_attention)
-        backend = FP8_BACKEND if name == FP8_BACKEND.name else AttentionBackend(name, _GPU_BACKENDS[name])
+        backend = FP8_KERNEL if name == FP8_NAME else AttentionBackend(name, _GPU_BACKENDS[name])
         started = time.perf_counter()
         if _probe(backend, device, dtype, num_heads, num_kv_heads, head_dim):   # also compiles its kernels
             log.info("attention backend %s on %s: probed (causal, full and decode blocks, %d/%d heads, d %d) "
                      "and warmed up in %.2f s", name, device, num_heads, num_kv_heads, head_dim,
                      time.perf_counter() - started)
+            if name == FP8_NAME:          # small calls on CUDA: the best bf16 backend
+                return fp8_backend(select_backend(device, dtype, num_heads, num_kv_heads, head_dim))
             return backend
         if requested != "auto":
             raise ValueError(f"attention kernel {name!r} does not run on {device} with {dtype}, d={head_dim}")

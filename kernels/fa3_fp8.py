@@ -13,9 +13,12 @@ The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop
 - S = q8 . k8 in fp32 times q's and k's descales and the softmax scale; P = exp(S - running row max) * 2^8
   (FA3's Max_offset: P in [0, 256], far from e4m3's subnormals), cast to e4m3; P8 . v8, times v's descale,
   over the row sum of the unrounded P;
-- keys in segments of at most KEY_SEGMENT a kernel call, the segments' partials merged in fp32 by their LSE
-  (kernels.merge): Hopper's FP8 tensor cores carry the P . V accumulation at reduced precision along a whole
-  call, which drifts with the number of keys; a segment bounds it (docs/benchmarks.md, FP8 attention).
+- the first SINK_KEYS keys in calls of their own, and the keys in segments of at most KEY_SEGMENT a call, the
+  partials merged by their LSE (kernels.merge). P is rounded against the row's maximum over the call's keys: a
+  trained model's attention sink (its first token, far above the rest in most rows) would leave every other
+  key's P far down e4m3's range, its small values in the subnormals or at zero; apart, they are rounded
+  against their own maximum. A segment bounds the P . V accumulation that Hopper's FP8 tensor cores carry at
+  reduced precision along a call, which drifts with the number of keys (docs/benchmarks.md, FP8 attention).
 The torch path takes the row maximum over the segment's keys, not the running maximum of FA3's tiles: P is
 never larger than the kernel's, so its e4m3 rounding is never finer (a bound on the kernel's error, and equal
 to it where a row's maximum is in its first tile).
@@ -27,7 +30,8 @@ import torch
 from kernels.kv_quant import FP8, FP8_MAX
 from kernels.merge import merge_into
 
-KEY_SEGMENT = 32768          # keys a kernel call at most; longer key ranges in segments merged by LSE
+KEY_SEGMENT = 131072         # keys a kernel call at most; longer key ranges in segments merged by LSE
+SINK_KEYS = 4                # a call's first keys attended apart: a trained model's attention sink
 P_OFFSET = 256.0             # FA3's 2^Max_offset for FP8
 MIN_SCALE = 2.0 ** -126
 QUERY_CHUNK = 1024           # the torch path's query rows at a time (no [Sq, Sk] score matrix whole)
@@ -92,41 +96,53 @@ def _torch_call(q8, k8, v8, qd, kd, vd, causal: bool, scale: float):
 # ---------------------------------------------------------------- the backend
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                      segment: int = KEY_SEGMENT, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                      segment: int = KEY_SEGMENT, kernel: str = "auto", sink: int = SINK_KEYS
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. kernel: auto (FA3 on CUDA, torch elsewhere) | fa3 | torch."""
     hkv = k.shape[1]
     call = _fa3_call if kernel == "fa3" or (kernel == "auto" and q.is_cuda) else _torch_call
     (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv), to_e4m3(k, hkv), to_e4m3(v, hkv)
-    pieces = list(segments(q.shape[0], k.shape[0], causal, segment))
-    if len(pieces) == 1:
-        out, lse = call(q8, k8, v8, qd, kd, vd, causal, scale)
-        return out.to(q.dtype), lse
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    for q0, q1, k0, k1, masked in pieces:
-        o, s = call(q8[q0:q1], k8[k0:k1], v8[k0:k1], qd, kd, vd, masked, scale)
-        merge_into(out[q0:q1], lse[q0:q1], o, s)
+    out, lse = run_segments(lambda a, b, c, masked: call(a, b, c, qd, kd, vd, masked, scale), q8, k8, v8,
+                            causal, segment, sink, q.dtype)
     return out.to(q.dtype), lse
 
 
-def segments(sq: int, sk: int, causal: bool, segment: int):
-    """The kernel calls of one attention call -> (query rows q0:q1, keys k0:k1, causal) each: the keys every
-    query sees in segments of at most `segment`, without a mask; under a causal mask the last keys, one a query
-    row (the square), in segments too: a segment's own rows causally (a square), the rows after it without a
-    mask. Rows that see no key (fewer keys than queries) are in no call."""
-    if sk <= segment:
-        yield 0, sq, 0, sk, causal
-        return
-    seen = max(sk - sq, 0) if causal else sk
-    for k0 in range(0, seen, segment):
-        yield 0, sq, k0, min(k0 + segment, seen), False
-    if causal:
-        off = sk - sq
-        for r0 in range(max(0, -off), sq, segment):
-            r1 = min(r0 + segment, sq)
-            yield r0, r1, off + r0, off + r1, True
-            if r1 < sq:
-                yield r1, sq, off + r0, off + r1, False
+def run_segments(call, q, k, v, causal: bool, segment: int, sink: int = 0, dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """call(q rows, k rows, v rows, causal) -> (out, lse) over each of segments(...)'s pieces, merged by LSE
+    (fp32 math, kernels.merge) into an out of `dtype` (the model's: bf16 on GPUs, each merge rounding once)
+    -> (out [Sq, H, D], lse [Sq, H] fp32)."""
+    pieces = list(segments(q.shape[0], k.shape[0], causal, segment, sink))
+    if len(pieces) == 1:
+        return call(q, k, v, causal)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, q1, k0, k1, masked in pieces:
+        o, s = call(q[q0:q1], k[k0:k1], v[k0:k1], masked)
+        merge_into(out[q0:q1], lse[q0:q1], o, s)
+    return out, lse
+
+
+def segments(sq: int, sk: int, causal: bool, segment: int, sink: int = 0):
+    """The kernel calls of one attention call -> (query rows q0:q1, keys k0:k1, causal) each. The keys are cut
+    at every multiple of `segment` and after the first `sink`. Under a causal mask (end-aligned: query r sees
+    keys up to r + sk - sq) a range that ends the keys is one end-aligned call from its first row that sees
+    it; a range before the square of the last sq keys is seen whole by every row; a range inside the square
+    is a square for its own rows and seen whole by the rows after them (and one across the square's start is
+    cut there). Rows that see no key of a range are in no call of it."""
+    off = sk - sq if causal else sk                 # keys before the square (all of them when not causal)
+    cuts = sorted(set(range(0, sk, segment)) | {sk} | ({sink} if 0 < sink < sk else set()))
+    for k0, k1 in zip(cuts[:-1], cuts[1:]):
+        if k1 <= off:
+            yield 0, sq, k0, k1, False
+        elif k1 == sk:
+            yield max(0, k0 - off), sq, k0, k1, True
+        else:
+            if k0 < off:
+                yield 0, sq, k0, off, False
+                k0 = off
+            yield max(0, k0 - off), k1 - off, max(k0, off), k1, True
+            yield k1 - off, sq, max(k0, off), k1, False
 
 
 @functools.lru_cache(maxsize=None)

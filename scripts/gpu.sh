@@ -373,11 +373,29 @@ part_hosttier() {   # the KV host tier: GPU tests, copy GB/s, many documents (be
   fi
 }
 
-part_fp8attn() {   # FP8 prefill attention: its kernel's GPU tests, then scripts/gpu_fp8_prefill.py (fa3-fwd beside it if carried)
-  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
-      tests/gpu/test_kernels_gpu.py -k "fp8_prefill" 2>&1 | grep -v -i "warn\|exe_args" | tail -30 | tee "$out/tests_attn.log"
-  OUT=$out timeout "${PREFILL_LIMIT:-400}" python3 scripts/gpu_fp8_prefill.py ${SHAPES:-} 2>&1 | grep -v -i warn \
-      | tee "$out/fp8_prefill.txt"
+part_fp8attn() {   # FP8 attention for prefill (--attention-backend fa3-fp8; .fa3 carried): PARTS kernel ttft million
+  sel=${PARTS:-kernel ttft}
+  local name args
+  if has kernel; then       # error against float64 as the keys grow, speed against flash-attn-4, kernel vs torch path
+    OUT=$out timeout "${KERNEL_LIMIT:-300}" python3 scripts/gpu_fa3_fp8.py 2>&1 | grep -v -i "warn\|exe_args" \
+        | tee "$out/fa3_fp8.txt"
+  fi
+  if has ttft; then         # TTFT: bf16, FP8 pages and linears, the same with FP8 attention
+    for name in bf16 fp8 fp8-attention; do
+      case $name in
+        bf16) args="" ;;
+        fp8) args="--kv-cache-dtype fp8 -q fp8" ;;
+        fp8-attention) args="--kv-cache-dtype fp8 -q fp8 --attention-backend fa3-fp8" ;;
+      esac
+      _rows=4 bench "ttft-$name" 240 sweep --offline --model llama3-8b --devices cuda -cp "${CP:-1}" \
+          --lengths "${LENGTHS:-8192,131072}" --repeats "${REPEATS:-2}" --warmup 1 $args --label "$name"
+    done
+  fi
+  if has million; then      # 1,048,576 tokens with FP8 attention: TTFT, then 64 tokens' TPOT
+    _rows=4 bench million "${MILLION_LIMIT:-560}" sweep --offline --model llama3-8b --devices cuda -cp "${CP:-1}" \
+        --lengths 1048576 --output-len 64 --repeats 1 --warmup 0 --kv-cache-dtype fp8 -q fp8 \
+        --attention-backend fa3-fp8 --label fp8-attention
+  fi
 }
 
 part_fp8() {   # FP8: GPU tests, accuracy and forward time against bf16 (scripts/gpu_fp8.py), TTFT sweep

@@ -4,8 +4,9 @@ FP8 accumulation drifts with a call's length: segments bound it), its speed agai
 the kernel against the torch path of the same arithmetic.
 
     python scripts/gpu_fa3_fp8.py [error] [speed] [agree]        (default: all three)
-    KEYS=8192,131072,1048576 SEGMENTS=16384,32768 python scripts/gpu_fa3_fp8.py error
+    KEYS=8192,131072,1048576 SEGMENTS=16384,32768 SPEED_LENGTHS=8192,131072 python scripts/gpu_fa3_fp8.py
 
+Every fa3_fp8_attention row takes the first SINK_KEYS keys apart (the `no_sink` rows do not).
 error: the last 256 queries of a prompt of N keys (they see every key), KV head 0's four query heads, against
     float64; K/V bf16 random, "plain" (diffuse attention) and "sink" (key 0 takes about half of every row's
     weight, as trained models' first token does); FA3 FP8 in one call and in segments, flash-attn-4 bf16.
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.attention import fa4_forward  # noqa: E402
-from kernels.fa3_fp8 import KEY_SEGMENT, _fa3_module, fa3_fp8_attention  # noqa: E402
+from kernels.fa3_fp8 import _fa3_module, fa3_fp8_attention  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
@@ -92,6 +93,8 @@ def error_part(keys_list, segments_list) -> list[dict]:
             row["fa4_bf16"] = relative(out[0][:, :4], want)
             row["fa3_fp8_one_call"] = relative(
                 fa3_fp8_attention(q, k, v, False, SCALE, segment=1 << 30, kernel="fa3")[0][:, :4], want)
+            row["fa3_fp8_no_sink"] = relative(
+                fa3_fp8_attention(q, k, v, False, SCALE, segment=1 << 30, kernel="fa3", sink=0)[0][:, :4], want)
             for seg in segments_list:
                 row[f"fa3_fp8_seg{seg}"] = relative(
                     fa3_fp8_attention(q, k, v, False, SCALE, segment=seg, kernel="fa3")[0][:, :4], want)
@@ -118,6 +121,7 @@ def speed_part(lengths, segments_list) -> list[dict]:
         row["fa3_bf16_ms"] = median_ms(lambda: f3.flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE,
                                                                   causal=True))
         row["fa3_fp8_one_call_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30))
+        row["fa3_fp8_no_sink_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30, sink=0))
         for seg in segments_list:
             row[f"fa3_fp8_seg{seg}_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=seg))
         row = {key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()}
@@ -154,8 +158,8 @@ def agree_part() -> list[dict]:
 def main(parts) -> None:
     parts = parts or ["agree", "error", "speed"]
     keys_list = [int(x) for x in os.environ.get("KEYS", "8192,32768,131072,524288,1048576").split(",")]
-    segments_list = [int(x) for x in os.environ.get("SEGMENTS", f"16384,{KEY_SEGMENT},65536").split(",")]
-    lengths = [int(x) for x in os.environ.get("LENGTHS", "8192,32768,131072").split(",")]
+    segments_list = [int(x) for x in os.environ.get("SEGMENTS", "32768,65536").split(",")]
+    lengths = [int(x) for x in os.environ.get("SPEED_LENGTHS", "8192,16384,32768,131072").split(",")]
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     result = {"gpu": torch.cuda.get_device_name(0)}
     with torch.inference_mode():

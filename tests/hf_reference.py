@@ -168,3 +168,62 @@ def dense_causal_attend(layer, q, k, v):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 4):
+    """FA3's FP8 forward in float64, dense, written apart from kernels/fa3_fp8.py: q, k, v [S, Hx, D] each cast to
+    e4m3 with amax / 448 per KV head (q over the group's query heads), S = q8 k8^T * descales * scale, causal
+    aligned to the end; the first `sink` keys and the rest as two calls, each with P = exp(S - its row max) *
+    256 cast to e4m3 and P8 v8 * v's descale / (256 sum P) in bf16 (FA3's output dtype for FP8 operands), the
+    two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H])."""
+    sq, h, d = q.shape
+    sk, hkv, _ = k.shape
+    g = h // hkv
+
+    def cast(x):                                                   # [S, Hx, D] -> e4m3 values, [Hkv] descales
+        per_kv = x.double().reshape(x.shape[0], hkv, -1)
+        descale = per_kv.abs().amax(dim=(0, 2)) / 448.0
+        x8 = (per_kv / descale[None, :, None]).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        return x8.reshape(x.shape), descale
+
+    (q8, qd), (k8, kd), (v8, vd) = cast(q), cast(k), cast(v)
+    kh, vh = k8.repeat_interleave(g, 1), v8.repeat_interleave(g, 1)              # [Sk, H, D]
+    per_head = lambda t: t.repeat_interleave(g)                                  # noqa: E731  [Hkv] -> [H]
+    s = torch.einsum("qhd,khd->hqk", q8, kh) * (per_head(qd) * per_head(kd) * scale)[:, None, None]
+    if causal:
+        s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq), float("-inf"))
+    outs, lses = [], []
+    for keys in (slice(0, sink), slice(sink, sk)) if 0 < sink < sk else (slice(0, sk),):
+        part = s[..., keys]                                                      # [H, Sq, n]
+        m = part.amax(-1, keepdim=True)
+        seen = torch.isfinite(m)
+        p = torch.exp(part - torch.where(seen, m, 0.0))
+        p8 = (p * 256).float().to(torch.float8_e4m3fn).double()
+        total = p.sum(-1, keepdim=True)
+        o = torch.einsum("hqk,khd->hqd", p8, vh[keys]) * per_head(vd)[:, None, None] / (256 * total.clamp(min=1e-300))
+        outs.append(o.to(torch.bfloat16).double())                               # each call's output in bf16
+        lses.append(torch.where(seen, m + torch.log(total), float("-inf")))
+    lse = torch.logaddexp(*lses) if len(lses) == 2 else lses[0]                 # [H, Sq, 1]
+    out = sum(o * torch.exp(torch.where(torch.isfinite(l), l - lse, float("-inf"))) for o, l in zip(outs, lses))
+    return out.transpose(0, 1), lse.squeeze(-1).T
+
+
+@contextlib.contextmanager
+def fa3_fp8_attention_in(model):
+    """transformers' model with every attention call replaced by fa3_like_reference (FlashAttention-3's FP8
+    arithmetic, the whole call's q, k, v: what the engine's one-call prefill on one worker runs); undone on exit."""
+    from transformers import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query [1, H, Sq, D], key, value [1, Hkv, Sk, D] -> ([1, Sq, H, D], None)
+        rows = lambda t: t[0].transpose(0, 1)                              # noqa: E731  [S, H, D]
+        out, _ = fa3_like_reference(rows(query), rows(key), rows(value), True, scaling)
+        return out.to(query.dtype)[None], None
+
+    AttentionInterface.register("fa3-fp8-reference", attention)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("fa3-fp8-reference")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)

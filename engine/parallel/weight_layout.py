@@ -2,7 +2,7 @@
 (`PrefillStrategy.weight_layout`) instead of asking which strategy it runs.
 
 A layout answers, for its worker:
-  build_model(weights, reduce, quantization, kv_cache_dtype)   the model on these weights (the layout keeps it),
+  build_model(weights, reduce, quantization, kv_cache_dtype, fp8_attention)   the model on these weights (the layout keeps it),
                                                all-reduced after o_proj where attention_sums (tp's slices);
   vocab / whole_layers                         the vocabulary cut over the workers (VocabShards) and what
                                                gathers a prefill layer's whole weights (LayerGather), or None;
@@ -49,11 +49,11 @@ class WeightLayout:
         self.model: LlamaModel | None = None
 
     def build_model(self, weights: dict[str, torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor],
-                    quantization: str, kv_cache_dtype: str = "auto") -> LlamaModel:
+                    quantization: str, kv_cache_dtype: str = "auto", fp8_attention: bool = False) -> LlamaModel:
         """This worker's model on its weights (reduce: the all-reduce, used where partial_sums)."""
         self.model = LlamaModel(self.local, weights, self.device, reduce=reduce if self.partial_sums else None,
                                 quantization=quantization, vocab=self.vocab, kv_cache_dtype=kv_cache_dtype,
-                                reduce_attention=self.attention_sums)
+                                reduce_attention=self.attention_sums, fp8_attention=fp8_attention)
         return self.model
 
     def reserve_bytes(self) -> int:

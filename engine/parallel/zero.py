@@ -192,9 +192,9 @@ class ZeroLayout(WeightLayout):
         self.attn_cfg = cfg                  # a prefill's layers are whole: every head
 
     def build_model(self, weights: dict[str, torch.Tensor], reduce, quantization: str,
-                    kv_cache_dtype: str = "auto") -> LlamaModel:
+                    kv_cache_dtype: str = "auto", fp8_attention: bool = False) -> LlamaModel:
         """The model on the slices, and its layers' gatherer (collective: it makes a process group)."""
-        model = super().build_model(weights, reduce, quantization, kv_cache_dtype)
+        model = super().build_model(weights, reduce, quantization, kv_cache_dtype, fp8_attention)
         self.whole_layers = LayerGather(self.cfg, model.layers, self.world_size, self.device, self.group)
         return model
 

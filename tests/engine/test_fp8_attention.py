@@ -1,0 +1,70 @@
+"""--attention-backend fa3-fp8 (kernels/fa3_fp8.py): FP8 attention in the engine's prefill, on CPU workers
+(the torch path of FlashAttention-3's arithmetic).
+
+The reference is transformers on the same checkpoint with its attention replaced by FA3's FP8 arithmetic
+(hf_reference.fa3_like_reference, written apart from the engine's): on one worker a one-call prefill rounds
+the same operands (the whole prompt's q, k, v) and the logits equal it within fp32's midpoint flips. Where the
+engine cuts the attention otherwise (a ring's blocks, chunks against cached pages, FP8 pages), each call rounds
+its own operands: there the logits differ from transformers unrounded by FP8's rounding (more than 1e-3,
+within PLAIN_BOUND), and greedy tokens follow transformers' but where it rates two within twice that."""
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from hf_reference import assert_same_greedy, fa3_fp8_attention_in, hf_next_logits_and_greedy, save_checkpoint
+
+EXACT = 5e-3          # an e4m3 rounding that fp32 noise tips the other way, one step on one element
+PLAIN_BOUND = 0.25    # the rounding's own effect on these tiny models' logits (test_fp8_kv_cache's bound)
+
+
+@pytest.fixture(scope="module", params=["llama3-gqa", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    return path, save_checkpoint(request.param, path, seed=random.randrange(1 << 30))
+
+
+def _plain(model, prompt):
+    return hf_next_logits_and_greedy(model, prompt, 1)[0]
+
+
+def _against_plain(llm, model, prompt, what) -> float:
+    diff = (llm.next_token_logits(prompt) - _plain(model, prompt)).abs().max().item()
+    assert 1e-3 < diff <= PLAIN_BOUND, (what, len(prompt), diff)
+    return diff
+
+
+def test_one_worker_rounds_as_fa3_does(checkpoint):
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    with LLM(path, devices="cpu", dtype="float32", attention_backend="fa3-fp8",
+             enable_chunked_prefill=False) as llm:
+        assert llm.worker_info[0]["kernel"] == "fa3_fp8"
+        for n in (37, 700):
+            prompt = [random.randrange(vocab) for _ in range(n)]
+            logits = llm.next_token_logits(prompt)
+            with fa3_fp8_attention_in(model):
+                want = _plain(model, prompt)
+            assert (logits - want).abs().max().item() <= EXACT, n
+            assert (logits - _plain(model, prompt)).abs().max().item() > 1e-3, n     # FP8 really ran
+
+
+@pytest.mark.parametrize("workers,strategy,kv", [(2, "burst", "auto"), (2, "burst", "fp8"), (2, "ulysses", "auto"),
+                                                 (1, "burst", "fp8")])
+def test_rings_chunks_and_prefix_hits_attend_in_fp8(checkpoint, workers, strategy, kv):
+    """A document in chunks of 64 (later chunks attend the cached pages through the FP8 kernel), then a question
+    after it (a prefix hit), then greedy tokens against transformers'."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    doc = [random.randrange(vocab) for _ in range(300)]
+    question = doc + [random.randrange(vocab) for _ in range(45)]
+    with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy,
+             block_size=16, kv_cache_dtype=kv, attention_backend="fa3-fp8", max_num_batched_tokens=64) as llm:
+        what = f"{workers} workers, {strategy}, pages {kv}"
+        _against_plain(llm, model, doc, what)
+        error = _against_plain(llm, model, question, what)
+        out = llm.generate(question, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        assert out.metrics.prefill_stats.cached_tokens >= 288, out.metrics.prefill_stats
+        _, want = hf_next_logits_and_greedy(model, question, 8)
+        # they may part only where transformers rates the two tokens within twice what FP8 moved the logits
+        assert_same_greedy(model, question, out.outputs[0].token_ids, want, what, 2 * error)

@@ -1,0 +1,143 @@
+"""kernels/fa3_fp8.py (`--attention-backend fa3-fp8`): FlashAttention-3's FP8 arithmetic, its torch path
+against a reference written apart (float64, dense) that rounds the same way; the key segments and their merge
+against exact attention; the paged calls of a chunk through it; the refusals. On GPUs the kernel itself is
+checked against the torch path (tests/gpu, scripts/gpu_fa3_fp8.py agree)."""
+import random
+
+import pytest
+import torch
+
+from kernels import fa3_fp8
+from kernels.attention import FP8_KERNEL, backend_refusal, select_backend
+from kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal, run_segments, segments
+from kernels.kv_quant import Fp8Pages, quantize_kv
+from kernels.paged_attention import paged_attention
+from hf_reference import fa3_like_reference
+
+
+def _qkv(sq, sk, h=8, hkv=2, d=64, dtype=torch.float32):
+    return (torch.randn(sq, h, d, dtype=dtype), torch.randn(sk, hkv, d, dtype=dtype),
+            torch.randn(sk, hkv, d, dtype=dtype))
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("sq,sk,causal", [(300, 300, True), (64, 500, True), (128, 400, False), (1, 900, True)])
+def test_torch_path_rounds_as_the_reference_and_fp8_costs_what_it_should(sq, sk, causal):
+    q, k, v = _qkv(sq, sk)
+    scale = 64 ** -0.5
+    out, lse = fa3_fp8_attention(q, k, v, causal, scale, kernel="torch")
+    want, want_lse = fa3_like_reference(q, k, v, causal, scale)
+    assert _rel(out, want) < 5e-3, _rel(out, want)             # bf16 output, fp32 against fp64 sums
+    assert (lse.double() - want_lse).abs().max() < 1e-3        # an e4m3 rounding of q or k tipped by fp32 noise
+    # against attention without rounding: FP8's error (3 mantissa bits), not none and not more
+    assert 1e-2 < _rel(out, _exact(q, k, v, causal, scale)) < 0.1
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_segments_cover_every_visible_key_once(trial):
+    rng = random.Random(trial)
+    sq = rng.randrange(1, 60)
+    sk = rng.randrange(1, 90) + (sq if rng.random() < 0.7 else 0)
+    causal, segment, sink = rng.random() < 0.7, rng.randrange(1, 200), rng.choice([0, 0, 1, 4])
+    count = torch.zeros(sq, sk, dtype=torch.int32)
+    for q0, q1, k0, k1, masked in segments(sq, sk, causal, segment, sink):
+        assert 0 <= q0 < q1 <= sq and 0 <= k0 < k1 <= sk and k1 - k0 <= max(segment, 0) or (q0, k0) == (0, 0)
+        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.int32)
+        if masked:           # a masked call is a square, or ends the keys and the rows (end-aligned)
+            assert q1 - q0 == k1 - k0 or (q1, k1) == (sq, sk), (q0, q1, k0, k1)
+            rows = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            block = (torch.arange(k1 - k0)[None, :] <= rows).int()
+        count[q0:q1, k0:k1] += block
+    visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq) if causal else torch.ones(sq, sk)
+    assert torch.equal(count, visible.int()), (sq, sk, causal, segment)
+
+
+@pytest.mark.parametrize("sq,sk,causal,segment,sink", [(200, 200, True, 48, 0), (50, 333, True, 64, 4),
+                                                      (70, 250, False, 100, 1), (200, 200, True, 1000, 4)])
+def test_segments_merged_by_lse_equal_one_exact_call(sq, sk, causal, segment, sink):
+    """With an exact kernel in place of the FP8 one, the segmented call equals attention in one piece."""
+    q, k, v = _qkv(sq, sk)
+    scale = 0.1
+
+    def exact(qs, ks, vs, masked):                           # end-aligned causal, as FA3's
+        g = qs.shape[1] // ks.shape[1]
+        mask = (torch.arange(ks.shape[0])[None, :] <= torch.arange(qs.shape[0])[:, None] + ks.shape[0] - qs.shape[0]
+                if masked else None)
+        qh, kh, vh = qs.transpose(0, 1), ks.repeat_interleave(g, 1).transpose(0, 1), vs.repeat_interleave(g, 1).transpose(0, 1)
+        s = torch.einsum("hqd,hkd->hqk", qh, kh) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.einsum("hqk,hkd->qhd", torch.softmax(s, -1), vh), torch.logsumexp(s, -1).T
+
+    out, lse = run_segments(exact, q, k, v, causal, segment, sink)
+    want, want_lse = exact(q, k, v, causal)
+    assert len(list(segments(sq, sk, causal, segment, sink))) > 2
+    assert (out - want).abs().max() < 1e-5 and (lse - want_lse).abs().max() < 1e-5
+
+
+def _exact(q, k, v, causal, scale):
+    g = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[0], k.shape[0]
+    visible = (torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)) if causal else None
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).double(), k.repeat_interleave(g, 1).transpose(0, 1).double(),
+        v.repeat_interleave(g, 1).transpose(0, 1).double(), attn_mask=visible, scale=scale).transpose(0, 1)
+
+
+def test_a_long_call_in_segments_has_the_error_of_one_call():
+    """Segments round P against each segment's own maximum: other roundings, the same size of error."""
+    q, k, v = _qkv(64, 2048)
+    exact = _exact(q, k, v, True, 0.125)
+    one, _ = fa3_fp8_attention(q, k, v, True, 0.125, segment=1 << 20, kernel="torch")
+    cut, _ = fa3_fp8_attention(q, k, v, True, 0.125, segment=256, kernel="torch")
+    assert _rel(cut, one) > 1e-3                                   # the segments did run
+    assert _rel(cut, exact) < 1.25 * _rel(one, exact), (_rel(cut, exact), _rel(one, exact))
+
+
+@pytest.mark.parametrize("fp8_pages", [False, True])
+def test_a_chunks_paged_call_runs_the_fp8_backend_over_the_gathered_pages(fp8_pages):
+    """paged_attention(..., backend=FP8_KERNEL): the sequence's pages gathered, then FP8 attention, causal
+    aligned to the end, as fa3_fp8_attention over the same keys."""
+    bs, n, m, hkv, d = 16, 150, 40, 2, 64
+    blocks = -(-n // bs)
+    order = torch.randperm(blocks + 3)[:blocks]
+    k_all, v_all = torch.randn(n, hkv, d).bfloat16(), torch.randn(n, hkv, d).bfloat16()
+    caches = []
+    for x in (k_all, v_all):
+        pool = torch.zeros(blocks + 3, bs, hkv, d, dtype=torch.bfloat16)
+        pool.view(-1, hkv, d)[(order[:, None] * bs + torch.arange(bs)).flatten()[:n]] = x
+        if fp8_pages:
+            data, scale = quantize_kv(pool.view(-1, hkv, d))
+            pool = Fp8Pages(data.view(blocks + 3, bs, hkv, d), scale.view(blocks + 3, bs, hkv))
+        caches.append(pool)
+    if fp8_pages:
+        k_all, v_all = (c.gather(order, n, torch.bfloat16) for c in caches)
+    q = torch.randn(m, 8, d).bfloat16()
+    table = order[None].to(torch.int32)
+    out, lse = paged_attention(q, *caches, table, torch.tensor([0, m], dtype=torch.int32),
+                               torch.tensor([n], dtype=torch.int32), 0.125, causal=True, backend=FP8_KERNEL)
+    want, want_lse = fa3_fp8_attention(q, k_all, v_all, True, 0.125)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_the_backend_is_chosen_only_when_asked_and_refused_where_it_cannot_run(monkeypatch):
+    cpu = torch.device("cpu")
+    assert backend_refusal("fa3-fp8", ["cpu"]) is None and fa3_fp8_refusal(cpu) is None
+    backend = select_backend(cpu, torch.float32, 8, 2, 64, "fa3_fp8")
+    assert backend.name == "fa3_fp8" and backend.fp8
+    q, k, v = _qkv(40, 40)                                               # on CPU every call is FP8
+    assert torch.equal(backend(q, k, v, True, 0.125)[0], fa3_fp8_attention(q, k, v, True, 0.125)[0])
+    assert not select_backend(cpu, torch.float32, 8, 2, 64).fp8          # auto never picks FP8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "needs a Hopper GPU" in fa3_fp8_refusal(torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def missing():
+        raise ImportError("No module named 'fa3_fwd_interface'")
+    monkeypatch.setattr(fa3_fp8, "_fa3_module", missing)
+    message = fa3_fp8_refusal(torch.device("cuda:0"))
+    assert "fa3-fwd" in message and "fa3_fwd_interface" in message
+    assert "fa3-fwd" in backend_refusal("fa3-fp8", ["cuda:0"])

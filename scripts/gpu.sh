@@ -380,12 +380,14 @@ part_fp8attn() {   # FP8 attention for prefill (--attention-backend fa3-fp8; .fa
     OUT=$out timeout "${KERNEL_LIMIT:-300}" python3 scripts/gpu_fa3_fp8.py 2>&1 | grep -v -i "warn\|exe_args" \
         | tee "$out/fa3_fp8.txt"
   fi
-  if has ttft; then         # TTFT: bf16, FP8 pages and linears, the same with FP8 attention
-    for name in bf16 fp8 fp8-attention; do
+  if has ttft; then         # TTFT: bf16, FP8 pages and linears, the same with FP8 attention (chunked, one call)
+    for name in ${CONFIGS:-bf16 fp8 fp8-attention fp8-attention-one-call}; do
       case $name in
         bf16) args="" ;;
         fp8) args="--kv-cache-dtype fp8 -q fp8" ;;
         fp8-attention) args="--kv-cache-dtype fp8 -q fp8 --attention-backend fa3-fp8" ;;
+        fp8-attention-one-call) args="--kv-cache-dtype fp8 -q fp8 --attention-backend fa3-fp8 --no-enable-chunked-prefill" ;;
+        *) echo "CONFIGS: bf16 fp8 fp8-attention fp8-attention-one-call" >&2; return 2 ;;
       esac
       _rows=4 bench "ttft-$name" 240 sweep --offline --model llama3-8b --devices cuda -cp "${CP:-1}" \
           --lengths "${LENGTHS:-8192,131072}" --repeats "${REPEATS:-2}" --warmup 1 $args --label "$name"

@@ -53,15 +53,13 @@ class ModelRunner:
         self.layout = self.strategy.weight_layout(cfg, rank, device, data_group)   # what follows from the weights
         attn = self.layout.attn_cfg                    # the heads a prefill attends with and the K/V cache holds
         self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
-        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype,
-                                             self.backend.fp8)
+        self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype, self.backend.fp8)
         self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
         self.scale = cfg.head_dim ** -0.5
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
         self.kv_fp8 = is_fp8(engine.kv_cache_dtype)
-        # K/V are the cache's FP8 values, so a ring sends their bytes; not under FP8 attention (not rounded first)
-        self.ring_fp8 = self.kv_fp8 and not self.backend.fp8
+        self.ring_fp8 = self.kv_fp8 and not self.backend.fp8     # a ring sends K/V's FP8 bytes (not rounded: fa3-fp8)
         self.prefill_context = PrefillContext(self.backend, self.scale, self.ring, engine.overlap, data_group,
                                               cfg.num_heads, engine.auto_ulysses_max_tokens, self.ring_fp8)
         note = self.strategy.fallback_note(cfg)

@@ -60,10 +60,10 @@ class ExtendAttention:
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
         way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
-        # FP8 attention over the cached pages, gathered for it; FP8 pages keep the bf16 kernel (their values are
-        # already e4m3 on another grid: rounded again they would lose twice), the new tokens' own K/V in FP8
-        self.paged_backend = backend if backend.fp8 and not pool.fp8 else "auto"
-        self.fresh_in_fp8 = backend.fp8 and pool.fp8
+        # FP8 attention: the new tokens' own K/V through it, the cached keys through the paged bf16 kernel as they
+        # lie (FP8 pages' values rounded again to FA3's grid would lose twice; a long context gathered for it, a
+        # layer's K/V in bf16 and its casts, would need memory the pool's sizing does not keep)
+        self.fresh_in_fp8 = backend.fp8
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
@@ -119,11 +119,11 @@ class ExtendAttention:
             return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
         return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
                                self.scale, causal=self.keeps_new, rows_see_keys=True,
-                               host_sizes=([0, q.shape[0]], [self.key_count]), backend=self.paged_backend)
+                               host_sizes=([0, q.shape[0]], [self.key_count]))
 
     def _fresh_in_fp8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """FP8 attention over FP8 pages: the new tokens' own K/V (rounded once) causally through the FP8 kernel,
-        the cached keys through the bf16 one over the pages, merged by LSE -> (out [m, H, D], lse [m, H])."""
+        """FP8 attention: the new tokens' own K/V (rounded once) causally through the FP8 kernel, the cached keys
+        through the bf16 one over the pages, merged by LSE -> (out [m, H, D], lse [m, H])."""
         fresh = self.backend(q, k, v, True, self.scale)                                    # a square
         if not self.cached_local:
             return fresh
@@ -159,8 +159,7 @@ class ExtendAttention:
         if layer == 0:
             self.runs = None
             device = self.pool.device
-            if (self.cached_local and device.type == "cuda" and fa4_available(device) and not self.pool.fp8
-                    and not self.backend.fp8):
+            if self.cached_local and device.type == "cuda" and fa4_available(device) and not self.pool.fp8:
                 hkv = self.pool.k.shape[3]
                 count = prefix_run_count(q.shape[0], q.shape[1] // hkv, hkv, self.cached_local, num_sms(device))
                 if count > 1:
@@ -174,7 +173,7 @@ class ExtendAttention:
         everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, *self.pool.layer(layer), self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
-                                   rows_see_keys=self.has_keys, backend=self.paged_backend,
+                                   rows_see_keys=self.has_keys,
                                    host_sizes=([0, everyone.shape[0]], [self.key_count]))     # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]

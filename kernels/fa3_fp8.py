@@ -35,6 +35,7 @@ SINK_KEYS = 0                # a call's first keys attended apart (0: not; the a
 P_OFFSET = 256.0             # FA3's 2^Max_offset for FP8
 MIN_SCALE = 2.0 ** -126
 QUERY_CHUNK = 1024           # the torch path's query rows at a time (no [Sq, Sk] score matrix whole)
+CAST_ROWS = 16384            # rows cast to e4m3 at a time
 
 FP8_ATTENTION_EXTRA = "fa3-fwd (pip install 'burstserve[fp8-attention]')"
 
@@ -43,11 +44,16 @@ FP8_ATTENTION_EXTRA = "fa3-fwd (pip install 'burstserve[fp8-attention]')"
 
 def to_e4m3(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, Hx, D] (Hx a multiple of num_kv_heads) -> (x8 [S, Hx, D] e4m3, descale [Hkv] fp32): one scale per
-    KV head (its group of heads), amax / 448."""
+    KV head (its group of heads), amax / 448. CAST_ROWS rows at a time, so the fp32 temporaries stay small."""
     s, hx, d = x.shape
     grouped = x.view(s, num_kv_heads, (hx // num_kv_heads) * d)                        # [S, Hkv, g * D]
-    descale = (grouped.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=MIN_SCALE)  # [Hkv]
-    x8 = (grouped.float() / descale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    amax = torch.zeros(num_kv_heads, dtype=torch.float32, device=x.device)
+    for a in range(0, s, CAST_ROWS):
+        amax = torch.maximum(amax, grouped[a:a + CAST_ROWS].abs().amax(dim=(0, 2)).float())
+    descale = (amax / FP8_MAX).clamp(min=MIN_SCALE)                                   # [Hkv]
+    x8 = torch.empty(grouped.shape, dtype=FP8, device=x.device)
+    for a in range(0, s, CAST_ROWS):
+        x8[a:a + CAST_ROWS] = (grouped[a:a + CAST_ROWS].float() / descale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
     return x8.view(s, hx, d), descale
 
 

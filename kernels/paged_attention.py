@@ -67,16 +67,12 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
                     causal: bool = True, backend: str = "auto", num_chunks: int | None = None,
                     max_seqlen_q: int | None = None, rows_see_keys: bool = False,
                     host_sizes: tuple[list[int], list[int]] | None = None):
-    """See the module docstring. backend: auto | fa4 | dense | reference, or an AttentionBackend (the pages
-    gathered, then that kernel: fa3-fp8's FP8 attention over a chunk's cache); num_chunks (fa4 only):
+    """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1));
     host_sizes: cu_seqlens_q and seq_lens_k as lists, where the caller has them (the gathered path then
     does not read them back from the device, a wait for the queued work, every layer)."""
     fp8 = isinstance(k_cache, Fp8Pages)
-    if isinstance(backend, AttentionBackend):
-        return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, backend,
-                         max_seqlen_q, host_sizes)
     if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
         return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
     if backend == "auto":
@@ -138,7 +134,7 @@ def _sequence(q, k_cache, v_cache, table_row, n, causal, scale, attn):
         return _fp8_segments(q, k_cache, v_cache, blocks, n, causal, scale, attn)
     k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]
     v = _gather(v_cache, blocks, n, q.dtype)
-    if (attn is FA4_END_ALIGNED or attn.fp8) and n >= q.shape[0]:     # their causal is end-aligned already
+    if attn is FA4_END_ALIGNED and n >= q.shape[0]:
         return attn(q, k, v, causal, scale)
     return _end_aligned(q, k, v, causal, scale, attn)
 

@@ -373,9 +373,13 @@ part_hosttier() {   # the KV host tier: GPU tests, copy GB/s, many documents (be
   fi
 }
 
-part_fp8attn() {   # FP8 attention for prefill (--attention-backend fa3-fp8; .fa3 carried): PARTS kernel ttft million
-  sel=${PARTS:-kernel ttft}
+part_fp8attn() {   # FP8 attention for prefill (--attention-backend fa3-fp8; .fa3 carried): PARTS tests kernel ttft million
+  sel=${PARTS:-tests kernel ttft}
   local name args
+  if has tests; then        # the kernel against its torch path (tests/gpu/test_kernels_gpu.py -k fa3)
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider -p no:warnings --tb=short -m gpu \
+        tests/gpu/test_kernels_gpu.py -k fa3 2>&1 | grep -v -i "warn\|exe_args" | tail -20 | tee "$out/tests.log"
+  fi
   if has kernel; then       # error against float64 as the keys grow, speed against flash-attn-4, kernel vs torch path
     OUT=$out timeout "${KERNEL_LIMIT:-300}" python3 scripts/gpu_fa3_fp8.py 2>&1 | grep -v -i "warn\|exe_args" \
         | tee "$out/fa3_fp8.txt"

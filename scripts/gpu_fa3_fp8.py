@@ -6,7 +6,8 @@ the kernel against the torch path of the same arithmetic.
     python scripts/gpu_fa3_fp8.py [error] [speed] [agree]        (default: all three)
     KEYS=8192,131072,1048576 SEGMENTS=16384,32768 SPEED_LENGTHS=8192,131072 python scripts/gpu_fa3_fp8.py
 
-Every fa3_fp8_attention row takes the first SINK_KEYS keys apart (the `no_sink` rows do not).
+`no_sink` rows: sink=0, the backend's default since 292f0ba; the other fa3_fp8_attention rows take kernels/fa3_fp8.py's
+SINK_KEYS (0 now: the same as `no_sink`; 4 in the 2026-12-01 run).
 error: the last 256 queries of a prompt of N keys (they see every key), KV head 0's four query heads, against
     float64; K/V bf16 random, "plain" (diffuse attention) and "sink" (key 0 takes about half of every row's
     weight, as trained models' first token does); FA3 FP8 in one call and in segments, flash-attn-4 bf16.
@@ -26,23 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.attention import fa4_forward  # noqa: E402
 from kernels.fa3_fp8 import _fa3_module, fa3_fp8_attention  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_gemm_shapes import timed  # noqa: E402  (CUDA events, median after warm-ups: seconds)
+
+
+def timed_ms(fn) -> float:
+    return timed(fn, iters=5, warmup=2) * 1e3
+
 H, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
 ROWS = 256
-
-
-def median_ms(fn, iters: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,13 +111,13 @@ def speed_part(lengths, segments_list) -> list[dict]:
         v = torch.randn(s, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
         flop = 4 * D * H * s * (s + 1) / 2
         row = {"tokens": s}
-        row["fa4_bf16_ms"] = median_ms(lambda: fa4_forward(q[None], k[None], v[None], softmax_scale=SCALE, causal=True))
-        row["fa3_bf16_ms"] = median_ms(lambda: f3.flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE,
+        row["fa4_bf16_ms"] = timed_ms(lambda: fa4_forward(q[None], k[None], v[None], softmax_scale=SCALE, causal=True))
+        row["fa3_bf16_ms"] = timed_ms(lambda: f3.flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE,
                                                                   causal=True))
-        row["fa3_fp8_one_call_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30))
-        row["fa3_fp8_no_sink_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30, sink=0))
+        row["fa3_fp8_one_call_ms"] = timed_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30))
+        row["fa3_fp8_no_sink_ms"] = timed_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30, sink=0))
         for seg in segments_list:
-            row[f"fa3_fp8_seg{seg}_ms"] = median_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=seg))
+            row[f"fa3_fp8_seg{seg}_ms"] = timed_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=seg))
         row = {key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()}
         row["tflops"] = {key[:-3]: round(flop / (val * 1e-3) / 1e12) for key, val in row.items() if key.endswith("_ms")}
         rows.append(row)

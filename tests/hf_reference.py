@@ -208,16 +208,47 @@ def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
     return out.transpose(0, 1), lse.squeeze(-1).T
 
 
+def _exact_partial(q, k, v, scale: float):
+    """q [m, H, D] against k, v [n, Hkv, D], no mask, float64 -> (out [m, H, D], lse [m, H])."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    lse = torch.logsumexp(s, -1)                                                   # [H, m]
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v.double().repeat_interleave(g, 1))
+    return out, lse.T
+
+
+def fa3_fp8_chunked(q, k, v, scale: float, bounds: list[int], round_cached=None):
+    """The engine's prompt in chunks with FP8 attention (ExtendAttention._fresh_in_fp8), written apart: chunk
+    [a, b)'s queries attend its own K/V with fa3_like_reference (causal) and the cached keys [0, a) exactly (as
+    round_cached gives them back: FP8 pages' values, else as they are), merged by LSE. q [S, H, D], k, v [S, Hkv,
+    D] -> out [S, H, D] float64."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    keep = round_cached or (lambda x: x)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        fresh, fresh_lse = fa3_like_reference(q[a:b], k[a:b], v[a:b], True, scale)
+        if a == 0:
+            out[a:b] = fresh
+            continue
+        cached, cached_lse = _exact_partial(q[a:b], keep(k[:a]), keep(v[:a]), scale)
+        lse = torch.logaddexp(fresh_lse, cached_lse)                               # [m, H]
+        out[a:b] = (fresh * torch.exp(fresh_lse - lse)[..., None] + cached * torch.exp(cached_lse - lse)[..., None])
+    return out
+
+
 @contextlib.contextmanager
-def fa3_fp8_attention_in(model):
-    """transformers' model with every attention call replaced by fa3_like_reference (FlashAttention-3's FP8
-    arithmetic, the whole call's q, k, v: what the engine's one-call prefill on one worker runs); undone on exit."""
+def fa3_fp8_attention_in(model, bounds: list[int] | None = None, round_cached=None):
+    """transformers' model with every attention call replaced by FA3's FP8 arithmetic: fa3_like_reference over the
+    whole call's q, k, v (what the engine's one-call prefill on one worker runs), or with `bounds` the prompt in
+    those chunks (fa3_fp8_chunked); undone on exit."""
     from transformers import AttentionInterface
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query [1, H, Sq, D], key, value [1, Hkv, Sk, D] -> ([1, Sq, H, D], None)
         rows = lambda t: t[0].transpose(0, 1)                              # noqa: E731  [S, H, D]
-        out, _ = fa3_like_reference(rows(query), rows(key), rows(value), True, scaling)
+        if bounds is None:
+            out, _ = fa3_like_reference(rows(query), rows(key), rows(value), True, scaling)
+        else:
+            out = fa3_fp8_chunked(rows(query), rows(key), rows(value), scaling, bounds, round_cached)
         return out.to(query.dtype)[None], None
 
     AttentionInterface.register("fa3-fp8-reference", attention)

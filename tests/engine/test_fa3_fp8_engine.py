@@ -13,6 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from hf_reference import assert_same_greedy, fa3_fp8_attention_in, hf_next_logits_and_greedy, save_checkpoint
+from kernels.kv_quant import round_kv
 
 EXACT = 5e-3          # an e4m3 rounding that fp32 noise tips the other way, one step on one element
 PLAIN_BOUND = 0.25    # the rounding's own effect on these tiny models' logits (test_fp8_kv_cache's bound)
@@ -34,6 +35,26 @@ def _against_plain(llm, model, prompt, what) -> float:
     return diff
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_one_worker_in_chunks_attends_each_chunks_own_keys_in_fp8_and_the_cached_as_stored(checkpoint, kv):
+    """A prompt of 300 in chunks of 64: each chunk's own K/V through FA3's arithmetic, its cached keys exactly as
+    the pages hold them (FP8 pages: rounded once to their grid, not to FA3's), merged: equal to transformers with
+    that attention (hf_reference.fa3_fp8_chunked) within EXACT. Fails if the chunks' own keys skip FP8 or the
+    model rounds K/V to the pages' grid before FP8 attention (both move the logits by FP8's error)."""
+    path, model = checkpoint
+    vocab = model.config.vocab_size
+    prompt = [random.randrange(vocab) for _ in range(300)]
+    with LLM(path, devices="cpu", dtype="float32", attention_backend="fa3-fp8", kv_cache_dtype=kv,
+             max_num_batched_tokens=64, block_size=16) as llm:
+        logits = llm.next_token_logits(prompt)
+        stats = llm.generate(prompt + [1], SamplingParams(temperature=0, max_tokens=1))[0].metrics.prefill_stats
+    bounds = [0, 64, 128, 192, 256, 300]
+    with fa3_fp8_attention_in(model, bounds, round_kv if kv == "fp8" else None):
+        want = _plain(model, prompt)
+    assert (logits - want).abs().max().item() <= EXACT, kv
+    assert stats.chunks is None or stats.largest_chunk <= 64, stats
+
+
 def test_one_worker_rounds_as_fa3_does(checkpoint):
     path, model = checkpoint
     vocab = model.config.vocab_size
@@ -52,8 +73,8 @@ def test_one_worker_rounds_as_fa3_does(checkpoint):
 @pytest.mark.parametrize("workers,strategy,kv", [(2, "burst", "auto"), (2, "burst", "fp8"), (2, "ulysses", "auto"),
                                                  (1, "burst", "fp8")])
 def test_rings_chunks_and_prefix_hits_attend_in_fp8(checkpoint, workers, strategy, kv):
-    """A document in chunks of 64 (later chunks attend the cached pages through the FP8 kernel), then a question
-    after it (a prefix hit), then greedy tokens against transformers'."""
+    """A document in chunks of 64 (each chunk's own K/V through the FP8 kernel, its cached keys through the bf16
+    one), then a question after it (a prefix hit), then greedy tokens against transformers'."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     doc = [random.randrange(vocab) for _ in range(300)]

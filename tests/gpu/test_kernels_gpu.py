@@ -14,6 +14,7 @@ from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backend
 import kernels.paged_attention as pa
 from kernels import merge
 from kernels.paged_attention import fa4_available, paged_attention
+from kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 import test_paged_attention as cpu_cases  # noqa: E402  (make_case, dense_reference)
@@ -515,3 +516,29 @@ def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bia
         want = cublas().double()
         terms = (xq.double().abs() @ w.weight.double().abs().t()) * xs.double() * w.scale.double()
         assert ((graphed.double() - want).abs() <= want.abs() * 2**-7 + terms * 2**-10).all()
+
+
+needs_fa3 = pytest.mark.skipif(not torch.cuda.is_available() or fa3_fp8_refusal(DEV) is not None,
+                               reason="needs Hopper and fa3-fwd (carry .fa3: scripts/README.md)")
+
+
+@needs_fa3
+@pytest.mark.parametrize("sq,sk,segment", [(2048, 2048, 1 << 20), (1024, 4096, 1 << 20), (3000, 3000, 1024)])
+def test_fa3_fp8_kernel_rounds_as_its_torch_path(sq, sk, segment):
+    """FlashAttention-3's FP8 forward against kernels/fa3_fp8.py's torch path on the same operands (causal,
+    end-aligned, in one call and in segments): far closer to each other than either is to float64 (the running
+    maximum and the dots' order are the kernel's; each is 0.047-0.054 from float64)."""
+    gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
+    q = torch.randn(sq, 32, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(sk, 8, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(sk, 8, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+    kern, kern_lse = fa3_fp8_attention(q, k, v, True, 128 ** -0.5, segment=segment, kernel="fa3")
+    ref, ref_lse = fa3_fp8_attention(q, k, v, True, 128 ** -0.5, segment=segment, kernel="torch")
+    visible = torch.arange(sk, device=DEV)[None, :] <= torch.arange(sq, device=DEV)[:, None] + (sk - sq)
+    heads = lambda t: t.float().repeat_interleave(32 // t.shape[1], 1).transpose(0, 1)   # noqa: E731  [H, S, D]
+    exact = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=visible,
+                                                             scale=128 ** -0.5).transpose(0, 1)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()    # noqa: E731
+    assert 0.02 < rel(ref, exact) < 0.08 and 0.02 < rel(kern, exact) < 0.08, (rel(ref, exact), rel(kern, exact))
+    assert rel(kern, ref) < 0.6 * rel(ref, exact), (rel(kern, ref), rel(ref, exact))
+    assert (kern_lse - ref_lse).abs().max() < 5e-3

@@ -1,6 +1,6 @@
 """kernels/fa3_fp8.py (`--attention-backend fa3-fp8`): FlashAttention-3's FP8 arithmetic, its torch path
 against a reference written apart (float64, dense) that rounds the same way; the key segments and their merge
-against exact attention; the paged calls of a chunk through it; the refusals. On GPUs the kernel itself is
+against exact attention; the casts in row blocks; the refusals. On GPUs the kernel itself is
 checked against the torch path (tests/gpu, scripts/gpu_fa3_fp8.py agree)."""
 import random
 
@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from kernels import fa3_fp8
-from kernels.attention import FP8_KERNEL, backend_refusal, select_backend
+from kernels.attention import backend_refusal, select_backend
 from kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal, run_segments, segments
-from kernels.kv_quant import Fp8Pages, quantize_kv
-from kernels.paged_attention import paged_attention
 from hf_reference import fa3_like_reference
 
 
@@ -43,8 +41,10 @@ def test_segments_cover_every_visible_key_once(trial):
     sk = rng.randrange(1, 90) + (sq if rng.random() < 0.7 else 0)
     causal, segment, sink = rng.random() < 0.7, rng.randrange(1, 200), rng.choice([0, 0, 1, 4])
     count = torch.zeros(sq, sk, dtype=torch.int32)
-    for q0, q1, k0, k1, masked in segments(sq, sk, causal, segment, sink):
-        assert 0 <= q0 < q1 <= sq and 0 <= k0 < k1 <= sk and k1 - k0 <= max(segment, 0) or (q0, k0) == (0, 0)
+    pieces = list(segments(sq, sk, causal, segment, sink))
+    for q0, q1, k0, k1, masked in pieces:
+        assert 0 <= q0 < q1 <= sq and 0 <= k0 < k1 <= sk, (q0, q1, k0, k1)
+        assert k1 - k0 <= segment and not k0 < sink < k1 or len(pieces) == 1, (q0, q1, k0, k1, segment, sink)
         block = torch.ones(q1 - q0, k1 - k0, dtype=torch.int32)
         if masked:           # a masked call is a square, or ends the keys and the rows (end-aligned)
             assert q1 - q0 == k1 - k0 or (q1, k1) == (sq, sk), (q0, q1, k0, k1)
@@ -97,32 +97,6 @@ def test_a_long_call_in_segments_has_the_error_of_one_call():
     assert _rel(cut, exact) < 1.25 * _rel(one, exact), (_rel(cut, exact), _rel(one, exact))
 
 
-@pytest.mark.parametrize("fp8_pages", [False, True])
-def test_a_chunks_paged_call_runs_the_fp8_backend_over_the_gathered_pages(fp8_pages):
-    """paged_attention(..., backend=FP8_KERNEL): the sequence's pages gathered, then FP8 attention, causal
-    aligned to the end, as fa3_fp8_attention over the same keys."""
-    bs, n, m, hkv, d = 16, 150, 40, 2, 64
-    blocks = -(-n // bs)
-    order = torch.randperm(blocks + 3)[:blocks]
-    k_all, v_all = torch.randn(n, hkv, d).bfloat16(), torch.randn(n, hkv, d).bfloat16()
-    caches = []
-    for x in (k_all, v_all):
-        pool = torch.zeros(blocks + 3, bs, hkv, d, dtype=torch.bfloat16)
-        pool.view(-1, hkv, d)[(order[:, None] * bs + torch.arange(bs)).flatten()[:n]] = x
-        if fp8_pages:
-            data, scale = quantize_kv(pool.view(-1, hkv, d))
-            pool = Fp8Pages(data.view(blocks + 3, bs, hkv, d), scale.view(blocks + 3, bs, hkv))
-        caches.append(pool)
-    if fp8_pages:
-        k_all, v_all = (c.gather(order, n, torch.bfloat16) for c in caches)
-    q = torch.randn(m, 8, d).bfloat16()
-    table = order[None].to(torch.int32)
-    out, lse = paged_attention(q, *caches, table, torch.tensor([0, m], dtype=torch.int32),
-                               torch.tensor([n], dtype=torch.int32), 0.125, causal=True, backend=FP8_KERNEL)
-    want, want_lse = fa3_fp8_attention(q, k_all, v_all, True, 0.125)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
-
-
 def test_the_backend_is_chosen_only_when_asked_and_refused_where_it_cannot_run(monkeypatch):
     cpu = torch.device("cpu")
     assert backend_refusal("fa3-fp8", ["cpu"]) is None and fa3_fp8_refusal(cpu) is None
@@ -141,3 +115,13 @@ def test_the_backend_is_chosen_only_when_asked_and_refused_where_it_cannot_run(m
     message = fa3_fp8_refusal(torch.device("cuda:0"))
     assert "fa3-fwd" in message and "fa3_fwd_interface" in message
     assert "fa3-fwd" in backend_refusal("fa3-fp8", ["cuda:0"])
+
+
+def test_the_casts_in_row_blocks_equal_one_cast(monkeypatch):
+    x = torch.randn(1000, 8, 64) * torch.rand(1000, 1, 1) * 10
+    whole = fa3_fp8.to_e4m3(x, 2)
+    monkeypatch.setattr(fa3_fp8, "CAST_ROWS", 96)
+    blocks = fa3_fp8.to_e4m3(x, 2)
+    assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[0].float(), blocks[0].float())
+    want = x.reshape(1000, 2, -1).abs().amax(dim=(0, 2)) / 448
+    assert torch.allclose(whole[1], want) and whole[0].float().abs().max() == 448

@@ -24,29 +24,48 @@ never larger than the kernel's, so its e4m3 rounding is never finer (a bound on 
 to it where a row's maximum is in its first tile).
 """
 import functools
+import os
 
 import torch
 
+from kernels.arith import ceil_div, next_pow2
 from kernels.kv_quant import FP8, FP8_MAX
 from kernels.merge import merge_into
+from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
 
 KEY_SEGMENT = 131072         # keys a kernel call at most; longer key ranges in segments merged by LSE
 SINK_KEYS = 0                # a call's first keys attended apart (0: not; the accuracy study's `sink`)
 P_OFFSET = 256.0             # FA3's 2^Max_offset for FP8
 MIN_SCALE = 2.0 ** -126
 QUERY_CHUNK = 1024           # the torch path's query rows at a time (no [Sq, Sk] score matrix whole)
-CAST_ROWS = 16384            # rows cast to e4m3 at a time
+CAST_ROWS = 16384            # rows the torch path casts to e4m3 at a time
 
 FP8_ATTENTION_EXTRA = "fa3-fwd (pip install 'burstserve[fp8-attention]')"
+
+tl = None                    # triton.language, bound by _build (the kernels resolve it as a global)
+_e4m3 = None                 # the interpreter's e4m3 rounding (kernels.triton_setup), bound by _build
 
 
 # ---------------------------------------------------------------- operands
 
 def to_e4m3(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [S, Hx, D] (Hx a multiple of num_kv_heads) -> (x8 [S, Hx, D] e4m3, descale [Hkv] fp32): one scale per
-    KV head (its group of heads), amax / 448. CAST_ROWS rows at a time, so the fp32 temporaries stay small."""
+    """x [S, Hx, D] (Hx a multiple of num_kv_heads; rows of any stride, each row's heads contiguous) -> (x8 [S,
+    Hx, D] e4m3, descale [Hkv] fp32): one scale per KV head (its group of heads), amax / 448, each value divided
+    by it (rounded to nearest), clamped to +-448, rounded to nearest even. On CUDA two Triton kernels (the
+    group maxima, then the cast: one read of x each, no fp32 copy); elsewhere, or after a kernel failed, torch."""
+    kern = _triton.kernels(x.device)
+    if kern is not None and x.shape[0] > 0 and _rows_ok(x):
+        try:
+            return _to_e4m3_triton(kern, x, num_kv_heads)
+        except Exception as e:      # compile or launch failure: the torch ops from now on
+            _triton.failed(e)
+    return _to_e4m3_torch(x, num_kv_heads)
+
+
+def _to_e4m3_torch(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_e4m3 in torch ops, CAST_ROWS rows at a time (small fp32 temporaries)."""
     s, hx, d = x.shape
-    grouped = x.view(s, num_kv_heads, (hx // num_kv_heads) * d)                        # [S, Hkv, g * D]
+    grouped = x.reshape(s, num_kv_heads, (hx // num_kv_heads) * d)                     # [S, Hkv, g * D]
     amax = torch.zeros(num_kv_heads, dtype=torch.float32, device=x.device)
     for a in range(0, s, CAST_ROWS):
         amax = torch.maximum(amax, grouped[a:a + CAST_ROWS].abs().amax(dim=(0, 2)).float())
@@ -55,6 +74,68 @@ def to_e4m3(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Ten
     for a in range(0, s, CAST_ROWS):
         x8[a:a + CAST_ROWS] = (grouped[a:a + CAST_ROWS].float() / descale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
     return x8.view(s, hx, d), descale
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """Rows the cast kernels read: a row's Hx * D values contiguous (the row stride free)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _to_e4m3_triton(kern: dict, x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s, hx, d = x.shape
+    width = (hx // num_kv_heads) * d                                                   # a group's values a row
+    rows = max(1, CAST_TILE // next_pow2(width))                                       # rows a program
+    grid = (ceil_div(s, rows), num_kv_heads)
+    amax_bits = torch.zeros(num_kv_heads, dtype=torch.int32, device=x.device)          # fp32 >= 0 as int32 bits
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    kern["amax"][grid](x, amax_bits, s, x.stride(0), W=width, WPAD=next_pow2(width), ROWS=rows)
+    descale = (amax_bits.view(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)            # [Hkv]
+    x8 = torch.empty(s, hx, d, dtype=FP8, device=x.device)
+    kern["cast"][grid](x, descale, x8.view(torch.uint8), s, x.stride(0), W=width, WPAD=next_pow2(width),
+                       ROWS=rows, ARITH_CAST=interpreted)
+    return x8, descale
+
+
+CAST_TILE = 8192             # values a program of the cast kernels takes (rows of one group's columns)
+
+
+def _build() -> dict:
+    """jit the two cast kernels. A fresh set each call: tests build interpreted ones (TRITON_INTERPRET=1)."""
+    global tl, _e4m3
+    import triton
+    import triton.language as tl
+    _e4m3 = e4m3_by_arithmetic()
+
+    def amax_kernel(x_ptr, amax_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr, ROWS: tl.constexpr):
+        """Program (row block r, group g): the largest |x| over rows r * ROWS .. + ROWS of the group's W columns,
+        into amax[g] by an atomic max of the fp32's bits (their order is the values' for values >= 0)."""
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        g = tl.program_id(1)
+        c = tl.arange(0, WPAD)
+        ok = (r[:, None] < s) & (c[None, :] < W)
+        x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0)
+        m = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+        tl.atomic_max(amax_ptr + g, m.to(tl.int32, bitcast=True))
+
+    def cast_kernel(x_ptr, descale_ptr, out_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr,
+                    ROWS: tl.constexpr, ARITH_CAST: tl.constexpr):
+        """Program (row block r, group g): x / descale[g] (rounded to nearest, as torch's division), clamped to
+        +-448, to e4m3 (nearest even), stored as bytes into the contiguous out [S, G * W]."""
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        g = tl.program_id(1)
+        c = tl.arange(0, WPAD)
+        ok = (r[:, None] < s) & (c[None, :] < W)
+        x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.load(descale_ptr + g)), -448.0), 448.0)
+        if ARITH_CAST:      # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
+            y = _e4m3(y)
+        out = out_ptr + r[:, None] * (tl.num_programs(1) * W) + g * W + c[None, :]
+        tl.store(out, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=ok)
+
+    return {"amax": triton.jit(amax_kernel), "cast": triton.jit(cast_kernel)}
+
+
+_triton = LazyTriton(_build, "fa3-fp8 casts")
 
 
 # ---------------------------------------------------------------- one call on e4m3 operands

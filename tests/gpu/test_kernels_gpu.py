@@ -542,3 +542,20 @@ def test_fa3_fp8_kernel_rounds_as_its_torch_path(sq, sk, segment):
     assert 0.02 < rel(ref, exact) < 0.08 and 0.02 < rel(kern, exact) < 0.08, (rel(ref, exact), rel(kern, exact))
     assert rel(kern, ref) < 0.6 * rel(ref, exact), (rel(kern, ref), rel(ref, exact))
     assert (kern_lse - ref_lse).abs().max() < 5e-3
+
+
+@pytest.mark.parametrize("s,hx,hkv,strided", [(8192, 32, 8, False), (4099, 8, 8, True), (3, 32, 8, True)])
+def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
+    """kernels/fa3_fp8.py's Triton casts (bf16 in, rows of the fused QKV's stride or contiguous) against its torch
+    path on the same GPU: the same scales and e4m3 bytes."""
+    from kernels import fa3_fp8
+    gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
+    qkv = torch.randn(s, hx + 2 * hkv, 128, device=DEV, dtype=torch.bfloat16, generator=gen)   # rows of the fused QKV
+    rows = torch.rand(s, 1, 1, device=DEV, generator=gen) * 30                         # rows of unlike sizes
+    x = qkv[:, :hx] if strided else (qkv[:, :hx] * rows).to(torch.bfloat16).contiguous()
+    kern = fa3_fp8._triton.kernels(DEV)
+    assert kern is not None, "the cast kernels did not build"
+    got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
+    want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))

@@ -1,0 +1,36 @@
+"""kernels/fa3_fp8.py's Triton casts to e4m3 (the group maxima, then the cast), in Triton's interpreter on the CPU:
+the same bits as the torch path (scales and bytes), over rows of any stride, groups of one head or several, a row
+block cut by the tensor's end, values past e4m3's normal range, and a group of zeros (the smallest scale)."""
+import torch
+
+from kernels import fa3_fp8
+from triton_interpreter import run_interpreted
+
+
+def test_cast_kernels_interpreted():
+    run_interpreted("test_fa3_fp8_casts")
+
+
+def _cases():
+    g = torch.Generator().manual_seed(7)
+    for s, hx, hkv, d in ((37, 8, 2, 64), (5, 4, 4, 32), (300, 32, 8, 16), (1, 2, 1, 16)):
+        x = torch.randn(s, hx, d, generator=g) * torch.rand(s, 1, 1, generator=g) * 30
+        x[0, 0, 0] = 1e-7                                          # far below e4m3's normal range after scaling
+        if hkv > 1:
+            x[:, -(hx // hkv):] = 0                                # the last group all zeros
+        yield x, hkv
+        wide = torch.empty(s, hx + 3, d)[:, :hx]                   # rows of stride (hx + 3) * d
+        wide.copy_(x)
+        yield wide.to(torch.float16), hkv
+
+
+def _triton_interpreted_checks():
+    """Run in a TRITON_INTERPRET=1 process (see test_cast_kernels_interpreted)."""
+    kern = fa3_fp8._build()
+    for x, hkv in _cases():
+        got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
+        want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
+        assert torch.equal(got_scale, want_scale), (x.shape, x.stride(), got_scale, want_scale)
+        assert got8.shape == x.shape and got8.is_contiguous()
+        assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)), (x.shape, x.stride())
+        assert got8.float().abs().max() == 448                     # the largest value maps to e4m3's largest

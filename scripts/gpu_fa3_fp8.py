@@ -6,7 +6,7 @@ the kernel against the torch path of the same arithmetic.
     python scripts/gpu_fa3_fp8.py [error] [speed] [agree]        (default: all three)
     KEYS=8192,131072,1048576 SEGMENTS=16384,32768 SPEED_LENGTHS=8192,131072 python scripts/gpu_fa3_fp8.py
 
-`no_sink` rows: sink=0, the backend's default since 292f0ba; the other fa3_fp8_attention rows take kernels/fa3_fp8.py's
+`no_sink` (error rows): sink=0, the backend's default since 292f0ba; the other fa3_fp8_attention rows take kernels/fa3_fp8.py's
 SINK_KEYS (0 now: the same as `no_sink`; 4 in the 2026-12-01 run).
 error: the last 256 queries of a prompt of N keys (they see every key), KV head 0's four query heads, against
     float64; K/V bf16 random, "plain" (diffuse attention) and "sink" (key 0 takes about half of every row's

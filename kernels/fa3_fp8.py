@@ -83,6 +83,8 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 def _to_e4m3_triton(kern: dict, x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     s, hx, d = x.shape
+    if hx % num_kv_heads:
+        raise ValueError(f"{hx} heads do not split into {num_kv_heads} KV-head groups")
     width = (hx // num_kv_heads) * d                                                   # a group's values a row
     rows = max(1, CAST_TILE // next_pow2(width))                                       # rows a program
     grid = (ceil_div(s, rows), num_kv_heads)
@@ -108,14 +110,15 @@ def _build() -> dict:
 
     def amax_kernel(x_ptr, amax_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr, ROWS: tl.constexpr):
         """Program (row block r, group g): the largest |x| over rows r * ROWS .. + ROWS of the group's W columns,
-        into amax[g] by an atomic max of the fp32's bits (their order is the values' for values >= 0)."""
+        into amax[g] by an atomic max of the fp32's bits with the sign cleared (their order is the values', with
+        inf above every finite value and NaN above inf: a NaN or inf in x reaches the scale, as in torch's amax)."""
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         g = tl.program_id(1)
         c = tl.arange(0, WPAD)
         ok = (r[:, None] < s) & (c[None, :] < W)
         x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0)
-        m = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
-        tl.atomic_max(amax_ptr + g, m.to(tl.int32, bitcast=True))
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF                 # |x| as bits
+        tl.atomic_max(amax_ptr + g, tl.max(tl.max(bits, axis=1), axis=0))
 
     def cast_kernel(x_ptr, descale_ptr, out_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr,
                     ROWS: tl.constexpr, ARITH_CAST: tl.constexpr):
@@ -126,11 +129,13 @@ def _build() -> dict:
         c = tl.arange(0, WPAD)
         ok = (r[:, None] < s) & (c[None, :] < W)
         x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.load(descale_ptr + g)), -448.0), 448.0)
+        y = tl.div_rn(x, tl.load(descale_ptr + g))
+        y8 = tl.minimum(tl.maximum(y, -448.0), 448.0)        # min / max drop a NaN: it is stored apart
         if ARITH_CAST:      # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
-            y = _e4m3(y)
+            y8 = _e4m3(y8)
+        q8 = tl.where(y == y, y8.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F)   # 0x7F: e4m3's NaN
         out = out_ptr + r[:, None] * (tl.num_programs(1) * W) + g * W + c[None, :]
-        tl.store(out, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=ok)
+        tl.store(out, q8, mask=ok)
 
     return {"amax": triton.jit(amax_kernel), "cast": triton.jit(cast_kernel)}
 

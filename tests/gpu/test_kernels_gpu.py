@@ -559,3 +559,9 @@ def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
     want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+    x = x.clone()
+    x[s // 2, 0, 1], x[-1, -1, 0] = float("nan"), float("inf")      # the first group a NaN, the last an inf
+    got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
+    want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
+    torch.testing.assert_close(got_scale, want_scale, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got8.float().isnan(), want8.float().isnan()) and got8.float().isnan().any()

@@ -1,6 +1,7 @@
 """kernels/fa3_fp8.py's Triton casts to e4m3 (the group maxima, then the cast), in Triton's interpreter on the CPU:
 the same bits as the torch path (scales and bytes), over rows of any stride, groups of one head or several, a row
-block cut by the tensor's end, values past e4m3's normal range, and a group of zeros (the smallest scale)."""
+block cut by the tensor's end, a group width not a power of two, values past e4m3's normal range, a group of zeros
+(the smallest scale); a NaN or an inf reaches its group's scale and values as in the torch path."""
 import torch
 
 from kernels import fa3_fp8
@@ -13,7 +14,7 @@ def test_cast_kernels_interpreted():
 
 def _cases():
     g = torch.Generator().manual_seed(7)
-    for s, hx, hkv, d in ((37, 8, 2, 64), (5, 4, 4, 32), (300, 32, 8, 16), (1, 2, 1, 16)):
+    for s, hx, hkv, d in ((37, 8, 2, 64), (5, 4, 4, 32), (300, 32, 8, 16), (1, 2, 1, 16), (19, 5, 1, 32)):
         x = torch.randn(s, hx, d, generator=g) * torch.rand(s, 1, 1, generator=g) * 30
         x[0, 0, 0] = 1e-7                                          # far below e4m3's normal range after scaling
         if hkv > 1:
@@ -22,12 +23,23 @@ def _cases():
         wide = torch.empty(s, hx + 3, d)[:, :hx]                   # rows of stride (hx + 3) * d
         wide.copy_(x)
         yield wide.to(torch.float16), hkv
+    bad = torch.randn(40, 8, 16, generator=g)
+    bad[3, 1, 5], bad[30, 6, 0] = float("nan"), float("inf")    # group 0 takes a NaN, group 1 an inf
+    yield bad, 2
 
 
 def _triton_interpreted_checks():
     """Run in a TRITON_INTERPRET=1 process (see test_cast_kernels_interpreted)."""
     kern = fa3_fp8._build()
     for x, hkv in _cases():
+        if not x.isfinite().all():          # a NaN or inf reaches its group's scale and values, as in torch
+            got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
+            want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
+            torch.testing.assert_close(got_scale, want_scale, rtol=0, atol=0, equal_nan=True)
+            assert got_scale[0].isnan() and got_scale[1].isinf()
+            assert torch.equal(got8.float().isnan(), want8.float().isnan())
+            assert got8.float().isnan().any()
+            continue
         got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
         want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
         assert torch.equal(got_scale, want_scale), (x.shape, x.stride(), got_scale, want_scale)

@@ -20,7 +20,8 @@ def _manager(rng: random.Random) -> KVManager:
         counts = [n // 2, n - n // 2]
         ledger.add(seq_id, counts, [[(0, counts[0])], [(counts[0], n)]])
         kv.prefix_cache.insert(seq_id, [rng.randrange(50) for _ in range(n)])
-    ledger.add(99, [rng.randrange(60), rng.randrange(60)], [[], []])   # a running sequence: never evicted
+    room = [min(60, free * ledger.block_size) for free in kv.free_pages()]   # the pool refuses more than it has
+    ledger.add(99, [rng.randrange(r + 1) for r in room], [[], []])   # a running sequence: never evicted
     return kv
 
 

@@ -60,10 +60,12 @@ class ExtendAttention:
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
         way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
-        # FP8 attention: the new tokens' own K/V through it, the cached keys through the paged bf16 kernel as they
-        # lie (FP8 pages' values rounded again to FA3's grid would lose twice; a long context gathered for it, a
-        # layer's K/V in bf16 and its casts, would need memory the pool's sizing does not keep)
+        # FP8 attention: the new tokens' own K/V through it; over FP8 pages the cached keys too, gathered a segment at
+        # a time as every chunk over FP8 pages gathers them (kernels.paged_attention); over bf16 pages the cached
+        # keys through the paged bf16 kernel in place (gathering them would need memory the pool's sizing keeps
+        # only for FP8 pages)
         self.fresh_in_fp8 = backend.fp8
+        self.gathered_attn = backend if backend.fp8 and pool.fp8 else None
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
@@ -119,17 +121,18 @@ class ExtendAttention:
             return (torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
         return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys,
                                self.scale, causal=self.keeps_new, rows_see_keys=True,
-                               host_sizes=([0, q.shape[0]], [self.key_count]))
+                               host_sizes=([0, q.shape[0]], [self.key_count]), gathered_attn=self.gathered_attn)
 
     def _fresh_in_fp8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """FP8 attention: the new tokens' own K/V (rounded once) causally through the FP8 kernel, the cached keys
-        through the bf16 one over the pages, merged by LSE -> (out [m, H, D], lse [m, H])."""
+        """FP8 attention: the new tokens' own K/V causally through the FP8 kernel, the cached keys over the pages
+        (FP8 pages: gathered, through the FP8 kernel too; bf16 pages: the paged bf16 kernel), merged by LSE ->
+        (out [m, H, D], lse [m, H])."""
         fresh = self.backend(q, k, v, True, self.scale)                                    # a square
         if not self.cached_local:
             return fresh
         cached = paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.cached_keys,
                                  self.scale, causal=False, rows_see_keys=True,
-                                 host_sizes=([0, q.shape[0]], [self.cached_local]))
+                                 host_sizes=([0, q.shape[0]], [self.cached_local]), gathered_attn=self.gathered_attn)
         return merge_partials(torch.stack([cached[0], fresh[0]]), torch.stack([cached[1], fresh[1]]), q.dtype)
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -173,8 +176,8 @@ class ExtendAttention:
         everyone = all_gather_rows(q, lengths, self.group)                                    # [n, H, D]
         out, lse = paged_attention(everyone, *self.pool.layer(layer), self.table,
                                    self.cu[everyone.shape[0]], self.keys, self.scale, causal=False,
-                                   rows_see_keys=self.has_keys,
-                                   host_sizes=([0, everyone.shape[0]], [self.key_count]))     # my cached K/V
+                                   rows_see_keys=self.has_keys, host_sizes=([0, everyone.shape[0]], [self.key_count]),
+                                   gathered_attn=self.gathered_attn)                          # my cached K/V
         out = out.float()
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)                                   # [n, H, D + 1]
         mine = lengths[self.rank]

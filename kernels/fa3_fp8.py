@@ -8,6 +8,12 @@ q [Sq, H, D], k and v [Sk, Hkv, D] (H % Hkv == 0); `causal` aligned to the end (
 + i), which is top-left on the square blocks the AttentionBackend contract uses it on.
 
 The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop_fwd_sm90_tma_gmma_ws.hpp):
+- q and k first turned by one rotation R = diag(signs) H (H Sylvester's Hadamard matrix of order D, entries
+  +-1, exact in any dtype; R R^T = D I, so q R . k R = D q . k, the D folded into the softmax scale), in q's
+  dtype; where D is not a power of two, not turned. A trained model's q . k is carried by a few channels;
+  under one scale a head their elements are rounded like any other (e4m3 keeps 3 bits), and that rounding
+  is the error. Turned, every channel of q R and k R carries a share of them, their errors independent,
+  and the dot product's error shrinks with the square root of D;
 - q, k and v each cast to e4m3 with one scale per KV head for the whole call, amax / 448 (q's over the query
   heads of the group: FA3's descales are [batch, KV heads] for all three);
 - S = q8 . k8 in fp32 times q's and k's descales and the softmax scale; P = exp(S - running row max) * 2^8
@@ -193,6 +199,9 @@ def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """See the module docstring. kernel: auto (FA3 on CUDA, torch elsewhere) | fa3 | torch."""
     hkv = k.shape[1]
     call = _fa3_call if kernel == "fa3" or (kernel == "auto" and q.is_cuda) else _torch_call
+    turn = rotation(q.shape[-1], q.dtype, q.device)                                    # [D, D] or None
+    if turn is not None:
+        q, k, scale = q @ turn, k @ turn, scale / q.shape[-1]                          # [S, H, D]: q . k x D
     (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv), to_e4m3(k, hkv), to_e4m3(v, hkv)
     out, lse = run_segments(lambda a, b, c, masked: call(a, b, c, qd, kd, vd, masked, scale), q8, k8, v8,
                             causal, segment, sink)
@@ -234,6 +243,22 @@ def segments(sq: int, sk: int, causal: bool, segment: int, sink: int = 0):
                 k0 = off
             yield max(0, k0 - off), k1 - off, max(k0, off), k1, True
             yield k1 - off, sq, max(k0, off), k1, False
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """[D, D]: diag(signs) times Sylvester's Hadamard matrix of order D (entries +-1; R R^T = D I); the signs
+    drawn once from a fixed seed, the same on every worker. None where D is not a power of two."""
+    if d & (d - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2 - 1
+    return (signs[:, None] * h).to(dtype=dtype, device=device)
+
+
+ROTATION_SEED = 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,8 @@ q [total_q, H, D]: the new tokens of B sequences packed, sequence b's rows cu_se
 k_cache, v_cache [num_blocks, block_size, Hkv, D] (H % Hkv == 0), or two kernels.kv_quant.Fp8Pages (an FP8
 cache: on CUDA a decode call reads them in place, kernels.fp8_paged_attention, graphable; any other call
 gathers and dequantizes each sequence's pages, FP8_GATHER_SEGMENT keys at a time at most, and attends them
-with one flash-attn-4 call where it runs, else the dense backend); block_table [B, max_blocks] int32;
+with one flash-attn-4 call where it runs, else the dense backend, or with `gathered_attn` where the caller
+gives one: --attention-backend fa3-fp8's FP8 kernel); block_table [B, max_blocks] int32;
 seq_lens_k [B] int32: sequence b's keys are the first seq_lens_k[b] slots of its blocks, its new
 tokens' keys included. `causal` is aligned to the end: query i of a sequence with q_len new tokens
 sees keys 0 .. seq_lens_k - q_len + i. A query that sees no key gives out 0 and lse -inf.
@@ -52,7 +53,7 @@ from kernels.fp8_paged_attention import fp8_paged_decode
 from kernels.kv_quant import Fp8Pages
 from kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
                                select_backend)
-from kernels.merge import merge_partials
+from kernels.merge import merge_into, merge_partials
 from kernels.triton_setup import LazyTriton
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,21 @@ MAX_CHUNKS = 64
 def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale: float,
                     causal: bool = True, backend: str = "auto", num_chunks: int | None = None,
                     max_seqlen_q: int | None = None, rows_see_keys: bool = False,
-                    host_sizes: tuple[list[int], list[int]] | None = None):
+                    host_sizes: tuple[list[int], list[int]] | None = None,
+                    gathered_attn: AttentionBackend | None = None):
     """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1));
     host_sizes: cu_seqlens_q and seq_lens_k as lists, where the caller has them (the gathered path then
-    does not read them back from the device, a wait for the queued work, every layer)."""
+    does not read them back from the device, a wait for the queued work, every layer); gathered_attn (backend
+    auto, FP8 pages, not a decode call): the attention the gathered keys go through, causal end-aligned."""
     fp8 = isinstance(k_cache, Fp8Pages)
     if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
         return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
     if backend == "auto":
-        if fp8 and fa4_available(q.device):     # a chunk over FP8 pages: gathered, then one flash-attn-4 call
+        if fp8 and (gathered_attn is not None or fa4_available(q.device)):   # a chunk over FP8 pages: gathered
             return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal,
-                             FA4_END_ALIGNED, max_seqlen_q, host_sizes)
+                             gathered_attn or FA4_END_ALIGNED, max_seqlen_q, host_sizes)
         backend = "fa4" if fa4_available(q.device) else "dense"
     if backend == "fa4":
         if fp8:
@@ -142,22 +145,20 @@ def _sequence(q, k_cache, v_cache, table_row, n, causal, scale, attn):
 def _fp8_segments(q, k_pages, v_pages, blocks, n, causal, scale, attn):
     """q [m, H, D] against n keys in FP8 pages, gathered and dequantized FP8_GATHER_SEGMENT keys at a time
     (a 1M-token context is 4 GiB a layer in bf16): the keys every query sees, segment by segment without a
-    mask, then the last m keys causally (or the rest without a mask), the partials merged by LSE."""
+    mask, then the last m keys causally (or the rest without a mask), each partial merged by LSE into one
+    fp32 accumulator as it comes (not held until the end: a 1M context's eight partials of a 64K chunk are
+    4 GiB in bf16; an accumulator in q's dtype would be rounded at every merge)."""
     m = q.shape[0]
     seen = n - m if causal else n                             # keys every query sees (> 0 here)
     bounds = list(range(0, seen, FP8_GATHER_SEGMENT)) + [seen]
-    outs, lses = [], []
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    pieces = [(a, b, False) for a, b in zip(bounds[:-1], bounds[1:])] + ([(seen, n, True)] if causal else [])
+    out = torch.zeros(m, q.shape[1], v_pages.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for start, stop, masked in pieces:                        # the last one causal: a square m x m
         k, v = k_pages.gather_range(blocks, start, stop, q.dtype), v_pages.gather_range(blocks, start, stop, q.dtype)
-        o, s = attn(q, k, v, False, scale)
-        outs.append(o)
-        lses.append(s)
-    if causal:
-        k, v = k_pages.gather_range(blocks, seen, n, q.dtype), v_pages.gather_range(blocks, seen, n, q.dtype)
-        o, s = attn(q, k, v, True, scale)                     # square m x m
-        outs.append(o)
-        lses.append(s)
-    return merge_partials(torch.stack(outs), torch.stack(lses), q.dtype)
+        merge_into(out, lse, *attn(q, k, v, masked, scale))
+        del k, v
+    return out.to(q.dtype), lse
 
 
 def _gather(cache, blocks, n, dtype):

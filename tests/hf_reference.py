@@ -3,6 +3,8 @@ import contextlib
 
 import torch
 
+from kernels import fa3_fp8
+
 TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, initializer_range=0.08, max_position_embeddings=4096)
 
@@ -175,10 +177,16 @@ def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
     e4m3 with amax / 448 per KV head (q over the group's query heads), S = q8 k8^T * descales * scale, causal
     aligned to the end; the first `sink` keys and the rest as two calls, each with P = exp(S - its row max) *
     256 cast to e4m3 and P8 v8 * v's descale / (256 sum P) in bf16 (FA3's output dtype for FP8 operands), the
-    two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H])."""
+    two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H]). First q and k turned by the kernel's
+    rotation (fa3_fp8.rotation, +-1 entries, R R^T = D I: tests/kernels/test_fa3_fp8.py checks it) in their
+    dtype, as the kernel turns them (turned in float64, their e4m3 roundings would tip apart), the softmax
+    scale divided by D."""
     sq, h, d = q.shape
     sk, hkv, _ = k.shape
     g = h // hkv
+    turn = fa3_fp8.rotation(d, q.dtype, q.device)
+    if turn is not None:
+        q, k, scale = q @ turn, k @ turn, scale / d
 
     def cast(x):                                                   # [S, Hx, D] -> e4m3 values, [Hkv] descales
         per_kv = x.double().reshape(x.shape[0], hkv, -1)
@@ -219,17 +227,20 @@ def _exact_partial(q, k, v, scale: float):
 
 def fa3_fp8_chunked(q, k, v, scale: float, bounds: list[int], round_cached=None):
     """The engine's prompt in chunks with FP8 attention (ExtendAttention._fresh_in_fp8), written apart: chunk
-    [a, b)'s queries attend its own K/V with fa3_like_reference (causal) and the cached keys [0, a) exactly (as
-    round_cached gives them back: FP8 pages' values, else as they are), merged by LSE. q [S, H, D], k, v [S, Hkv,
-    D] -> out [S, H, D] float64."""
+    [a, b)'s queries attend its own K/V with fa3_like_reference (causal) and the cached keys [0, a): over FP8
+    pages (round_cached gives their values back) through fa3_like_reference too, without a mask (one gathered
+    segment: fewer keys than kernels.paged_attention's FP8_GATHER_SEGMENT), over bf16 pages (round_cached None)
+    exactly; merged by LSE. q [S, H, D], k, v [S, Hkv, D] -> out [S, H, D] float64."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
-    keep = round_cached or (lambda x: x)
     for a, b in zip(bounds[:-1], bounds[1:]):
         fresh, fresh_lse = fa3_like_reference(q[a:b], k[a:b], v[a:b], True, scale)
         if a == 0:
             out[a:b] = fresh
             continue
-        cached, cached_lse = _exact_partial(q[a:b], keep(k[:a]), keep(v[:a]), scale)
+        if round_cached is None:
+            cached, cached_lse = _exact_partial(q[a:b], k[:a], v[:a], scale)
+        else:
+            cached, cached_lse = fa3_like_reference(q[a:b], round_cached(k[:a]), round_cached(v[:a]), False, scale)
         lse = torch.logaddexp(fresh_lse, cached_lse)                               # [m, H]
         out[a:b] = (fresh * torch.exp(fresh_lse - lse)[..., None] + cached * torch.exp(cached_lse - lse)[..., None])
     return out

@@ -37,10 +37,11 @@ def _against_plain(llm, model, prompt, what) -> float:
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_one_worker_in_chunks_attends_each_chunks_own_keys_in_fp8_and_the_cached_as_stored(checkpoint, kv):
-    """A prompt of 300 in chunks of 64: each chunk's own K/V through FA3's arithmetic, its cached keys exactly as
-    the pages hold them (FP8 pages: rounded once to their grid, not to FA3's), merged: equal to transformers with
-    that attention (hf_reference.fa3_fp8_chunked) within EXACT. Fails if the chunks' own keys skip FP8 or the
-    model rounds K/V to the pages' grid before FP8 attention (both move the logits by FP8's error)."""
+    """A prompt of 300 in chunks of 64: each chunk's own K/V through FA3's arithmetic, its cached keys as the pages
+    hold them (bf16 pages: exactly; FP8 pages: their values gathered, through FA3's arithmetic too), merged:
+    equal to transformers with that attention (hf_reference.fa3_fp8_chunked) within EXACT. Fails if the chunks'
+    own keys or the FP8 pages' keys skip FP8, or the model rounds K/V to the pages' grid before FP8 attention
+    (each moves the logits by FP8's error)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     prompt = [random.randrange(vocab) for _ in range(300)]
@@ -74,7 +75,7 @@ def test_one_worker_rounds_as_fa3_does(checkpoint):
                                                  (1, "burst", "fp8")])
 def test_rings_chunks_and_prefix_hits_attend_in_fp8(checkpoint, workers, strategy, kv):
     """A document in chunks of 64 (each chunk's own K/V through the FP8 kernel, its cached keys through the bf16
-    one), then a question after it (a prefix hit), then greedy tokens against transformers'."""
+    one over bf16 pages, gathered through the FP8 one over FP8 pages), then a question after it (a prefix hit), then greedy tokens against transformers'."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     doc = [random.randrange(vocab) for _ in range(300)]

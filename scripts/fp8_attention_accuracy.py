@@ -35,7 +35,8 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      e4m3, P V on the pages' e4m3 V (both dots FP8)
   kernel-fp16pv      the same with the kernel's pv="fp16" (P in fp16 for P V)
   fa3-fp8            kernels/fa3_fp8.py's torch path (FlashAttention-3's FP8 arithmetic, `--attention-backend
-                     fa3-fp8`) over the K/V FP8 pages give back: q, k, v in e4m3 with one scale per KV head,
+                     fa3-fp8`) over the K/V FP8 pages give back: q and k turned by its Hadamard rotation
+                     (since tree 6522456), q, k, v in e4m3 with one scale per KV head,
                      P * 2^8 in e4m3, keys in segments of KEY_SEGMENT merged by LSE (fp8-attn above is the
                      same without FA3's 2^8 on P: P's small values lost in e4m3's subnormals)
   fa3-fp8-fresh      the same over k, v in bf16 (rounded once, per KV head, not first to the pages' per-token

@@ -45,7 +45,7 @@ from engine.parallel.sharding import Shard
 from kernels.attention import AttentionBackend
 from kernels.device import num_sms
 from kernels.merge import merge_partials
-from kernels.paged_attention import (PrefixRuns, fa4_available, guarded_table, paged_attention,
+from kernels.paged_attention import (FP8_GATHER_SEGMENT, PrefixRuns, fa4_available, guarded_table, paged_attention,
                                      prefix_run_count, prefix_runs, split_prefix_attention)
 
 class ExtendAttention:
@@ -66,6 +66,8 @@ class ExtendAttention:
         # only for FP8 pages)
         self.fresh_in_fp8 = backend.fp8
         self.gathered_attn = backend if backend.fp8 and pool.fp8 else None
+        # ... and where the cached keys fit one gather segment, they and the new keys in one FP8 call
+        self.one_fp8_call = self.gathered_attn is not None and 0 < cached_local <= FP8_GATHER_SEGMENT
         self.slots, self.shards, self.way = slots, new_shards, way
         self.world_size = len(new_shards)
         device = pool.device
@@ -74,6 +76,8 @@ class ExtendAttention:
         keys = cached_local + (mine if self.keeps_new else 0)
         pages = pool.pages[seq_id][:pages_for(keys, pool.block_size)] if keys else []
         self.pages, self.cached_local, self.runs = pages, cached_local, None   # runs: see _prefix_runs
+        self.cached_blocks = (torch.tensor(pages[:pages_for(cached_local, pool.block_size)], dtype=torch.long,
+                                           device=device) if self.one_fp8_call else None)     # [pages of the cache]
         self.table = guarded_table(torch.tensor([pages or [0]], dtype=torch.int32, device=device))  # [1, pages]
         self.keys = torch.tensor([keys], dtype=torch.int32, device=device)                   # [1]
         self.cached_keys = torch.tensor([cached_local], dtype=torch.int32, device=device)    # [1]
@@ -125,15 +129,28 @@ class ExtendAttention:
 
     def _fresh_in_fp8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """FP8 attention: the new tokens' own K/V causally through the FP8 kernel, the cached keys over the pages
-        (FP8 pages: gathered, through the FP8 kernel too; bf16 pages: the paged bf16 kernel), merged by LSE ->
-        (out [m, H, D], lse [m, H])."""
-        fresh = self.backend(q, k, v, True, self.scale)                                    # a square
+        (FP8 pages: gathered, through the FP8 kernel too, in the same call where they fit one gather segment;
+        bf16 pages: the paged bf16 kernel), merged by LSE -> (out [m, H, D], lse [m, H])."""
         if not self.cached_local:
-            return fresh
+            return self.backend(q, k, v, True, self.scale)                                 # a square
+        if self.one_fp8_call:
+            return self._cached_and_fresh_in_one_call(layer, q, k, v)
+        fresh = self.backend(q, k, v, True, self.scale)                                    # a square
         cached = paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.cached_keys,
                                  self.scale, causal=False, rows_see_keys=True,
                                  host_sizes=([0, q.shape[0]], [self.cached_local]), gathered_attn=self.gathered_attn)
         return merge_partials(torch.stack([cached[0], fresh[0]]), torch.stack([cached[1], fresh[1]]), q.dtype)
+
+    def _cached_and_fresh_in_one_call(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Over FP8 pages, cached keys of at most one gather segment: gathered, the new k, v [m, Hkv, D] (unrounded)
+        after them, one causal call (end-aligned: new token i sees the cache and new tokens 0..i) through the FP8
+        kernel -> (out [m, H, D], lse [m, H]). q cast once, one kernel at a long call's rate, nothing merged; the
+        cached and new keys share their calls' scales a KV head."""
+        k_pages, v_pages = self.pool.layer(layer)
+        gather = lambda pages: pages.gather_range(self.cached_blocks, 0, self.cached_local, q.dtype)  # noqa: E731
+        keys = torch.cat([gather(k_pages), k])                                            # [c + m, Hkv, D]
+        values = torch.cat([gather(v_pages), v])                                          # (one gathered at a time)
+        return self.backend(q, keys, values, True, self.scale)
 
     def _ring(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = lambda: self.pool.write(layer, self.slots, k, v)       # noqa: E731  (behind the first exchange)

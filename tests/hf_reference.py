@@ -227,20 +227,23 @@ def _exact_partial(q, k, v, scale: float):
 
 def fa3_fp8_chunked(q, k, v, scale: float, bounds: list[int], round_cached=None):
     """The engine's prompt in chunks with FP8 attention (ExtendAttention._fresh_in_fp8), written apart: chunk
-    [a, b)'s queries attend its own K/V with fa3_like_reference (causal) and the cached keys [0, a): over FP8
-    pages (round_cached gives their values back) through fa3_like_reference too, without a mask (one gathered
-    segment: fewer keys than kernels.paged_attention's FP8_GATHER_SEGMENT), over bf16 pages (round_cached None)
-    exactly; merged by LSE. q [S, H, D], k, v [S, Hkv, D] -> out [S, H, D] float64."""
+    [a, b)'s queries attend over FP8 pages (round_cached gives their values back) the cached keys [0, a) as the
+    pages hold them and its own K/V unrounded, in one fa3_like_reference call, causal aligned to the end (a
+    context of fewer keys than kernels.paged_attention's FP8_GATHER_SEGMENT); over bf16 pages (round_cached
+    None) its own K/V with fa3_like_reference (causal) and the cached keys exactly, merged by LSE. q [S, H, D],
+    k, v [S, Hkv, D] -> out [S, H, D] float64."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
     for a, b in zip(bounds[:-1], bounds[1:]):
+        if round_cached is not None:
+            keys = torch.cat([round_cached(k[:a]), k[a:b]])
+            values = torch.cat([round_cached(v[:a]), v[a:b]])
+            out[a:b] = fa3_like_reference(q[a:b], keys, values, True, scale)[0]
+            continue
         fresh, fresh_lse = fa3_like_reference(q[a:b], k[a:b], v[a:b], True, scale)
         if a == 0:
             out[a:b] = fresh
             continue
-        if round_cached is None:
-            cached, cached_lse = _exact_partial(q[a:b], k[:a], v[:a], scale)
-        else:
-            cached, cached_lse = fa3_like_reference(q[a:b], round_cached(k[:a]), round_cached(v[:a]), False, scale)
+        cached, cached_lse = _exact_partial(q[a:b], k[:a], v[:a], scale)
         lse = torch.logaddexp(fresh_lse, cached_lse)                               # [m, H]
         out[a:b] = (fresh * torch.exp(fresh_lse - lse)[..., None] + cached * torch.exp(cached_lse - lse)[..., None])
     return out

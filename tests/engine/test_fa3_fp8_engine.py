@@ -38,10 +38,10 @@ def _against_plain(llm, model, prompt, what) -> float:
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_one_worker_in_chunks_attends_each_chunks_own_keys_in_fp8_and_the_cached_as_stored(checkpoint, kv):
     """A prompt of 300 in chunks of 64: each chunk's own K/V through FA3's arithmetic, its cached keys as the pages
-    hold them (bf16 pages: exactly; FP8 pages: their values gathered, through FA3's arithmetic too), merged:
-    equal to transformers with that attention (hf_reference.fa3_fp8_chunked) within EXACT. Fails if the chunks'
-    own keys or the FP8 pages' keys skip FP8, or the model rounds K/V to the pages' grid before FP8 attention
-    (each moves the logits by FP8's error)."""
+    hold them (bf16 pages: exactly, merged by LSE; FP8 pages: their values gathered, in the same FA3 call as the
+    chunk's own): equal to transformers with that attention (hf_reference.fa3_fp8_chunked) within EXACT. Fails
+    if the chunks' own keys or the FP8 pages' keys skip FP8, or the model rounds K/V to the pages' grid before
+    FP8 attention (each moves the logits by FP8's error)."""
     path, model = checkpoint
     vocab = model.config.vocab_size
     prompt = [random.randrange(vocab) for _ in range(300)]

@@ -153,3 +153,28 @@ def test_paged_attention_over_fp8_pages_gathers_in_segments(causal, monkeypatch)
         out, lse = pa.paged_attention(q, kp, vp, table, cu, lens, 0.125, causal=causal, backend="reference")
         assert torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=1e-5), segment
         assert _relative(out, want_out) < 1e-5, (segment, _relative(out, want_out))
+
+
+def test_paged_attention_over_fp8_pages_runs_the_callers_attention_on_each_segment(monkeypatch):
+    """gathered_attn (--attention-backend fa3-fp8's FP8 kernel, for a chunk's cached keys): every gathered segment
+    goes through it, unmasked, then the last q_len keys causally, merged into one fp32 accumulator (in one piece:
+    the square causally, then the keys before it): with a reference attention the result is float64's over the
+    cache's values, in segments of 7 keys and in one."""
+    from kernels import paged_attention as pa
+    from kernels.attention import AttentionBackend, reference_attention
+    queries, keys = [40], [300]
+    q, kp, vp, table, cu, lens, rounded = _case(queries, keys)
+    want_out, want_lse = _float64(q, rounded, cu, 0.125, True)
+    for segment, want_calls in ((7, [(40, 7, False)] * 37 + [(40, 1, False), (40, 40, True)]),
+                                (1 << 30, [(40, 40, True), (40, 260, False)])):
+        calls = []
+
+        def spy(q_, k_, v_, causal, scale):
+            calls.append((q_.shape[0], k_.shape[0], causal))
+            return reference_attention(q_, k_, v_, causal, scale)
+        monkeypatch.setattr(pa, "FP8_GATHER_SEGMENT", segment)
+        out, lse = pa.paged_attention(q, kp, vp, table, cu, lens, 0.125, causal=True,
+                                      gathered_attn=AttentionBackend("spy", spy))
+        assert calls == want_calls, (segment, calls)
+        assert torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=1e-5), segment
+        assert _relative(out, want_out) < 1e-5, (segment, _relative(out, want_out))

@@ -93,7 +93,10 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias: torch.Tens
     out = fp8_small_gemm.scaled_mm_few_rows(xq, xs, w, bias, dtype)
     if out is not None:
         return out
-    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=dtype)
+    # the tensor cores' own sums (use_fast_accum, as vLLM's CUTLASS FP8 GEMMs on sm_90): 7% faster than sums
+    # moved into fp32 every 128 products; their error (0.2-0.3%) is a tenth of the operands' e4m3 rounding
+    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, bias=bias, out_dtype=dtype,
+                            use_fast_accum=True)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -43,6 +43,10 @@ BLOCK so that no [S, S] score matrix exists whole. Variants:
                      grid): the engine's prefill with FP8 attention, whose prompt attends its K/V before storing
   fa3-fp8-sink       fa3-fp8-fresh with the first 4 keys in a call of their own (merged by LSE): a trained
                      model's attention sink no longer sets the row maximum of the other keys' P
+  NAME+q8            variant NAME with the decoder's linear layers as `-q fp8` runs them (kernels/fp8.py's own
+                     `linear` on CPU: the weights from bf16 to e4m3 per output channel, each input row from bf16
+                     to e4m3 per token, torch._scaled_mm with fp32 sums, bf16 out); embeddings, norms and the LM
+                     head as before (the engine keeps them bf16; here fp32)
 
 Usage:
     python scripts/fp8_attention_accuracy.py [--tokens 2048 8192] [--variants bf16 fp8-pages ...]
@@ -72,6 +76,7 @@ TEXT_FILES = ("docs/design.md", "README.md")
 VARIANTS = ("bf16", "fp8-pages", "fa3-fp8", "fa3-fp8-fresh", "fa3-fp8-sink", "fp8-attn", "fp8-attn-smooth-k", "fp8-qk-only")
 DIAGNOSTICS = ("diag-q8", "diag-k8", "diag-page-k", "cand-q8tok-bf16pv", "cand-q8tok-fp8pv", "kernel-fp8pv",
                "kernel-fp16pv")
+QUANTIZED = "+q8"                # a variant's suffix: the decoder's linears in FP8 (`-q fp8`)
 BLOCK = 512                      # query rows per block
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -232,11 +237,38 @@ def make_attention(variant: str):
 def register_variants(names) -> None:
     from transformers import AttentionInterface
     for name in names:
-        AttentionInterface.register(attn_name(name), make_attention(name))
+        AttentionInterface.register(attn_name(name), make_attention(name.removesuffix(QUANTIZED)))
 
 
 def attn_name(variant: str) -> str:
-    return "fp8study-" + variant
+    return "fp8study-" + variant.removesuffix(QUANTIZED)
+
+
+class Fp8Linear(torch.nn.Module):
+    """An nn.Linear as `-q fp8` runs it: kernels.fp8.linear over its weight in e4m3 (from bf16) and its input
+    rounded to bf16, the output back in fp32 (the rest of the study model's dtype)."""
+
+    def __init__(self, dense: torch.nn.Linear):
+        super().__init__()
+        from kernels.fp8 import quantize_weight
+        self.dense = dense
+        self.weight8 = quantize_weight(dense.weight.detach().bfloat16())
+        self.bias = None if dense.bias is None else dense.bias.detach().bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.fp8 import linear
+        return linear(x.bfloat16(), self.weight8, self.bias).to(x.dtype)
+
+
+def set_linears(model, quantized: bool) -> None:
+    """The decoder layers' linear layers as Fp8Linear (quantized) or back to the dense ones."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if quantized and isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Fp8Linear(child))
+                elif not quantized and isinstance(child, Fp8Linear):
+                    setattr(parent, name, child.dense)
 
 
 # ---------------------------------------------------------------- model, text, measurements
@@ -281,6 +313,12 @@ def load_tokens(tokenizer, n: int) -> torch.Tensor:
 
 def set_attention(model, impl: str) -> None:
     model.set_attn_implementation(impl)
+
+
+def set_variant(model, variant: str) -> None:
+    """The variant's attention, and its linears FP8 or not."""
+    set_attention(model, attn_name(variant))
+    set_linears(model, variant.endswith(QUANTIZED))
 
 
 @torch.no_grad()
@@ -350,7 +388,7 @@ def run(model, tokenizer, args, results: dict, path: str) -> None:
     for n in args.tokens:
         ids = load_tokens(tokenizer, n)
         for variant in args.variants:
-            set_attention(model, attn_name(variant))
+            set_variant(model, variant)
             t0 = time.time()
             ppl, last = perplexity(model, ids)
             secs = time.time() - t0
@@ -361,7 +399,7 @@ def run(model, tokenizer, args, results: dict, path: str) -> None:
     if args.greedy:
         ids = load_tokens(tokenizer, args.greedy_prompt)
         for variant in args.variants:
-            set_attention(model, attn_name(variant))
+            set_variant(model, variant)
             t0 = time.time()
             toks = greedy(model, ids, args.greedy)
             secs = time.time() - t0
@@ -384,7 +422,8 @@ def table(results: dict, out: str, big: int = 8192, small: int = 2048) -> str:
     base_greedy = results.get("bf16", {}).get("greedy", {}).get("tokens")
     rows = ["| variant | ppl 2K | ppl 8K | ppl 8K vs fp8-pages (%) | last-logit max diff vs bf16 at 8K | "
             "greedy tokens equal to bf16 |", "|---|---|---|---|---|---|"]
-    for v in [v for v in VARIANTS + DIAGNOSTICS if v in results]:
+    names = [n + q for n in VARIANTS + DIAGNOSTICS for q in ("", QUANTIZED)]
+    for v in [v for v in names if v in results]:
         p2, p8, lv = ppl(v, small), ppl(v, big), last(v)
         g = results[v].get("greedy", {}).get("tokens")
         rows.append("| " + " | ".join([

@@ -6,7 +6,13 @@ after 5 warm-ups) as the engine calls them (F.linear: x [M, K] times the stored 
 transposed) and with the weight stored transposed ([K, N], x @ w). Prints a markdown table; run it
 once per CUBLASLT_WORKSPACE_SIZE setting to compare.
 
-Usage: python scripts/gpu_gemm_shapes.py [M ...]   (default 2048 4096 8192 32768)"""
+--fp8: the same four shapes as `-q fp8` runs them (kernels/fp8.py: x per token, w per output channel, both
+scales in torch._scaled_mm), with the MMAs' sums moved into fp32 every 128 products (use_fast_accum off,
+the engine's) and kept in the tensor cores' narrower sums (use_fast_accum on, vLLM's CUTLASS kernels' way
+on sm_90): time, and each product's relative error (Frobenius) against the same FP8 operands multiplied
+in fp64, beside the bf16 output's own rounding (2^-9).
+
+Usage: python scripts/gpu_gemm_shapes.py [--fp8] [M ...]   (default 2048 4096 8192 32768)"""
 import os
 import sys
 
@@ -31,8 +37,42 @@ def timed(fn, iters: int = 20, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def fp8_accumulation(rows: list[int], dev: torch.device) -> None:
+    """--fp8: see the module docstring."""
+    from kernels.fp8 import quantize_rows, quantize_weight
+    print("| M | linear | fp32 sums us | TFLOP/s | error | fast sums us | TFLOP/s | error | fast / fp32 time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        totals = [0.0, 0.0]
+        for name, (n, k) in SHAPES.items():
+            xq, xs = quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+            w = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+            sample = slice(0, min(m, 1024))                        # fp64 reference on the first rows
+            exact = (xq[sample].double() * xs[sample].double()) @ (w.weight.double() * w.scale.double().t()).t()
+            cells = []
+            for i, fast in enumerate((False, True)):
+                def run():
+                    return torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast)
+                t = timed(run)
+                totals[i] += t
+                err = ((run()[sample].double() - exact).norm() / exact.norm()).item()
+                cells.append((t, 2 * m * n * k / t / 1e12, err))
+            (a, fa, ea), (b, fb, eb) = cells
+            print(f"| {m} | {name} | {a * 1e6:.0f} | {fa:.0f} | {ea:.2e} | {b * 1e6:.0f} | {fb:.0f} | {eb:.2e} | "
+                  f"{b / a:.3f} |", flush=True)
+        layer = 2 * m * sum(n * k for n, k in SHAPES.values())
+        a, b = totals
+        print(f"| {m} | one layer | {a * 1e6:.0f} | {layer / a / 1e12:.0f} | | {b * 1e6:.0f} | {layer / b / 1e12:.0f} "
+              f"| | {b / a:.3f} |", flush=True)
+
+
 def main() -> None:
-    rows = [int(m) for m in sys.argv[1:]] or [2048, 4096, 8192, 32768]
+    args = sys.argv[1:]
+    fp8 = "--fp8" in args
+    rows = [int(m) for m in args if m != "--fp8"] or [2048, 4096, 8192, 32768]
+    if fp8:
+        return fp8_accumulation(rows, torch.device("cuda:0"))
     dev = torch.device("cuda:0")
     square = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     peak = 2 * 8192 ** 3 / timed(lambda: square @ square) / 1e12

@@ -831,7 +831,7 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
             stats = got.metrics.prefill_stats
             assert stats.cached_tokens == len(docs[0]), stats
             if tier:
-                print(f"kv {kv}: host tier hit {stats.get('host_cached_tokens')}, restore {stats.get('restore_seconds')}")
+                print(f"kv {kv}: host tier hit {stats.host_cached_tokens}, restore {stats.restore_seconds}")
                 assert stats.host_cached_tokens == len(docs[0]), stats
                 assert llm.stats.kv_offload_stored_bytes > 0
     (with_tier, tier_streams), (pool_hit, _) = outs[1.0], outs[0]

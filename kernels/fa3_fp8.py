@@ -9,8 +9,9 @@ q [Sq, H, D], k and v [Sk, Hkv, D] (H % Hkv == 0); `causal` aligned to the end (
 
 The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop_fwd_sm90_tma_gmma_ws.hpp):
 - q and k first turned by one rotation R = diag(signs) H (H Sylvester's Hadamard matrix of order D, entries
-  +-1, exact in any dtype; R R^T = D I, so q R . k R = D q . k, the D folded into the softmax scale), in q's
-  dtype; where D is not a power of two, not turned. A trained model's q . k is carried by a few channels;
+  +-1, exact in any dtype; R R^T = D I, so q R . k R = D q . k, the D folded into the softmax scale), in fp32
+  inside the casts below (the turned values never rounded to q's dtype nor written); where D is not a power of
+  two, not turned. A trained model's q . k is carried by a few channels;
   under one scale a head their elements are rounded like any other (e4m3 keeps 3 bits), and that rounding
   is the error. Turned, every channel of q R and k R carries a share of them, their errors independent,
   and the dot product's error shrinks with the square root of D;
@@ -54,31 +55,43 @@ _e4m3 = None                 # the interpreter's e4m3 rounding (kernels.triton_s
 
 # ---------------------------------------------------------------- operands
 
-def to_e4m3(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_e4m3(x: torch.Tensor, num_kv_heads: int, turn: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, Hx, D] (Hx a multiple of num_kv_heads; rows of any stride, each row's heads contiguous) -> (x8 [S,
-    Hx, D] e4m3, descale [Hkv] fp32): one scale per KV head (its group of heads), amax / 448, each value divided
-    by it (rounded to nearest), clamped to +-448, rounded to nearest even. On CUDA two Triton kernels (the
-    group maxima, then the cast: one read of x each, no fp32 copy); elsewhere, or after a kernel failed, torch."""
+    Hx, D] e4m3, descale [Hkv] fp32): each head's row turned by `turn` [D, D] first when given (x @ turn in fp32,
+    never rounded to x's dtype: the rotation of the module docstring), then one scale per KV head (its group of
+    heads), amax / 448, each value divided by it (rounded to nearest), clamped to +-448,
+    rounded to nearest even. On CUDA two Triton kernels (the group maxima, then the cast: one read of x each, the turned values never
+    written); elsewhere, or after a kernel failed, torch, CAST_ROWS rows at a time."""
     kern = _triton.kernels(x.device)
-    if kern is not None and x.shape[0] > 0 and _rows_ok(x):
+    if kern is not None and x.shape[0] > 0 and _rows_ok(x) and _turn_ok(x, turn):
         try:
-            return _to_e4m3_triton(kern, x, num_kv_heads)
+            return _to_e4m3_triton(kern, x, num_kv_heads, turn)
         except Exception as e:      # compile or launch failure: the torch ops from now on
             _triton.failed(e)
-    return _to_e4m3_torch(x, num_kv_heads)
+    return _to_e4m3_torch(x, num_kv_heads, turn)
 
 
-def _to_e4m3_torch(x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_e4m3_torch(x: torch.Tensor, num_kv_heads: int, turn: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """to_e4m3 in torch ops, CAST_ROWS rows at a time (small fp32 temporaries)."""
     s, hx, d = x.shape
-    grouped = x.reshape(s, num_kv_heads, (hx // num_kv_heads) * d)                     # [S, Hkv, g * D]
+    turn32 = None if turn is None else turn.float()
+
+    def values(a: int) -> torch.Tensor:                                                # [c, Hkv, g * D] fp32
+        v = x[a:a + CAST_ROWS].float()
+        if turn32 is not None:
+            v = v @ turn32
+        return v.reshape(v.shape[0], num_kv_heads, (hx // num_kv_heads) * d)
+
     amax = torch.zeros(num_kv_heads, dtype=torch.float32, device=x.device)
     for a in range(0, s, CAST_ROWS):
-        amax = torch.maximum(amax, grouped[a:a + CAST_ROWS].abs().amax(dim=(0, 2)).float())
-    descale = (amax / FP8_MAX).clamp(min=MIN_SCALE)                                   # [Hkv]
-    x8 = torch.empty(grouped.shape, dtype=FP8, device=x.device)
+        amax = torch.maximum(amax, values(a).abs().amax(dim=(0, 2)))
+    # a true division (torch on CUDA multiplies by the inverse for a divisor given as a number), as the kernels'
+    descale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)            # [Hkv]
+    x8 = torch.empty(s, num_kv_heads, (hx // num_kv_heads) * d, dtype=FP8, device=x.device)
     for a in range(0, s, CAST_ROWS):
-        x8[a:a + CAST_ROWS] = (grouped[a:a + CAST_ROWS].float() / descale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+        x8[a:a + CAST_ROWS] = (values(a) / descale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
     return x8.view(s, hx, d), descale
 
 
@@ -87,66 +100,126 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _to_e4m3_triton(kern: dict, x: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _turn_ok(x: torch.Tensor, turn: torch.Tensor | None) -> bool:
+    """A rotation the kernels apply (tl.dot): [D, D] in x's dtype, D a power of two of at least 16."""
+    d = x.shape[-1]
+    return turn is None or (turn.shape == (d, d) and turn.dtype == x.dtype and d >= 16 and d & (d - 1) == 0)
+
+
+def _to_e4m3_triton(kern: dict, x: torch.Tensor, num_kv_heads: int, turn: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     s, hx, d = x.shape
     if hx % num_kv_heads:
         raise ValueError(f"{hx} heads do not split into {num_kv_heads} KV-head groups")
-    width = (hx // num_kv_heads) * d                                                   # a group's values a row
-    rows = max(1, CAST_TILE // next_pow2(width))                                       # rows a program
-    grid = (ceil_div(s, rows), num_kv_heads)
+    g = hx // num_kv_heads                                                             # heads a group
+    gpad, dpad = next_pow2(g), next_pow2(d)
+    rotate = turn is not None
+    rows = max(1, CAST_TILE // (gpad * dpad), ceil_div(16, gpad) if rotate else 1)    # (tl.dot: 16 lines at least)
+    blocks = ceil_div(s, rows)
+    grid = (min(blocks, max(1, _programs(x.device) // num_kv_heads)), num_kv_heads)
+    launch = dict(G=g, GPAD=gpad, D=d, DPAD=dpad, ROWS=rows, ROTATE=rotate,
+                  INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
     amax_bits = torch.zeros(num_kv_heads, dtype=torch.int32, device=x.device)          # fp32 >= 0 as int32 bits
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    kern["amax"][grid](x, amax_bits, s, x.stride(0), W=width, WPAD=next_pow2(width), ROWS=rows)
-    descale = (amax_bits.view(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)            # [Hkv]
+    turn_arg = turn if rotate else x                                                    # (unread without ROTATE)
+    kern["amax"][grid](x, turn_arg, amax_bits, s, x.stride(0), blocks, **launch)
+    descale = torch.empty(num_kv_heads, dtype=torch.float32, device=x.device)
     x8 = torch.empty(s, hx, d, dtype=FP8, device=x.device)
-    kern["cast"][grid](x, descale, x8.view(torch.uint8), s, x.stride(0), W=width, WPAD=next_pow2(width),
-                       ROWS=rows, ARITH_CAST=interpreted)
+    kern["cast"][grid](x, turn_arg, amax_bits, descale, x8.view(torch.uint8), s, x.stride(0), blocks, MIN_SCALE,
+                       **launch)
     return x8, descale
 
 
-CAST_TILE = 8192             # values a program of the cast kernels takes (rows of one group's columns)
+CAST_TILE = 8192             # values a loop step of the cast kernels takes (rows of one group's heads)
+PROGRAMS_PER_SM = 4          # the cast kernels' programs (all groups), each looping over row blocks
+INTERPRETED_PROGRAMS = 2     # the same under the CPU interpreter: a program takes several blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETED_PROGRAMS
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _build() -> dict:
     """jit the two cast kernels. A fresh set each call: tests build interpreted ones (TRITON_INTERPRET=1)."""
-    global tl, _e4m3
+    global tl, _e4m3, _group_tile, _load_turn
     import triton
     import triton.language as tl
     _e4m3 = e4m3_by_arithmetic()
 
-    def amax_kernel(x_ptr, amax_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr, ROWS: tl.constexpr):
-        """Program (row block r, group g): the largest |x| over rows r * ROWS .. + ROWS of the group's W columns,
-        into amax[g] by an atomic max of the fp32's bits with the sign cleared (their order is the values', with
-        inf above every finite value and NaN above inf: a NaN or inf in x reaches the scale, as in torch's amax)."""
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        g = tl.program_id(1)
-        c = tl.arange(0, WPAD)
-        ok = (r[:, None] < s) & (c[None, :] < W)
-        x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0)
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF                 # |x| as bits
-        tl.atomic_max(amax_ptr + g, tl.max(tl.max(bits, axis=1), axis=0))
+    def group_tile(x_ptr, turn, block, s, row_stride, G: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
+                   DPAD: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Row block `block` of group program_id(1)'s values as fp32 [ROWS * GPAD, DPAD] (a head's row of D a line;
+        0 past the tensor, the group and D), turned (x @ turn, fp32 sums) under ROTATE -> (values, in range [..,
+        DPAD], the lines' rows [ROWS * GPAD], heads [ROWS * GPAD], columns [DPAD])."""
+        i = tl.arange(0, ROWS * GPAD)
+        r = (block * ROWS + i // GPAD).to(tl.int64)                                  # (rows < 2^31)
+        head = tl.program_id(1) * G + i % GPAD
+        c = tl.arange(0, DPAD)
+        ok = ((r < s) & (i % GPAD < G))[:, None] & (c[None, :] < D)
+        x = tl.load(x_ptr + r[:, None] * row_stride + head[:, None] * D + c[None, :], mask=ok, other=0.0)
+        if ROTATE:          # D == DPAD: each line times the [D, D] rotation, exact products summed in fp32
+            if x.dtype == tl.float32 or INTERPRETED:     # the interpreter's bf16 tl.dot is wrong: fp32 there
+                y = tl.dot(x.to(tl.float32), turn.to(tl.float32), input_precision="ieee")
+            else:
+                y = tl.dot(x, turn)
+        else:
+            y = x.to(tl.float32)
+        return y, ok, r, head, c
 
-    def cast_kernel(x_ptr, descale_ptr, out_ptr, s, row_stride, W: tl.constexpr, WPAD: tl.constexpr,
-                    ROWS: tl.constexpr, ARITH_CAST: tl.constexpr):
-        """Program (row block r, group g): x / descale[g] (rounded to nearest, as torch's division), clamped to
-        +-448, to e4m3 (nearest even), stored as bytes into the contiguous out [S, G * W]."""
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        g = tl.program_id(1)
-        c = tl.arange(0, WPAD)
-        ok = (r[:, None] < s) & (c[None, :] < W)
-        x = tl.load(x_ptr + r[:, None] * row_stride + g * W + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        y = tl.div_rn(x, tl.load(descale_ptr + g))
-        y8 = tl.minimum(tl.maximum(y, -448.0), 448.0)        # min / max drop a NaN: it is stored apart
-        if ARITH_CAST:      # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
-            y8 = _e4m3(y8)
-        q8 = tl.where(y == y, y8.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F)   # 0x7F: e4m3's NaN
-        out = out_ptr + r[:, None] * (tl.num_programs(1) * W) + g * W + c[None, :]
-        tl.store(out, q8, mask=ok)
+    def load_turn(turn_ptr, D: tl.constexpr, DPAD: tl.constexpr, ROTATE: tl.constexpr):
+        """The [D, D] rotation, read once a program (0 without ROTATE: never used)."""
+        if ROTATE:
+            c = tl.arange(0, DPAD)
+            return tl.load(turn_ptr + c[:, None] * D + c[None, :])
+        else:
+            return 0.0
 
+    def amax_kernel(x_ptr, turn_ptr, amax_ptr, s, row_stride, blocks, G: tl.constexpr, GPAD: tl.constexpr,
+                    D: tl.constexpr, DPAD: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+        """Program (p, group g), over row blocks p, p + P, ..: the largest |value|, into amax[g] by an atomic max
+        of the fp32's bits with the sign cleared (their order is the values', with inf above every finite value
+        and NaN above inf: a NaN or inf in x reaches the scale, as in torch's amax)."""
+        turn = _load_turn(turn_ptr, D, DPAD, ROTATE)
+        best = tl.zeros([ROWS * GPAD], tl.int32)
+        for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            y, ok, r, head, c = _group_tile(x_ptr, turn, block, s, row_stride, G, GPAD, D, DPAD, ROWS, ROTATE,
+                                            INTERPRETED)
+            bits = tl.where(ok, y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)          # |value| as bits
+            best = tl.maximum(best, tl.max(bits, axis=1))
+        tl.atomic_max(amax_ptr + tl.program_id(1), tl.max(best, axis=0))
+
+    def cast_kernel(x_ptr, turn_ptr, amax_ptr, descale_ptr, out_ptr, s, row_stride, blocks, min_scale,
+                    G: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr, ROWS: tl.constexpr,
+                    ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Program (p, group g), over row blocks p, p + P, ..: descale = max(amax[g] / 448, min_scale) (NaN
+        kept; program 0 stores it), value / descale (rounded to nearest, as torch's division), clamped to +-448,
+        to e4m3 (nearest even), stored as bytes into the contiguous out [S, Hx, D]."""
+        g = tl.program_id(1)
+        raw = tl.div_rn(tl.load(amax_ptr + g).to(tl.float32, bitcast=True), 448.0)
+        descale = tl.where(raw < min_scale, min_scale, raw)                              # a NaN stays NaN
+        if tl.program_id(0) == 0:
+            tl.store(descale_ptr + g, descale)
+        turn = _load_turn(turn_ptr, D, DPAD, ROTATE)
+        heads = tl.num_programs(1) * G
+        for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            y, ok, r, head, c = _group_tile(x_ptr, turn, block, s, row_stride, G, GPAD, D, DPAD, ROWS, ROTATE,
+                                            INTERPRETED)
+            y = tl.div_rn(y, descale)
+            y8 = tl.minimum(tl.maximum(y, -448.0), 448.0)    # min / max drop a NaN: it is stored apart
+            if INTERPRETED:     # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
+                y8 = _e4m3(y8)
+            q8 = tl.where(y == y, y8.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F)   # 0x7F: e4m3's NaN
+            tl.store(out_ptr + r[:, None] * (heads * D) + head[:, None] * D + c[None, :], q8, mask=ok)
+
+    _group_tile, _load_turn = triton.jit(group_tile), triton.jit(load_turn)
     return {"amax": triton.jit(amax_kernel), "cast": triton.jit(cast_kernel)}
 
 
 _triton = LazyTriton(_build, "fa3-fp8 casts")
+_group_tile = _load_turn = None   # the kernels' helpers, jitted by _build (globals they resolve)
 
 
 # ---------------------------------------------------------------- one call on e4m3 operands
@@ -201,8 +274,8 @@ def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     call = _fa3_call if kernel == "fa3" or (kernel == "auto" and q.is_cuda) else _torch_call
     turn = rotation(q.shape[-1], q.dtype, q.device)                                    # [D, D] or None
     if turn is not None:
-        q, k, scale = q @ turn, k @ turn, scale / q.shape[-1]                          # [S, H, D]: q . k x D
-    (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv), to_e4m3(k, hkv), to_e4m3(v, hkv)
+        scale = scale / q.shape[-1]                                                    # q R . k R = D q . k
+    (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv, turn), to_e4m3(k, hkv, turn), to_e4m3(v, hkv)
     out, lse = run_segments(lambda a, b, c, masked: call(a, b, c, qd, kd, vd, masked, scale), q8, k8, v8,
                             causal, segment, sink)
     return out.to(q.dtype), lse

@@ -13,7 +13,8 @@ error: the last 256 queries of a prompt of N keys (they see every key), KV head 
     weight, as trained models' first token does); FA3 FP8 in one call and in segments, flash-attn-4 bf16.
 speed: a causal square of S tokens, one layer: flash-attn-4 bf16, FA3 bf16, fa3_fp8_attention (its casts
     included) in one call and in segments, FA3's FP8 kernel alone on operands cast before, the casts of q, k, v
-    alone (the Triton kernels, and the torch path's ops); ms and TFLOP/s (CUDA events, median of 5 after 2).
+    (q and k turned) alone (the Triton kernels, and the torch path's ops); ms and TFLOP/s (CUDA events, median of
+    5 after 2).
 agree: the kernel against the torch path on the same operands (2K causal, 4K keys end-aligned): the
     difference must be far below either's error against float64.
 Prints tables; writes fa3_fp8.json under $OUT (or the working directory).
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.attention import fa4_forward  # noqa: E402
-from kernels.fa3_fp8 import _fa3_module, _to_e4m3_torch, fa3_fp8_attention, to_e4m3  # noqa: E402
+from kernels.fa3_fp8 import _fa3_module, _to_e4m3_torch, fa3_fp8_attention, rotation, to_e4m3  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_gemm_shapes import timed  # noqa: E402  (CUDA events, median after warm-ups: seconds)
@@ -116,12 +117,14 @@ def speed_part(lengths, segments_list) -> list[dict]:
         row["fa3_bf16_ms"] = timed_ms(lambda: f3.flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE,
                                                                   causal=True))
         row["fa3_fp8_one_call_ms"] = timed_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=1 << 30))
-        (q8, qd), (k8, kd), (v8, vd) = (to_e4m3(x, HKV) for x in (q, k, v))
+        turn = rotation(D, q.dtype, q.device)                      # as fa3_fp8_attention turns q and k
+        (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, HKV, turn), to_e4m3(k, HKV, turn), to_e4m3(v, HKV)
         row["fa3_fp8_kernel_alone_ms"] = timed_ms(lambda: f3.flash_attn_func(
             q8[None], k8[None], v8[None], softmax_scale=SCALE, causal=True, q_descale=qd[None], k_descale=kd[None],
             v_descale=vd[None]))
-        row["casts_ms"] = timed_ms(lambda: [to_e4m3(x, HKV) for x in (q, k, v)])
-        row["casts_torch_ops_ms"] = timed_ms(lambda: [_to_e4m3_torch(x, HKV) for x in (q, k, v)])
+        row["casts_ms"] = timed_ms(lambda: [to_e4m3(q, HKV, turn), to_e4m3(k, HKV, turn), to_e4m3(v, HKV)])
+        row["casts_torch_ops_ms"] = timed_ms(lambda: [_to_e4m3_torch(q, HKV, turn), _to_e4m3_torch(k, HKV, turn),
+                                                      _to_e4m3_torch(v, HKV)])
         del q8, k8, v8
         for seg in segments_list:
             row[f"fa3_fp8_seg{seg}_ms"] = timed_ms(lambda: fa3_fp8_attention(q, k, v, True, SCALE, segment=seg))

@@ -6,7 +6,7 @@ share, each kind's FLOP rate, and what a new prompt length costs the first time.
 workers are this script's own processes (NCCL, as engine/worker.py sets them up), each a ModelRunner.
 Usage: [CP=2] python scripts/gpu_prefill_profile.py [lengths, comma-separated]  (markdown tables)
 LAYERS=N keeps the preset's first N layers (a proxy: e.g. llama3-70b's shapes with 20 of its 80 layers fit
-one GPU; per-layer time scales the figures to the whole model). KV=fp8 and QUANT=fp8: FP8 pages and linears.
+one GPU; per-layer time scales the figures to the whole model). KV=fp8 and QUANT=fp8: FP8 pages and linears; KERNEL=fa3_fp8: FP8 attention.
 TRACE=folder: each worker's chrome trace of its profiled prefill (host ops and kernels) goes there.
 (The floor columns assume bf16 rates.)"""
 import dataclasses
@@ -88,7 +88,8 @@ def run(rank: int) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=WORLD,
                                 **({"device_id": dev} if cuda else {}))
     engine = EngineConfig(model=MODEL, devices=devices, dtype="bfloat16" if cuda else "float32", max_num_seqs=4,
-                          kv_cache_dtype=os.environ.get("KV", "auto"), quantization=os.environ.get("QUANT", "none"))
+                          kv_cache_dtype=os.environ.get("KV", "auto"), quantization=os.environ.get("QUANT", "none"),
+                          kernel=os.environ.get("KERNEL", "auto"))
     cfg, max_model_len = resolve_model(engine)
     if LAYERS:
         cfg = dataclasses.replace(cfg, num_layers=LAYERS)

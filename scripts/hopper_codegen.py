@@ -9,7 +9,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
-                                       silu-and-mul-fp8|rms-norm|rms-norm-fp8 ...]
+                                       silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -27,6 +27,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 
+from kernels import fa3_fp8
 from kernels import fp8_attention as fa
 from kernels import fp8_paged_attention as fpa
 from kernels import fp8_small_gemm as sg
@@ -79,6 +80,14 @@ _NORM_TAIL = [("n", "i32", 4096), ("x_stride", "i32", 4096), ("res_stride", "i32
 NORM_ARGS = _NORM_HEAD + [("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None)] + _NORM_TAIL
 NORM_FP8_ARGS = _NORM_HEAD + [("q_ptr", "*fp8e4nv", None), ("scale_ptr", "*fp32", None),
                               ("res_out_ptr", "*bf16", None)] + _NORM_TAIL
+# fa3-fp8's casts of q (an 8K prefill's rows of the fused QKV), turned by the rotation: the group maxima, the cast
+_CAST_HEAD = [("x_ptr", "*bf16", None), ("turn_ptr", "*bf16", None), ("amax_ptr", "*i32", None)]
+_CAST_TAIL = [("s", "i32", 8192), ("row_stride", "i32", QKV_ROW), ("blocks", "i32", 512)]
+AMAX_ARGS = _CAST_HEAD + _CAST_TAIL
+CAST_ARGS = _CAST_HEAD + [("descale_ptr", "*fp32", None), ("out_ptr", "*u8", None)] + _CAST_TAIL + [
+    ("min_scale", "fp32", None)]
+_CAST_CONSTS = dict(G=H // HKV, GPAD=H // HKV, D=D, DPAD=D, ROWS=fa3_fp8.CAST_TILE // (H // HKV * D), ROTATE=True,
+                    INTERPRETED=False)
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -97,6 +106,8 @@ LAUNCHES = {
     "rms-norm": (fused, "rms_norm", NORM_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
     "rms-norm-fp8": (fused, "rms_norm_fp8", NORM_FP8_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
     "small-gemm": (sg, "gemm", GEMM_ARGS, _GEMM_CONSTS, _GEMM["warps"], _GEMM["stages"]),
+    "fa3-amax": (fa3_fp8, "amax", AMAX_ARGS, _CAST_CONSTS, 4, 3),
+    "fa3-cast": (fa3_fp8, "cast", CAST_ARGS, _CAST_CONSTS, 4, 3),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -565,3 +565,23 @@ def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
     want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
     torch.testing.assert_close(got_scale, want_scale, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(got8.float().isnan(), want8.float().isnan()) and got8.float().isnan().any()
+
+
+@pytest.mark.parametrize("s,hx,hkv,strided", [(8192, 32, 8, False), (4099, 8, 8, True), (3, 32, 8, True)])
+def test_fa3_fp8_cast_kernels_turn_the_rows_as_the_torch_path(s, hx, hkv, strided):
+    """kernels/fa3_fp8.py's Triton casts with the rotation (bf16 rows, each head's row times the [128, 128] signed
+    Hadamard matrix inside the kernels, fp32 sums) against its torch path (fp32 matmul, then the cast) on the same
+    GPU: scales within an fp32 rounding, bytes equal but for the rare sum that lands on an e4m3 tie (the sums'
+    order differs), and what the bytes dequantize to is x @ turn within e4m3's rounding."""
+    from kernels import fa3_fp8
+    from test_fa3_fp8_casts import assert_rotated_cast
+    gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
+    qkv = torch.randn(s, hx + 2 * hkv, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+    rows = torch.rand(s, 1, 1, device=DEV, generator=gen) * 30
+    x = qkv[:, :hx] if strided else (qkv[:, :hx] * rows).to(torch.bfloat16).contiguous()
+    turn = fa3_fp8.rotation(128, torch.bfloat16, x.device)
+    kern = fa3_fp8._triton.kernels(DEV)
+    assert kern is not None, "the cast kernels did not build"
+    got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv, turn)
+    want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv, turn)
+    assert_rotated_cast(got8, got_scale, want8, want_scale, x, hkv, turn)

@@ -1,7 +1,10 @@
 """kernels/fa3_fp8.py's Triton casts to e4m3 (the group maxima, then the cast), in Triton's interpreter on the CPU:
 the same bits as the torch path (scales and bytes), over rows of any stride, groups of one head or several, a row
 block cut by the tensor's end, a group width not a power of two, values past e4m3's normal range, a group of zeros
-(the smallest scale); a NaN or an inf reaches its group's scale and values as in the torch path."""
+(the smallest scale); a NaN or an inf reaches its group's scale and values as in the torch path. With the rotation
+(each head's row times the [D, D] matrix, fp32 sums, inside the kernels): the torch path's values, which sum in
+another order (a scale within an fp32 rounding, a byte in a thousand at most one e4m3 step away), and what the
+bytes dequantize to is x @ turn within e4m3's rounding."""
 import torch
 
 from kernels import fa3_fp8
@@ -28,9 +31,38 @@ def _cases():
     yield bad, 2
 
 
+def _rotated_cases():
+    g = torch.Generator().manual_seed(11)
+    for s, hx, hkv, d, dtype in ((37, 8, 2, 64, torch.float32), (300, 32, 8, 16, torch.float16),
+                                 (19, 5, 1, 32, torch.bfloat16), (3, 4, 1, 128, torch.bfloat16)):
+        x = (torch.randn(s, hx, d, generator=g) * torch.rand(s, 1, 1, generator=g) * 30).to(dtype)
+        yield x, hkv, fa3_fp8.rotation(d, dtype, x.device)
+        wide = torch.empty(s, hx + 2, d, dtype=dtype)[:, :hx]     # rows of stride (hx + 2) * d
+        wide.copy_(x)
+        yield wide, hkv, fa3_fp8.rotation(d, dtype, x.device)
+
+
+def assert_rotated_cast(got8, got_scale, want8, want_scale, x, hkv, turn):
+    """The kernels' rotated cast against the torch path's (see the module docstring)."""
+    torch.testing.assert_close(got_scale, want_scale, rtol=4e-7, atol=0)
+    assert got8.shape == x.shape and got8.is_contiguous()
+    got, want = got8.float(), want8.float()
+    differ = got != want
+    assert differ.sum() <= max(1, differ.numel() // 1000), differ.sum()
+    assert ((got - want).abs() <= want.abs() / 8 + 2.0 ** -9)[differ].all()
+    turned = (x.float() @ turn.float()).view(x.shape[0], hkv, -1)
+    back = (got.view(x.shape[0], hkv, -1) * got_scale[None, :, None])
+    step = turned.abs() / 16 + got_scale[None, :, None] * 2.0 ** -9     # half an e4m3 step, or a subnormal's
+    assert ((back - turned).abs() <= step * 1.001).all()
+
+
 def _triton_interpreted_checks():
     """Run in a TRITON_INTERPRET=1 process (see test_cast_kernels_interpreted)."""
     kern = fa3_fp8._build()
+    for x, hkv, turn in _rotated_cases():
+        got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv, turn)
+        want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv, turn)
+        assert_rotated_cast(got8, got_scale, want8, want_scale, x, hkv, turn)
     for x, hkv in _cases():
         if not x.isfinite().all():          # a NaN or inf reaches its group's scale and values, as in torch
             got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)

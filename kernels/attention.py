@@ -129,7 +129,7 @@ _GPU_BACKENDS = {"flash_attn_4": _flash_attn_4, "cudnn": _cudnn, "flash_attn": _
                  "flash": _flash_aten}
 FP8_NAME = "fa3_fp8"                     # --attention-backend fa3-fp8: opt-in only, never chosen by auto
 FP8_KERNEL = AttentionBackend(FP8_NAME, fa3_fp8_attention, fp8=True)
-FP8_MIN_PAIRS = 1 << 28                  # on CUDA fewer visible (query, key) pairs than this run the bf16 kernel
+FP8_MIN_PAIRS = 1 << 24                  # on CUDA fewer visible (query, key) pairs than this run the bf16 kernel
 
 
 def fp8_backend(fallback: AttentionBackend) -> AttentionBackend:

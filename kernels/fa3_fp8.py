@@ -215,7 +215,11 @@ def _build() -> dict:
             tl.store(out_ptr + r[:, None] * (heads * D) + head[:, None] * D + c[None, :], q8, mask=ok)
 
     _group_tile, _load_turn = triton.jit(group_tile), triton.jit(load_turn)
-    return {"amax": triton.jit(amax_kernel), "cast": triton.jit(cast_kernel)}
+    # the lengths not specialized: a prompt of a new length compiles nothing (the strides, which decide the loads'
+    # width, are the model's)
+    nospec = ["s", "blocks"]
+    return {"amax": triton.jit(amax_kernel, do_not_specialize=nospec),
+            "cast": triton.jit(cast_kernel, do_not_specialize=nospec)}
 
 
 _triton = LazyTriton(_build, "fa3-fp8 casts")

@@ -9,12 +9,11 @@ q [Sq, H, D], k and v [Sk, Hkv, D] (H % Hkv == 0); `causal` aligned to the end (
 
 The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop_fwd_sm90_tma_gmma_ws.hpp):
 - q and k first turned by one rotation R = diag(signs) H (H Sylvester's Hadamard matrix of order D, entries
-  +-1, exact in any dtype; R R^T = D I, so q R . k R = D q . k, the D folded into the softmax scale), in fp32
-  inside the casts below (the turned values never rounded to q's dtype nor written); where D is not a power of
-  two, not turned. A trained model's q . k is carried by a few channels;
-  under one scale a head their elements are rounded like any other (e4m3 keeps 3 bits), and that rounding
-  is the error. Turned, every channel of q R and k R carries a share of them, their errors independent,
-  and the dot product's error shrinks with the square root of D;
+  +-1, exact in any dtype; R R^T = D I, so q R . k R = D q . k, the D folded into the softmax scale), in q's
+  dtype, inside the casts below (the turned values never written); where D is not a power of two, not turned.
+  A trained model's q . k is carried by a few channels; under one scale a head their elements are rounded like
+  any other (e4m3 keeps 3 bits), and that rounding is the error. Turned, every channel of q R and k R carries
+  a share of them, their errors independent, and the dot product's error shrinks with the square root of D;
 - q, k and v each cast to e4m3 with one scale per KV head for the whole call, amax / 448 (q's over the query
   heads of the group: FA3's descales are [batch, KV heads] for all three);
 - S = q8 . k8 in fp32 times q's and k's descales and the softmax scale; P = exp(S - running row max) * 2^8
@@ -58,11 +57,11 @@ _e4m3 = None                 # the interpreter's e4m3 rounding (kernels.triton_s
 def to_e4m3(x: torch.Tensor, num_kv_heads: int, turn: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, Hx, D] (Hx a multiple of num_kv_heads; rows of any stride, each row's heads contiguous) -> (x8 [S,
-    Hx, D] e4m3, descale [Hkv] fp32): each head's row turned by `turn` [D, D] first when given (x @ turn in fp32,
-    never rounded to x's dtype: the rotation of the module docstring), then one scale per KV head (its group of
-    heads), amax / 448, each value divided by it (rounded to nearest), clamped to +-448,
-    rounded to nearest even. On CUDA two Triton kernels (the group maxima, then the cast: one read of x each, the turned values never
-    written); elsewhere, or after a kernel failed, torch, CAST_ROWS rows at a time."""
+    Hx, D] e4m3, descale [Hkv] fp32): each head's row turned by `turn` [D, D] first when given (x @ turn, summed
+    in fp32 and rounded to x's dtype, never written: the rotation of the module docstring), then one scale per
+    KV head (its group of heads), amax / 448, each value divided by it (rounded to nearest), clamped to +-448,
+    rounded to nearest even. On CUDA two Triton kernels (the group maxima, then the cast: one read of x each);
+    elsewhere, or after a kernel failed, torch, CAST_ROWS rows at a time."""
     kern = _triton.kernels(x.device)
     if kern is not None and x.shape[0] > 0 and _rows_ok(x) and _turn_ok(x, turn):
         try:
@@ -76,12 +75,9 @@ def _to_e4m3_torch(x: torch.Tensor, num_kv_heads: int, turn: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """to_e4m3 in torch ops, CAST_ROWS rows at a time (small fp32 temporaries)."""
     s, hx, d = x.shape
-    turn32 = None if turn is None else turn.float()
-
     def values(a: int) -> torch.Tensor:                                                # [c, Hkv, g * D] fp32
-        v = x[a:a + CAST_ROWS].float()
-        if turn32 is not None:
-            v = v @ turn32
+        v = x[a:a + CAST_ROWS]
+        v = (v @ turn).float() if turn is not None else v.float()                      # turned in x's dtype
         return v.reshape(v.shape[0], num_kv_heads, (hx // num_kv_heads) * d)
 
     amax = torch.zeros(num_kv_heads, dtype=torch.float32, device=x.device)
@@ -136,6 +132,7 @@ INTERPRETED_PROGRAMS = 2     # the same under the CPU interpreter: a program tak
 
 @functools.lru_cache(maxsize=None)
 def _programs(device: torch.device) -> int:
+    """The cast kernels' programs on this device, over all KV-head groups."""
     if device.type != "cuda":
         return INTERPRETED_PROGRAMS
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -151,8 +148,8 @@ def _build() -> dict:
     def group_tile(x_ptr, turn, block, s, row_stride, G: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
                    DPAD: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
         """Row block `block` of group program_id(1)'s values as fp32 [ROWS * GPAD, DPAD] (a head's row of D a line;
-        0 past the tensor, the group and D), turned (x @ turn, fp32 sums) under ROTATE -> (values, in range [..,
-        DPAD], the lines' rows [ROWS * GPAD], heads [ROWS * GPAD], columns [DPAD])."""
+        0 past the tensor, the group and D), turned (x @ turn, fp32 sums rounded to x's dtype) under ROTATE ->
+        (values, in range [.., DPAD], the lines' rows [ROWS * GPAD], heads [ROWS * GPAD], columns [DPAD])."""
         i = tl.arange(0, ROWS * GPAD)
         r = (block * ROWS + i // GPAD).to(tl.int64)                                  # (rows < 2^31)
         head = tl.program_id(1) * G + i % GPAD
@@ -164,6 +161,11 @@ def _build() -> dict:
                 y = tl.dot(x.to(tl.float32), turn.to(tl.float32), input_precision="ieee")
             else:
                 y = tl.dot(x, turn)
+            if INTERPRETED and x.dtype == tl.bfloat16:   # the interpreter's fp32 -> bf16 cast truncates: RN by bits
+                bits = y.to(tl.int32, bitcast=True)
+                y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            else:
+                y = y.to(x.dtype).to(tl.float32)         # rounded to x's dtype, as x @ turn (cuBLAS) rounds it
         else:
             y = x.to(tl.float32)
         return y, ok, r, head, c

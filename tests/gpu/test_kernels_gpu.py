@@ -570,9 +570,9 @@ def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
 @pytest.mark.parametrize("s,hx,hkv,strided", [(8192, 32, 8, False), (4099, 8, 8, True), (3, 32, 8, True)])
 def test_fa3_fp8_cast_kernels_turn_the_rows_as_the_torch_path(s, hx, hkv, strided):
     """kernels/fa3_fp8.py's Triton casts with the rotation (bf16 rows, each head's row times the [128, 128] signed
-    Hadamard matrix inside the kernels, fp32 sums) against its torch path (fp32 matmul, then the cast) on the same
-    GPU: scales within an fp32 rounding, bytes equal but for the rare sum that lands on an e4m3 tie (the sums'
-    order differs), and what the bytes dequantize to is x @ turn within e4m3's rounding."""
+    Hadamard matrix inside the kernels, fp32 sums rounded to bf16) against its torch path (x @ turn in bf16, then
+    the cast) on the same GPU: scales within a bf16 rounding, bytes equal but for the rare sum that lands on a tie
+    (the sums' order differs), and what the bytes dequantize to is x @ turn within e4m3's rounding."""
     from kernels import fa3_fp8
     from test_fa3_fp8_casts import assert_rotated_cast
     gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))

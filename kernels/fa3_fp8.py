@@ -37,7 +37,7 @@ import torch
 from kernels.arith import ceil_div, next_pow2
 from kernels.kv_quant import FP8, FP8_MAX
 from kernels.merge import merge_into
-from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
+from kernels.triton_setup import LazyTriton, bf16_by_bits, e4m3_by_arithmetic
 
 KEY_SEGMENT = 131072         # keys a kernel call at most; longer key ranges in segments merged by LSE
 SINK_KEYS = 0                # a call's first keys attended apart (0: not; the accuracy study's `sink`)
@@ -49,7 +49,7 @@ CAST_ROWS = 16384            # rows the torch path casts to e4m3 at a time
 FP8_ATTENTION_EXTRA = "fa3-fwd (pip install 'burstserve[fp8-attention]')"
 
 tl = None                    # triton.language, bound by _build (the kernels resolve it as a global)
-_e4m3 = None                 # the interpreter's e4m3 rounding (kernels.triton_setup), bound by _build
+_e4m3 = _bf16 = None         # the interpreter's e4m3 rounding (kernels.triton_setup), bound by _build
 
 
 # ---------------------------------------------------------------- operands
@@ -140,10 +140,10 @@ def _programs(device: torch.device) -> int:
 
 def _build() -> dict:
     """jit the two cast kernels. A fresh set each call: tests build interpreted ones (TRITON_INTERPRET=1)."""
-    global tl, _e4m3, _group_tile, _load_turn
+    global tl, _e4m3, _bf16, _group_tile, _load_turn
     import triton
     import triton.language as tl
-    _e4m3 = e4m3_by_arithmetic()
+    _e4m3, _bf16 = e4m3_by_arithmetic(), bf16_by_bits()
 
     def group_tile(x_ptr, turn, block, s, row_stride, G: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
                    DPAD: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -161,9 +161,8 @@ def _build() -> dict:
                 y = tl.dot(x.to(tl.float32), turn.to(tl.float32), input_precision="ieee")
             else:
                 y = tl.dot(x, turn)
-            if INTERPRETED and x.dtype == tl.bfloat16:   # the interpreter's fp32 -> bf16 cast truncates: RN by bits
-                bits = y.to(tl.int32, bitcast=True)
-                y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            if INTERPRETED and x.dtype == tl.bfloat16:   # the interpreter's fp32 -> bf16 cast: not nearest even
+                y = _bf16(y)
             else:
                 y = y.to(x.dtype).to(tl.float32)         # rounded to x's dtype, as x @ turn (cuBLAS) rounds it
         else:

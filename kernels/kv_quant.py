@@ -25,7 +25,7 @@ import torch
 
 from kernels.arith import ceil_div, next_pow2
 from kernels.device import below_fp8_capability
-from kernels.triton_setup import LazyTriton, e4m3_by_arithmetic
+from kernels.triton_setup import LazyTriton, bf16_by_bits, e4m3_by_arithmetic
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -35,7 +35,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")        # auto: the model's dtype; 
 SCALE_BYTES = 2                                      # a (token, head) row's bf16 scale
 
 tl = None      # triton.language, bound by _build (the kernel resolves it as a global)
-_e4m3 = None   # the interpreter's e4m3 rounding (triton_setup.e4m3_by_arithmetic), bound by _build
+_e4m3 = _bf16 = None   # the interpreter's e4m3 and bf16 roundings (kernels/triton_setup.py), bound by _build
 
 
 def is_fp8(kv_cache_dtype: str) -> bool:
@@ -184,10 +184,10 @@ def _quantize_triton(kernel, k, v, k_data, k_scale, v_data, v_scale, slots, writ
 
 def _build() -> dict:
     """jit the quantize kernel. A fresh one each call: tests build an interpreted one (TRITON_INTERPRET=1)."""
-    global tl, _e4m3
+    global tl, _e4m3, _bf16
     import triton
     import triton.language as tl
-    _e4m3 = e4m3_by_arithmetic()
+    _e4m3, _bf16 = e4m3_by_arithmetic(), bf16_by_bits()
 
     def quantize_kernel(k_ptr, v_ptr, k_row, v_row, kd_ptr, ks_ptr, vd_ptr, vs_ptr, slots_ptr,
                         HKV: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, WRITE_BACK: tl.constexpr,
@@ -207,9 +207,7 @@ def _build() -> dict:
         # divisions rounded to nearest, as torch's (Triton's `/` on fp32 may be off by an ulp)
         scale = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=1), 448.0), 1.1754943508222875e-38)   # MIN_SCALE
         if ARITH_CAST:      # the interpreter's fp32 -> bf16 cast does not round to nearest even: by bits
-            bits = scale.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            scale = bits.to(tl.float32, bitcast=True)
+            scale = _bf16(scale)
         else:
             scale = scale.to(tl.bfloat16).to(tl.float32)                              # [HPAD]
         y = tl.minimum(tl.maximum(tl.div_rn(xf, scale[:, None]), -448.0), 448.0)

@@ -77,3 +77,18 @@ def e4m3_by_arithmetic():
         return tl.where(x < 0, -r, r)
 
     return triton.jit(e4m3)
+
+
+def bf16_by_bits():
+    """A jitted function x (fp32) -> x rounded to bf16 (nearest even) as fp32, by its bits: what a kernel uses in
+    place of `.to(tl.bfloat16)` under the Triton interpreter, whose fp32 -> bf16 cast does not round to nearest
+    even (kernels/kv_quant.py, kernels/fa3_fp8.py)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    def bf16(x):
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+    return triton.jit(bf16)

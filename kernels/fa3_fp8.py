@@ -117,17 +117,19 @@ def _to_e4m3_triton(kern: dict, x: torch.Tensor, num_kv_heads: int, turn: torch.
                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
     amax_bits = torch.zeros(num_kv_heads, dtype=torch.int32, device=x.device)          # fp32 >= 0 as int32 bits
     turn_arg = turn if rotate else x                                                    # (unread without ROTATE)
-    kern["amax"][grid](x, turn_arg, amax_bits, s, x.stride(0), blocks, **launch)
+    kern["amax"][grid](x, turn_arg, amax_bits, s, x.stride(0), blocks, num_stages=CAST_STAGES, **launch)
     descale = torch.empty(num_kv_heads, dtype=torch.float32, device=x.device)
     x8 = torch.empty(s, hx, d, dtype=FP8, device=x.device)
     kern["cast"][grid](x, turn_arg, amax_bits, descale, x8.view(torch.uint8), s, x.stride(0), blocks, MIN_SCALE,
-                       **launch)
+                       num_stages=CAST_STAGES, **launch)
     return x8, descale
 
 
 CAST_TILE = 8192             # values a loop step of the cast kernels takes (rows of one group's heads)
 PROGRAMS_PER_SM = 4          # the cast kernels' programs (all groups), each looping over row blocks
 INTERPRETED_PROGRAMS = 2     # the same under the CPU interpreter: a program takes several blocks
+CAST_STAGES = 1              # no software pipeline: each program's loads go straight to registers (3 stages, Triton's
+                             # default on Hopper, took 17% longer at 8K: docs/results/log.md, "One division less")
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +142,7 @@ def _programs(device: torch.device) -> int:
 
 def _build() -> dict:
     """jit the two cast kernels. A fresh set each call: tests build interpreted ones (TRITON_INTERPRET=1)."""
-    global tl, _e4m3, _bf16, _group_tile, _load_turn
+    global tl, _e4m3, _bf16, _group_tile, _load_turn, _divisor_parts, _divide
     import triton
     import triton.language as tl
     _e4m3, _bf16 = e4m3_by_arithmetic(), bf16_by_bits()
@@ -177,6 +179,28 @@ def _build() -> dict:
         else:
             return 0.0
 
+    def divisor_parts(d):
+        """A divisor d (fp32 scalar) -> (1 / d, its power of two s with d s in [1, 2), -d s, 1 / (d s)), each rounded
+        to nearest: what divide needs for x / d exactly rounded. The GPU's division (div.rn) takes a reciprocal,
+        FMAs and a check for the cases they miss, each value: here the reciprocal is taken once, and two FMAs a
+        value correct x (1 / d) to the nearest quotient (Markstein's correction; x and d shifted by s, so that
+        the remainder stays out of the subnormals for every quotient e4m3 does not round to 0). A d that is not
+        finite -> (1 / d, 1, 0, 0): divide then gives x (1 / d), which is x / d there (0, or NaN)."""
+        bits = d.to(tl.int32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        # 2^(127 - e) for d's exponent field e (d >= 2^-126 and d <= fp32's largest / 448: in range)
+        shift = tl.where(finite, ((254 - ((bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True), 1.0)
+        shifted = tl.where(finite, d * shift, 1.0)                                     # exact: in [1, 2)
+        return tl.div_rn(1.0, d), shift, tl.where(finite, -shifted, 0.0), tl.where(finite, tl.div_rn(1.0, shifted), 0.0)
+
+    def divide(x, inv, shift, neg_shifted, shifted_inv):
+        """x / d rounded to nearest from divisor_parts(d): q = x (1 / d) is within an ulp or so; the remainder
+        x s - q (d s) is exact by one FMA; q + remainder / (d s) by another. A zero q (x = +-0, or a quotient far
+        below e4m3's subnormals) is kept as it is: it has x's sign, which the sums would not keep for -0."""
+        q = x * inv
+        rem = tl.fma(q, neg_shifted, x * shift)
+        return tl.where(q == 0, q, tl.fma(rem, shifted_inv, q))
+
     def amax_kernel(x_ptr, turn_ptr, amax_ptr, s, row_stride, blocks, G: tl.constexpr, GPAD: tl.constexpr,
                     D: tl.constexpr, DPAD: tl.constexpr, ROWS: tl.constexpr, ROTATE: tl.constexpr,
                     INTERPRETED: tl.constexpr):
@@ -196,7 +220,8 @@ def _build() -> dict:
                     G: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, DPAD: tl.constexpr, ROWS: tl.constexpr,
                     ROTATE: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (p, group g), over row blocks p, p + P, ..: descale = max(amax[g] / 448, min_scale) (NaN
-        kept; program 0 stores it), value / descale (rounded to nearest, as torch's division), clamped to +-448,
+        kept; program 0 stores it), value / descale (rounded to nearest, as torch's division; by two FMAs, see
+        divisor_parts), clamped to +-448,
         to e4m3 (nearest even), stored as bytes into the contiguous out [S, Hx, D]."""
         g = tl.program_id(1)
         raw = tl.div_rn(tl.load(amax_ptr + g).to(tl.float32, bitcast=True), 448.0)
@@ -204,11 +229,15 @@ def _build() -> dict:
         if tl.program_id(0) == 0:
             tl.store(descale_ptr + g, descale)
         turn = _load_turn(turn_ptr, D, DPAD, ROTATE)
+        inv, shift, neg_shifted, shifted_inv = _divisor_parts(descale)
         heads = tl.num_programs(1) * G
         for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
             y, ok, r, head, c = _group_tile(x_ptr, turn, block, s, row_stride, G, GPAD, D, DPAD, ROWS, ROTATE,
                                             INTERPRETED)
-            y = tl.div_rn(y, descale)
+            if INTERPRETED:     # (the interpreter's fma may round twice: its division is numpy's, exact)
+                y = tl.div_rn(y, descale)
+            else:
+                y = _divide(y, inv, shift, neg_shifted, shifted_inv)
             y8 = tl.minimum(tl.maximum(y, -448.0), 448.0)    # min / max drop a NaN: it is stored apart
             if INTERPRETED:     # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
                 y8 = _e4m3(y8)
@@ -216,6 +245,7 @@ def _build() -> dict:
             tl.store(out_ptr + r[:, None] * (heads * D) + head[:, None] * D + c[None, :], q8, mask=ok)
 
     _group_tile, _load_turn = triton.jit(group_tile), triton.jit(load_turn)
+    _divisor_parts, _divide = triton.jit(divisor_parts), triton.jit(divide)
     # the lengths not specialized: a prompt of a new length compiles nothing (the strides, which decide the loads'
     # width, are the model's)
     nospec = ["s", "blocks"]
@@ -224,7 +254,7 @@ def _build() -> dict:
 
 
 _triton = LazyTriton(_build, "fa3-fp8 casts")
-_group_tile = _load_turn = None   # the kernels' helpers, jitted by _build (globals they resolve)
+_group_tile = _load_turn = _divisor_parts = _divide = None   # the kernels' helpers, jitted by _build (globals)
 
 
 # ---------------------------------------------------------------- one call on e4m3 operands

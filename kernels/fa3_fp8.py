@@ -234,10 +234,7 @@ def _build() -> dict:
         for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
             y, ok, r, head, c = _group_tile(x_ptr, turn, block, s, row_stride, G, GPAD, D, DPAD, ROWS, ROTATE,
                                             INTERPRETED)
-            if INTERPRETED:     # (the interpreter's fma may round twice: its division is numpy's, exact)
-                y = tl.div_rn(y, descale)
-            else:
-                y = _divide(y, inv, shift, neg_shifted, shifted_inv)
+            y = _divide(y, inv, shift, neg_shifted, shifted_inv)
             y8 = tl.minimum(tl.maximum(y, -448.0), 448.0)    # min / max drop a NaN: it is stored apart
             if INTERPRETED:     # the interpreter's fp32 -> e4m3 cast drops the carry into the exponent
                 y8 = _e4m3(y8)

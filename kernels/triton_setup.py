@@ -61,8 +61,8 @@ tl = None   # triton.language, bound by e4m3_by_arithmetic (its jitted function 
 
 
 def e4m3_by_arithmetic():
-    """A jitted function x (fp32) -> the nearest e4m3 value (ties to even, saturating at 448) as fp32,
-    computed with fp32 arithmetic: what a kernel uses in place of `.to(tl.float8e4nv)` under the Triton
+    """A jitted function x (fp32) -> the nearest e4m3 value (ties to even, saturating at 448, x's sign kept, -0's
+    too) as fp32, computed with fp32 arithmetic: what a kernel uses in place of `.to(tl.float8e4nv)` under the Triton
     interpreter, whose fp32 -> e4m3 cast drops the carry into the exponent (31.9 -> 16). For kernels'
     build functions (kernels/kv_quant.py, kernels/fp8_attention.py); Triton imported here, on first use."""
     global tl
@@ -74,7 +74,7 @@ def e4m3_by_arithmetic():
         step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)     # 3 mantissa bits; 2^-6: subnormals
         big = step * 12582912.0                                               # 1.5 * 2^23 steps: fp32 rounds
         r = (a + big) - big
-        return tl.where(x < 0, -r, r)
+        return tl.where(x.to(tl.int32, bitcast=True) < 0, r * -1.0, r)      # x's sign bit: -0 stays -0
 
     return triton.jit(e4m3)
 

@@ -569,8 +569,8 @@ def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
 
 def test_fa3_fp8_cast_kernels_divide_exactly_on_ties_and_signed_zeros():
     """The cast kernel's division (a reciprocal a program, two FMAs a value) against the torch path's true
-    division, where a multiply by the reciprocal goes wrong: values on e4m3's grid and half-way between its
-    neighbours, times a scale that is not a power of two (the quotients land exactly on e4m3 values and ties),
+    division, where a multiply by the reciprocal goes wrong: values on e4m3's grid and half-way between pairs of
+    them, times a scale that is not a power of two (many quotients land exactly on e4m3 values and ties),
     with -0, +0, values e4m3 takes to its subnormals or to 0, and one group whose scale is inf (a value inf)."""
     from kernels import fa3_fp8
     gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
@@ -578,7 +578,7 @@ def test_fa3_fp8_cast_kernels_divide_exactly_on_ties_and_signed_zeros():
     e4m3 = torch.float8_e4m3fn
     grid = torch.arange(256, device=DEV, dtype=torch.uint8).view(e4m3).float()
     grid = grid[grid.isfinite() & (grid.abs() <= 448)]
-    mids = (grid[None] + grid[:, None]).flatten() / 2                               # every value and midpoint
+    mids = (grid[None] + grid[:, None]).flatten() / 2                               # values, midpoints
     t = mids[torch.randint(0, mids.numel(), (s, hx, 128), device=DEV, generator=gen)]
     t = t * 2.0 ** torch.randint(-12, 1, (s, hx, 1), device=DEV, generator=gen).float()   # rows far down too
     # [Hkv]: not powers of two, of 8 significant bits (448 s and t s exact in fp32)

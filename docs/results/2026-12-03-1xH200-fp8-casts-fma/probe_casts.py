@@ -1,10 +1,10 @@
 """Session probe (issue 53): FP8 attention's casts (kernels/fa3_fp8.py, q and k turned, v not) at llama3-8b's
 shapes, q/k/v views of one fused qkv row as in the engine; us for the three casts, CUDA graph of 10 rounds.
 Variants are source patches of kernels/fa3_fp8.py written to a temp module: head; `noround` (the turn not rounded
-to bf16); `div_rn` (the division as
-div.rn, before; with 3 stages: the tree before); `mul` (y * (1/descale): speed only); `onedot` (the amax pass stores the turned bf16
-values, the cast pass reads them unturned); and launch settings (values a step, programs an SM, warps, stages).
-    python scripts/probe_casts.py [tokens ...]        (default 8192 131072)
+to bf16); `div_rn` (the division as div.rn, before; with 3 stages: the tree before); `mul` (y * (1/descale): speed
+only); `onedot` (the amax pass stores the turned bf16 values, the cast pass reads them unturned); and launch settings
+(values a step, programs an SM, warps, stages).
+    python scripts/probe_casts.py [tokens ...]        (default 8192 131072; it ran from scripts/, copy it back there)
 """
 import importlib.util
 import os

@@ -41,7 +41,8 @@ def _placed_run(rank: int, world_size: int, strategy: str, seed: int) -> tuple[l
         kv.call(Prefill(s, ids(length[s])))
         check(f"prefill {s}")
     for i in range(rng.randrange(6, 10)):
-        s, n = rng.choice((0, 1)), rng.choice((rng.randrange(1, 24), rng.randrange(24, 70)))
+        small, large = rng.randrange(1, 24), rng.randrange(24, 70)       # "whole" below 24 new tokens, else "ring"
+        s, n = rng.choice((0, 1)), (small, large)[i] if i < 2 else rng.choice((small, large))   # both ways, always
         if rng.random() < 0.5:
             result = kv.call(Extend(s, ids(n), length[s]))
         else:

@@ -573,27 +573,19 @@ def test_fa3_fp8_cast_kernels_divide_exactly_on_ties_and_signed_zeros():
     them, times a scale that is not a power of two (many quotients land exactly on e4m3 values and ties),
     with -0, +0, values e4m3 takes to its subnormals or to 0, and one group whose scale is inf (a value inf)."""
     from kernels import fa3_fp8
-    gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
+    from test_fa3_fp8_casts import TIE_SCALES, _ties
     s, hx, hkv = 4096, 8, 4
-    e4m3 = torch.float8_e4m3fn
-    grid = torch.arange(256, device=DEV, dtype=torch.uint8).view(e4m3).float()
-    grid = grid[grid.isfinite() & (grid.abs() <= 448)]
-    mids = (grid[None] + grid[:, None]).flatten() / 2                               # values, midpoints
-    t = mids[torch.randint(0, mids.numel(), (s, hx, 128), device=DEV, generator=gen)]
-    t = t * 2.0 ** torch.randint(-12, 1, (s, hx, 1), device=DEV, generator=gen).float()   # rows far down too
-    # [Hkv]: not powers of two, of 8 significant bits (448 s and t s exact in fp32)
-    scale = torch.tensor([1.3, 0.7, 3.1e-20, 5.0e18], device=DEV).to(torch.bfloat16).float()
-    x = (t.view(s, hkv, -1) * scale[None, :, None]).view(s, hx, 128)
-    x[0, :, 0] = 448.0 * scale.repeat_interleave(hx // hkv)                        # amax 448 s: descale s exactly
-    x[1, :, :8], x[2, :, :8] = -0.0, 0.0
+    x = _ties(torch.Generator().manual_seed(random.randrange(1 << 30)), s, 128).to(DEV)   # rows 1, 2: -0, +0
+    scale = TIE_SCALES.to(DEV)
     kern = fa3_fp8._triton.kernels(DEV)
     assert kern is not None, "the cast kernels did not build"
     got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)
     want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv)
     assert torch.equal(got_scale, want_scale) and torch.equal(got_scale, scale)
     assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
-    assert (got8.view(torch.uint8)[1, :, :8] == 0x80).all() and (got8.view(torch.uint8)[2, :, :8] == 0).all()
-    by_reciprocal = (x.view(s, hkv, -1) * (1.0 / scale)[None, :, None]).clamp(-448, 448).to(e4m3).view(s, hx, 128)
+    assert (got8.view(torch.uint8)[1, :, :4] == 0x80).all() and (got8.view(torch.uint8)[2, :, :4] == 0).all()
+    by_reciprocal = (x.view(s, hkv, -1) * (1.0 / scale)[None, :, None]).clamp(-448, 448)
+    by_reciprocal = by_reciprocal.to(torch.float8_e4m3fn).view(s, hx, 128)
     assert not torch.equal(by_reciprocal.view(torch.uint8), want8.view(torch.uint8))   # the case has ties to miss
     x[5, -1, 3] = float("inf")                                                     # the last group's scale inf
     got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv)

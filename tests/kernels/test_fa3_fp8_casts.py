@@ -32,19 +32,21 @@ def _cases():
     yield bad, 2
 
 
-def _ties(g: torch.Generator) -> torch.Tensor:
-    """[64, 8, 32] fp32 in 4 groups: e4m3 values and the midpoints of pairs of them (a neighbours' midpoint is a
+def _ties(g: torch.Generator, s: int = 64, d: int = 32) -> torch.Tensor:
+    """[s, 8, d] fp32 in 4 groups (tests/gpu's casts take it too): e4m3 values and the midpoints of pairs of them (a neighbours' midpoint is a
     tie; down to the subnormals and below), -0 and +0, times a scale a group that is not a power of two, its largest
     448 s: many quotients land exactly on an e4m3 value or a tie, where a multiply by the reciprocal rounds the wrong
     way (some 50-70 bytes of these)."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[grid.isfinite() & (grid.abs() <= 448)]
     mids = (grid[None] + grid[:, None]).flatten() / 2
-    t = mids[torch.randint(0, mids.numel(), (64, 8, 32), generator=g)]
-    t = t * 2.0 ** torch.randint(-12, 1, (64, 8, 1), generator=g).float()
+    t = mids[torch.randint(0, mids.numel(), (s, 8, d), generator=g)]
+    t = t * 2.0 ** torch.randint(-12, 1, (s, 8, 1), generator=g).float()
     t[0, :, 0], t[1, :, :4], t[2, :, :4] = 448.0, -0.0, 0.0
-    scale = torch.tensor([1.3, 0.7, 3.1e-20, 5.0e18]).to(torch.bfloat16).float()   # 448 s, t s exact in fp32
-    return (t.view(64, 4, -1) * scale[None, :, None]).view(64, 8, 32)
+    return (t.view(s, 4, -1) * TIE_SCALES[None, :, None]).view(s, 8, d)
+
+
+TIE_SCALES = torch.tensor([1.3, 0.7, 3.1e-20, 5.0e18]).to(torch.bfloat16).float()   # not powers of two; 448 s, t s exact
 
 
 def _rotated_cases():

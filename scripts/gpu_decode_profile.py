@@ -20,11 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 from profile_table import kernel_table
 from gpu_prefill_profile import kind_of
 
-from engine import model_runner
-from engine.config import EngineConfig, ModelConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.calls import Decode, Extend, Prefill
-from engine.worker import host_threads, runner_alone
+from burstserve.engine import model_runner
+from burstserve.engine.config import EngineConfig, ModelConfig, resolve_model
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.calls import Decode, Extend, Prefill
+from burstserve.engine.worker import host_threads, runner_alone
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 CHUNK = int(os.environ.get("CHUNK", "0"))       # > 0: prefill in chunks of CHUNK (the pool sized for them): 512K fits

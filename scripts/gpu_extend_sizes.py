@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.worker import runner_alone
-from engine.calls import Extend, Prefill, Truncate
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.worker import runner_alone
+from burstserve.engine.calls import Extend, Prefill, Truncate
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 122880
 chunk = 8192

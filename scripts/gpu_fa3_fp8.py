@@ -26,8 +26,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.attention import fa4_forward  # noqa: E402
-from kernels.fa3_fp8 import _fa3_module, _to_e4m3_torch, fa3_fp8_attention, rotation, to_e4m3  # noqa: E402
+from burstserve.kernels.attention import fa4_forward  # noqa: E402
+from burstserve.kernels.fa3_fp8 import _fa3_module, _to_e4m3_torch, fa3_fp8_attention, rotation, to_e4m3  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_gemm_shapes import timed  # noqa: E402  (CUDA events, median after warm-ups: seconds)

@@ -13,8 +13,8 @@ import time
 import torch
 from flash_attn.cute.interface import _flash_attn_fwd
 
-from kernels.attention import _flash_attn_4
-from kernels.paged_attention import _fa4_call, guarded_table
+from burstserve.kernels.attention import _flash_attn_4
+from burstserve.kernels.paged_attention import _fa4_call, guarded_table
 
 dev = torch.device("cuda:0")
 h, hkv, d, bs, n, cached = 32, 8, 128, 128, 256, 2048

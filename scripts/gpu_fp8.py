@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from engine.config import preset_config
-from engine.model import LlamaModel, hf_weight_shapes
-from engine.weights import random_weights
-from kernels.attention import select_backend
+from burstserve.engine.config import preset_config
+from burstserve.engine.model import LlamaModel, hf_weight_shapes
+from burstserve.engine.weights import random_weights
+from burstserve.kernels.attention import select_backend
 
 
 def forward_logits(model, ids, attend, rows: int) -> torch.Tensor:

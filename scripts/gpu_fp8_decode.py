@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from kernels import fp8_paged_attention as fpa
-from kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
-from kernels.kv_quant import SCALE_BYTES, Fp8Pages, dequantize_kv, quantize_kv
-from kernels.paged_attention import guarded_table, paged_attention
+from burstserve.kernels import fp8_paged_attention as fpa
+from burstserve.kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
+from burstserve.kernels.kv_quant import SCALE_BYTES, Fp8Pages, dequantize_kv, quantize_kv
+from burstserve.kernels.paged_attention import guarded_table, paged_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernel_timing import graph_us  # noqa: E402

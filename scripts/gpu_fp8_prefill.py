@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from kernels import fp8_attention as fa
-from kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
-from kernels.paged_attention import guarded_table, paged_attention
+from burstserve.kernels import fp8_attention as fa
+from burstserve.kernels.kv_quant import Fp8Pages, dequantize_kv, quantize_kv
+from burstserve.kernels.paged_attention import guarded_table, paged_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_gemm_shapes import timed  # noqa: E402

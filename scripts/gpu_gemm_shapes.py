@@ -39,7 +39,7 @@ def timed(fn, iters: int = 20, warmup: int = 5) -> float:
 
 def fp8_accumulation(rows: list[int], dev: torch.device) -> None:
     """--fp8: see the module docstring."""
-    from kernels.fp8 import quantize_rows, quantize_weight
+    from burstserve.kernels.fp8 import quantize_rows, quantize_weight
     print("| M | linear | fp32 sums us | TFLOP/s | error | fast sums us | TFLOP/s | error | fast / fp32 time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m in rows:

@@ -36,8 +36,8 @@ def _median_seconds(fn) -> float:
 
 def copy_table(tokens_list: list[int]) -> list[dict]:
     """Store and load GB/s of an entry of each size, pages in one run and scattered, bf16 and FP8 pages."""
-    from engine.cache.host_pool import HostPool
-    from engine.cache.page_pool import PagePool
+    from burstserve.engine.cache.host_pool import HostPool
+    from burstserve.engine.cache.page_pool import PagePool
     rows = []
     for kv in ("auto", "fp8"):
         pages = max(tokens_list) // 128
@@ -86,7 +86,7 @@ def copy_table(tokens_list: list[int]) -> list[dict]:
 def streams_run(args) -> dict:
     """The decode gaps of --streams streams while questions restore documents from the host tier."""
     import random
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     rng = random.Random(0)
     llm = LLM("llama3-8b", devices="cuda", kv_cache_dtype=args.kv_cache_dtype, kv_offload_gb=args.kv_offload_gb,
               kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.doc_len + 4096, mixed_batch=args.mixed_batch)
@@ -153,7 +153,7 @@ def streams_run(args) -> dict:
 
 
 def _ms(gaps: list[float]) -> dict:
-    from clients.stats import percentile
+    from burstserve.clients.stats import percentile
     s = sorted(g * 1e3 for g in gaps)
     if not s:
         return {"count": 0}

@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-import kernels.paged_attention as pa
-from kernels import merge
-from kernels.attention import AttentionBackend, _GPU_BACKENDS
-from kernels.paged_attention import choose_num_chunks, paged_attention
+import burstserve.kernels.paged_attention as pa
+from burstserve.kernels import merge
+from burstserve.kernels.attention import AttentionBackend, _GPU_BACKENDS
+from burstserve.kernels.paged_attention import choose_num_chunks, paged_attention
 
 dev, bf = torch.device("cuda:0"), torch.bfloat16
 H, HKV, D, PAGE = 32, 8, 128, 128            # llama3-8b shapes

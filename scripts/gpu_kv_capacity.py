@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from engine import LLM
+from burstserve.engine import LLM
 
 
 def main(argv):

@@ -8,10 +8,10 @@ import time
 import torch
 from profile_table import kernel_table
 
-from engine.calls import Decode, Extend, ExtendAndDecode, Prefill
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.worker import runner_alone
+from burstserve.engine.calls import Decode, Extend, ExtendAndDecode, Prefill
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.worker import runner_alone
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 114688
 dev = torch.device("cuda:0")

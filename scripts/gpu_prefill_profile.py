@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.config import EngineConfig, resolve_model
-from engine.model_runner import ModelRunner
-from engine.calls import Prefill
-from engine.worker import host_threads, runner_alone
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.calls import Prefill
+from burstserve.engine.worker import host_threads, runner_alone
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]
 WORLD = int(os.environ.get("CP", "1"))

@@ -22,7 +22,7 @@ SCENES = ("decode", "interference")
 def run_scene(scene: str, long_len: int) -> str:
     path = tempfile.mktemp(suffix=f"-{scene}.prof")
     os.environ["BURSTSERVE_PROFILE_SCHEDULER"] = path
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     chunked = scene == "interference"
     llm = LLM(os.environ.get("MODEL", "llama3-8b"), devices=os.environ.get("DEVICES", "cuda"), max_num_seqs=16,
               max_model_len=long_len + 4096,

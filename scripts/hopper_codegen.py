@@ -27,11 +27,11 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import fa3_fp8
-from kernels import fp8_attention as fa
-from kernels import fp8_paged_attention as fpa
-from kernels import fp8_small_gemm as sg
-from kernels import fused
+from burstserve.kernels import fa3_fp8
+from burstserve.kernels import fp8_attention as fa
+from burstserve.kernels import fp8_paged_attention as fpa
+from burstserve.kernels import fp8_small_gemm as sg
+from burstserve.kernels import fused
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)

@@ -13,14 +13,14 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, resolve_model
-from engine.dispatch import Dispatch
-from engine.messages import AddRequest, StopScheduler, Tokens
-from engine.model_runner import ModelRunner
-from engine.outputs import Request
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.worker import run_call
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.dispatch import Dispatch
+from burstserve.engine.messages import AddRequest, StopScheduler, Tokens
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.outputs import Request
+from burstserve.engine.sampling import SamplingParams
+from burstserve.engine.scheduler import Scheduler
+from burstserve.engine.worker import run_call
 
 STEPS = 200
 

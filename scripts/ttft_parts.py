@@ -14,7 +14,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from server.timeline import PARTS_PATTERN  # noqa: E402
+from burstserve.server.timeline import PARTS_PATTERN  # noqa: E402
 
 PROMPT = re.compile(r"(\d+) prompt tokens, ")
 PARTS = ["ttft", "read", "checks", "engine", "queued", "prefill", "back"]

@@ -3,7 +3,7 @@ import contextlib
 
 import torch
 
-from kernels import fa3_fp8
+from burstserve.kernels import fa3_fp8
 
 TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, initializer_range=0.08, max_position_embeddings=4096)

@@ -7,14 +7,14 @@ import time
 
 import torch
 
-from engine.calls import Shutdown
-from engine.config import EngineConfig, resolve_model
-from engine.dispatch import Dispatch
-from engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
-from engine.model_runner import ModelRunner
-from engine.outputs import Request
-from engine.scheduler import Scheduler
-from engine.worker import run_call
+from burstserve.engine.calls import Shutdown
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.dispatch import Dispatch
+from burstserve.engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.outputs import Request
+from burstserve.engine.scheduler import Scheduler
+from burstserve.engine.worker import run_call
 
 
 def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None, sent: list | None = None):

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from clients.server_process import ROOT, RemoteServer
-from clients.shared import SOURCES, source
+from burstserve.clients.server_process import RemoteServer
+from paths import ROOT
+from burstserve.clients.shared import SOURCES, source
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -21,7 +22,7 @@ VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens
 
 def bench(*args) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "bench", *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -136,7 +137,7 @@ def test_merge_keeps_only_the_asked_lengths(tmp_path):
 
 def test_failed_and_unfinished_cells():
     from types import SimpleNamespace
-    from clients import report
+    from burstserve.clients import report
     oom = {"label": "x", "prompt_tokens": 8, "error": "EngineDeadError: worker 1 failed: OutOfMemoryError: CUDA "
                                                        "out of memory. Tried to allocate 128.00 GiB"}
     assert report.failure(oom) == "OOM"
@@ -152,7 +153,7 @@ def test_failed_and_unfinished_cells():
 def test_a_failed_length_says_why_under_the_table_and_in_the_plots_legend(tmp_path):
     """A failed cell reads OOM or error; the reason (the error's first line) is written under the table, and
     the plot's legend names the lengths it has no point for."""
-    from clients import report
+    from burstserve.clients import report
     ok = {"label": "x", "prompt_tokens": 8, "mean_ttft_ms": 100.0, "std_ttft_ms": 0.0, "error": None}
     refused = {"label": "x", "prompt_tokens": 16, "mean_ttft_ms": 0.0, "std_ttft_ms": 0.0,
                "error": "InvalidRequestError: 16 tokens is more than max_model_len 12\nTraceback ..."}
@@ -195,7 +196,7 @@ def check_decode_rows(rows, output_len, batch, repeats):
 
 
 def test_batch_throughput_counts_only_tokens_after_the_last_first_token():
-    from clients.stats import RequestTiming, batch_throughput
+    from burstserve.clients.stats import RequestTiming, batch_throughput
     early = RequestTiming(sent=0.0, token_times=[1.0, 2.0, 3.0, 4.0])     # decodes while `late` prefills
     late = RequestTiming(sent=0.5, token_times=[3.0, 5.0, 6.0, 7.0])
     assert early.ttft == 1.0 and late.ttft == 2.5
@@ -209,7 +210,7 @@ def test_batch_throughput_counts_only_tokens_after_the_last_first_token():
 
 def test_output_len_flag_and_its_old_name():
     import argparse
-    from clients.bench import add_parser
+    from burstserve.clients.bench import add_parser
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     sweep = lambda *a: parser.parse_args(["bench", "sweep", *a])   # noqa: E731
@@ -255,7 +256,7 @@ def test_offline_sweep_decodes_a_batch_and_old_results_still_merge(tmp_path):
 
 def test_decode_table_keeps_failed_rows_and_skips_ttft_only_results():
     from types import SimpleNamespace
-    from clients import report
+    from burstserve.clients import report
     assert report.decode_table([{"label": "old", "prompt_tokens": 8, "error": None, "mean_ttft_ms": 1.0}]) == ""
     pending = report.unfinished_row(SimpleNamespace(label="x", sp_strategy="burst", output_len=8, batch=16), 8192,
                                     None)
@@ -404,7 +405,7 @@ def test_shared_many_documents_over_http_counts_host_hits(tmp_path):
 def test_shared_over_http_warns_without_a_prefix_cache(tmp_path):
     """A server run with --no-enable-prefix-caching: every warm request reports 0 cached tokens, loudly."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "shared", "--serve",
+    proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "bench", "shared", "--serve",
                            "--model tiny --devices cpu --no-enable-prefix-caching", "--doc-len", "48", "--question-len", "4", "--repeats", "1",
                            "--warmup", "0", "--turns", "2", "--output-len", "3", "--output-dir", str(tmp_path / "no")],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
@@ -417,7 +418,7 @@ def test_shared_over_http_warns_without_a_prefix_cache(tmp_path):
 
 def test_shared_flags():
     import argparse
-    from clients.bench import add_parser
+    from burstserve.clients.bench import add_parser
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     shared = lambda *a: parser.parse_args(["bench", "shared", *a])   # noqa: E731
@@ -438,7 +439,7 @@ def test_quantization_refused_before_any_file_where_it_cannot_run(tmp_path):
     for extra, words in ((["--devices", "cpu"], "needs CUDA GPUs with FP8 tensor cores"),
                          (["--sp-strategy", "transformers"], "--quantization is the engine's")):
         out = tmp_path / extra[-1]
-        proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "sweep", "--offline", "--quantization", "fp8",
+        proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "bench", "sweep", "--offline", "--quantization", "fp8",
                                "--lengths", "16", "--output-dir", str(out), *extra], capture_output=True, text=True,
                               cwd=ROOT, env=env, timeout=300)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
@@ -454,7 +455,7 @@ def test_torch_cp_peer_refused_where_it_cannot_run(tmp_path):
                          (["--output-len", "8"], "has no decode"),
                          (["--quantization", "fp8"], "--quantization is the engine's")):
         out = tmp_path / extra[-1]
-        proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", "sweep", "--offline", "--sp-strategy",
+        proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "bench", "sweep", "--offline", "--sp-strategy",
                                "torch-cp", "--lengths", "16", "--output-dir", str(out), *extra], capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=300)
         assert proc.returncode == 2 and words in proc.stderr, (extra, proc.stderr[-2000:])
@@ -465,7 +466,7 @@ def test_transformers_that_cannot_hold_the_model_is_oom_at_every_length(monkeypa
     """A model whose weights alone exceed the device (the 70B preset on one GPU): every length's row is
     an OOM, as the tables show it, not a crash of the sweep."""
     import torch
-    from clients import hf_baseline, report
+    from burstserve.clients import hf_baseline, report
 
     def no_room(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
@@ -485,8 +486,8 @@ def test_torch_cp_peer_leaves_attention_to_is_causal_on_a_head_tail_shard():
     transformers reads the jump as packed sequences and hands SDPA a mask, which context_parallel cannot
     shard (the peer's 8K row failed so on 2 x H200); with clients.torch_cp.causal_inputs every layer gets
     no mask (SDPA's is_causal), and the shard's head rows are the whole prompt's first quarter."""
-    from clients.hf_baseline import build_model
-    from clients.torch_cp import causal_inputs
+    from burstserve.clients.hf_baseline import build_model
+    from burstserve.clients.torch_cp import causal_inputs
     torch.manual_seed(random.randrange(1 << 30))
     lm = build_model("tiny", torch.float32, torch.device("cpu"))
     n = 4 * random.randrange(4, 16)
@@ -514,10 +515,10 @@ def test_torch_cp_peer_leaves_attention_to_is_causal_on_a_head_tail_shard():
 def test_a_url_where_no_server_answers_is_one_line(tmp_path, mode):
     """`bench MODE --url` with nothing listening there: exit 2, one line naming the URL and what to do (not a
     transport traceback), no results written."""
-    from clients.server_process import free_port
+    from burstserve.clients.server_process import free_port
     url = f"http://127.0.0.1:{free_port()}"
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "bench", mode, "--url", url, "--output-dir", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "bench", mode, "--url", url, "--output-dir", str(out)],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

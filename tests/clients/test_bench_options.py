@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from clients.bench import BASELINES, OFFLINE_OPTIONS, _device_args
-from clients.server_process import ROOT
-from clients.sweep import offline_llm_args
-from engine.options import BY_NAME, OPTIONS, check_options
-from server.cli import build_parser
+from burstserve.clients.bench import BASELINES, OFFLINE_OPTIONS, _device_args
+from paths import ROOT
+from burstserve.clients.sweep import offline_llm_args
+from burstserve.engine.options import BY_NAME, OPTIONS, check_options
+from burstserve.server.cli import build_parser
 
 # the flags the bench took before its engine options came from the table: each still there, as that option
 OLD_FLAGS = {"--attention-backend": "attention_backend", "--sp-strategy": "sp_strategy", "--dtype": "dtype",
@@ -124,7 +124,7 @@ GPU_SH_RUNS = [
 
 
 def _gpu_sh_bench_lines(tmp_path) -> list[list[str]]:
-    """Every `python3 -m clients.bench ...` command line of GPU_SH_RUNS, as `bench` and its argv after clients.bench."""
+    """Every `python3 -m burstserve.clients.bench ...` command line of GPU_SH_RUNS, as `bench` and its argv after clients.bench."""
     lines = []
     for part, knobs in GPU_SH_RUNS:
         env = dict(os.environ, DRY="4", OUT=str(tmp_path / "gpu-sh"), KIND="cuda", **knobs)
@@ -133,7 +133,7 @@ def _gpu_sh_bench_lines(tmp_path) -> list[list[str]]:
         proc = subprocess.run(["bash", "scripts/gpu.sh", *part.split()], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
         printed = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
-        found = [["bench", *argv[argv.index("clients.bench") + 1:]] for argv in printed if "clients.bench" in argv]
+        found = [["bench", *argv[argv.index("burstserve.clients.bench") + 1:]] for argv in printed if "burstserve.clients.bench" in argv]
         assert found, (part, knobs, proc.stdout[-2000:], proc.stderr[-2000:])
         lines += found
     return lines

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from clients.prefill_interference import round_summary, split_gaps
-from clients.sse import StreamRecord as Stream
+from burstserve.clients.prefill_interference import round_summary, split_gaps
+from burstserve.clients.sse import StreamRecord as Stream
 from test_bench import bench
 
 

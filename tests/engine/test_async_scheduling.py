@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.cache.prefix_cache import BLOCK
-from engine.calls import Decode, Prefill
-from engine.config import EngineConfig
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.cache.prefix_cache import BLOCK
+from burstserve.engine.calls import Decode, Prefill
+from burstserve.engine.config import EngineConfig
 from hf_reference import assert_same_greedy, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
-from engine.parallel.burst_attention import BurstAttention
-from engine.parallel.ring import RingCommunicator
-from engine.parallel.sharding import zigzag_shards
-from kernels.attention import reference_attention
+from burstserve.engine.parallel.burst_attention import BurstAttention
+from burstserve.engine.parallel.ring import RingCommunicator
+from burstserve.engine.parallel.sharding import zigzag_shards
+from burstserve.kernels.attention import reference_attention
 
 
 def _ring_rank(rank, world_size, seq_len, heads, kv_heads, causal, overlap, seed):
@@ -26,7 +26,7 @@ def _ring_rank(rank, world_size, seq_len, heads, kv_heads, causal, overlap, seed
 
 
 def _backend():
-    from kernels.attention import AttentionBackend
+    from burstserve.kernels.attention import AttentionBackend
     return AttentionBackend("reference", reference_attention)
 
 
@@ -54,9 +54,9 @@ def test_ring_matches_single_device(world_size, seq_len, heads, kv_heads, causal
 
 
 def test_kv_view_is_the_stacked_message_without_a_copy():
-    """engine.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
+    """burstserve.engine.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
     the qkv projection's rows (v follows k there), and as a stack wherever they do not lie so."""
-    from engine.parallel import kv_view
+    from burstserve.engine.parallel import kv_view
     n, h, hkv, d = random.randint(1, 9), 4, 2, 8
     qkv = torch.randn(n, (h + 2 * hkv) * d)
     _, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
@@ -72,7 +72,7 @@ def test_kv_view_is_the_stacked_message_without_a_copy():
 
 
 def _fp8_ring_rank(rank, world_size, seq_len, causal, seed):
-    from kernels.kv_quant import round_kv
+    from burstserve.kernels.kv_quant import round_kv
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(seq_len, 4, 16, generator=gen)
     kv = round_kv(torch.randn(seq_len, 2, 2, 16, generator=gen) * 5)         # an FP8 cache's values

@@ -8,11 +8,11 @@ import typing
 
 import torch
 
-import engine.calls as calls
-from engine.model_runner import ModelRunner
-from engine.outputs import PrefillStats
-from engine.worker import CACHE_CALLS, HANDLERS, run_call
-from engine.worker_cache import WorkerCache
+import burstserve.engine.calls as calls
+from burstserve.engine.model_runner import ModelRunner
+from burstserve.engine.outputs import PrefillStats
+from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
+from burstserve.engine.worker_cache import WorkerCache
 
 RESULTS = {calls.PrefillResult, calls.DecodeResult}
 PARTS = {calls.ExtendPlacement}              # a field of a call (Extend.placed), not a call

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
-from engine.config import preset_config
+from burstserve.engine.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
+from burstserve.engine.config import preset_config
 
 
 def _cost(t0, a, b, n, c):

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.extend_graphs import ON_CPU_ENV
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.extend_graphs import ON_CPU_ENV
 from hf_reference import assert_same_greedy, assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 12
@@ -217,7 +217,7 @@ def test_a_short_request_goes_before_the_next_chunk_of_a_long_prompt(checkpoint)
 def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
     """An unreachable --itl-target-ms: while a request decodes, the long prompt's chunks are the floor
     (engine.chunk_sizer.MIN_CHUNK_CPU on CPU); alone, the largest. Chunks of any size give transformers' tokens."""
-    from engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU
+    from burstserve.engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU
     path, model = checkpoint
     vocab = model.config.vocab_size
     long = [random.randrange(vocab) for _ in range(3 * MIN_CHUNK + 100)]
@@ -241,9 +241,9 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
     """PagePlanner.extend_way over a ledger alone (no model): below extend_ring_min_tokens the chunk runs
     whole, kept by the worker holding fewest of the sequence, if that worker has the pages free; else it
     takes the ring and is placed level, which is also how every page plan places chunks."""
-    from engine.cache.ledger import KVLedger
-    from engine.cache.page_planner import PagePlanner
-    from engine.parallel import get_strategy
+    from burstserve.engine.cache.ledger import KVLedger
+    from burstserve.engine.cache.page_planner import PagePlanner
+    from burstserve.engine.parallel import get_strategy
     ledger = KVLedger(2, 4, num_pages=10)
     pages = PagePlanner(get_strategy("burst", 2), ledger, max_pages_per_seq=10, extend_ring_min_tokens=64)
     ledger.add(1, [8, 4], [[(0, 8)], [(8, 12)]])                 # 2 pages on worker 0, 1 on worker 1

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from engine import LLM, EngineDeadError, SamplingParams
-from engine.calls import Decode, Extend, ExtendAndDecode, Free, Prefill, Shutdown
-from engine.control import PipeControl, close_parent_ends, make_pipes
+from burstserve.engine import LLM, EngineDeadError, SamplingParams
+from burstserve.engine.calls import Decode, Extend, ExtendAndDecode, Free, Prefill, Shutdown
+from burstserve.engine.control import PipeControl, close_parent_ends, make_pipes
 
 
 def _echo(reader, results) -> None:

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from clients.server_process import ROOT
-from engine import LLM, DeviceSpecError
-from engine.devices import default_devices, parse_devices, resolve_devices
+from paths import ROOT
+from burstserve.engine import LLM, DeviceSpecError
+from burstserve.engine.devices import default_devices, parse_devices, resolve_devices
 
 
 def visible(monkeypatch, count: int) -> None:
@@ -116,7 +116,7 @@ def test_single_runs_on_the_first_worker_device():
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "burstserve.server.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=120)
 
 
@@ -151,7 +151,7 @@ def test_serve_and_bench_refuse_the_old_worker_count(tmp_path):
 
 @pytest.mark.parametrize("backend", ["flash-attn", "cudnn"])
 def test_a_gpu_attention_backend_is_refused_on_cpu_before_any_worker(backend):
-    from engine import LLM
+    from burstserve.engine import LLM
     with pytest.raises(DeviceSpecError, match=f"--attention-backend {backend} needs CUDA GPUs, but the devices are cpu"):
         LLM(model="tiny", devices="cpu", attention_backend=backend)
 
@@ -159,7 +159,7 @@ def test_a_gpu_attention_backend_is_refused_on_cpu_before_any_worker(backend):
 def test_attention_backend_on_the_command_line_is_one_line_and_exit_2():
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--devices", "cpu", "--attention-backend",
+    r = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "serve", "--devices", "cpu", "--attention-backend",
                         "flash-attn"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--attention-backend flash-attn needs CUDA GPUs" in r.stderr
@@ -169,7 +169,7 @@ def test_reference_and_flash_backends_serve_on_cpu_alike():
     """`reference` and `flash` (PyTorch's CPU flash kernel, what auto picks on CPU) by name: the same
     greedy tokens and logprobs (fp32) for a fresh random prompt."""
     import random
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     from hf_reference import assert_same_logprobs
     prompt = [random.randrange(300) for _ in range(random.randrange(50, 400))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)

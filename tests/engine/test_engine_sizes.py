@@ -5,7 +5,7 @@ and engine/parallel/pass_kv.py took theirs out of these two)."""
 import ast
 import os
 
-ENGINE = os.path.join(os.path.dirname(__file__), "..", "..", "engine")
+ENGINE = os.path.join(os.path.dirname(__file__), "..", "..", "burstserve", "engine")
 MODULE_LIMITS = {"scheduler.py": 300, "model_runner.py": 350}
 CLASS_LIMIT = 400
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from burstserve.engine import LLM, SamplingParams
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 KINDS = ["llama-mha", "llama3-gqa", "qwen2", "qwen3"]
@@ -102,7 +102,7 @@ def test_a_max_model_len_past_what_the_checkpoint_is_made_for_is_warned(tmp_path
     """YaRN x4 over 512 tokens allows 2048; asking for 4096 starts (as vLLM's override would) with a warning
     naming both numbers."""
     save_checkpoint("qwen2-yarn", str(tmp_path), seed=random.randrange(1 << 30))
-    with caplog.at_level("WARNING", logger="engine.llm"):
+    with caplog.at_level("WARNING", logger="burstserve.engine.llm"):
         with LLM(str(tmp_path), devices="cpu", dtype="float32", max_model_len=4096) as llm:
             assert llm.max_model_len == 4096
     assert any("max_model_len 4096 is longer than the 2048 tokens" in r.getMessage() for r in caplog.records), \

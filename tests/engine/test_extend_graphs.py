@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.extend_graphs import ON_CPU_ENV, SIZES, runs_for
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.extend_graphs import ON_CPU_ENV, SIZES, runs_for
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 8

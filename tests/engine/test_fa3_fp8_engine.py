@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from burstserve.engine import LLM, SamplingParams
 from hf_reference import assert_same_greedy, fa3_fp8_attention_in, hf_next_logits_and_greedy, save_checkpoint
-from kernels.kv_quant import round_kv
+from burstserve.kernels.kv_quant import round_kv
 
 EXACT = 5e-3          # an e4m3 rounding that fp32 noise tips the other way, one step on one element
 PLAIN_BOUND = 0.25    # the rounding's own effect on these tiny models' logits (test_fp8_kv_cache's bound)

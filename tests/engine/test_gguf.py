@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
-from engine.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.errors import ModelLoadError
+from burstserve.engine.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 plus 30?"]
@@ -95,7 +95,7 @@ def test_the_trained_model_under_every_strategy_that_splits_its_heads(smollm2, s
         for token, logprob in out.outputs[0].logprobs[0].items():
             assert abs(logprob - ref[token].item()) < 1e-3, (strategy, token, logprob, ref[token].item())
     if strategy == "auto":
-        from engine.errors import InvalidRequestError
+        from burstserve.engine.errors import InvalidRequestError
         for refused in ("ulysses", "tp", "tp-v3"):
             with pytest.raises(InvalidRequestError, match="splits the 9 attention heads over the workers"):
                 LLM(path, devices="cpu", context_parallel_size=2, sp_strategy=refused)
@@ -147,8 +147,8 @@ def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2,
     """`burstserve serve --model smollm2-135m-instruct` (the README's first model) on 1 and 2 workers: the
     wheel's GGUF file, converted once; a chat question through the openai client gets a sensible answer. A
     packaged model whose package is missing is refused saying what to install."""
-    from clients.server_process import RemoteServer
-    from engine import gguf
+    from burstserve.clients.server_process import RemoteServer
+    from burstserve.engine import gguf
     _, folder, _, _ = smollm2
     assert gguf.packaged_model("smollm2-135m-instruct") == smollm2_gguf() and gguf.packaged_model("tiny") is None
     server = RemoteServer(["--model", "smollm2-135m-instruct", "--devices", "cpu", "-cp", str(workers),

@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cache.host_memory import HOST_RESERVE, offload_gib, pinnable
-from engine.cache.host_pool import HostPool
-from engine.cache.page_pool import PagePool
-from engine.calls import Extend, Prefill, Restore
-from engine.config import EngineConfig
-from engine.errors import DeviceSpecError
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.cache.host_memory import HOST_RESERVE, offload_gib, pinnable
+from burstserve.engine.cache.host_pool import HostPool
+from burstserve.engine.cache.page_pool import PagePool
+from burstserve.engine.calls import Extend, Prefill, Restore
+from burstserve.engine.config import EngineConfig
+from burstserve.engine.errors import DeviceSpecError
 from hf_reference import assert_same_greedy, assert_same_logprobs, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
 

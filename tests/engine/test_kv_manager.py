@@ -5,11 +5,11 @@ do, and asking changes nothing."""
 import copy
 import random
 
-from engine.cache.kv_manager import KVManager
-from engine.cache.ledger import KVLedger
-from engine.cache.page_planner import PagePlanner
-from engine.cache.prefix_cache import BLOCK
-from engine.parallel import get_strategy
+from burstserve.engine.cache.kv_manager import KVManager
+from burstserve.engine.cache.ledger import KVLedger
+from burstserve.engine.cache.page_planner import PagePlanner
+from burstserve.engine.cache.prefix_cache import BLOCK
+from burstserve.engine.parallel import get_strategy
 
 
 def _manager(rng: random.Random) -> KVManager:

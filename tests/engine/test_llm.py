@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
+from burstserve.engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
                     SamplingParams)
-from engine.cache.ledger import KVLedger
+from burstserve.engine.cache.ledger import KVLedger
 from hf_reference import assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 
@@ -176,7 +176,7 @@ def test_a_dead_worker_makes_the_engine_raise():
 def test_shutdown_ends_every_worker_cleanly(monkeypatch):
     """Every worker leaves on its own (exit code 0, not terminated after the 10 s grace), the graphs'
     release before the process group included (here the extend graphs' CPU stand-in)."""
-    from engine.extend_graphs import ON_CPU_ENV
+    from burstserve.engine.extend_graphs import ON_CPU_ENV
     monkeypatch.setenv(ON_CPU_ENV, "1")
     llm = LLM("tiny", devices="cpu", context_parallel_size=2)
     try:
@@ -192,7 +192,7 @@ def test_release_graphs_resets_every_graph_and_drops_them():
     """ModelRunner.release_graphs: every captured graph reset (which drops its hold on the NCCL
     communicator), both holders emptied and gone, before the worker destroys its process group."""
     from types import SimpleNamespace
-    from engine.model_runner import ModelRunner
+    from burstserve.engine.model_runner import ModelRunner
 
     class Graph:
         was_reset = False
@@ -214,7 +214,7 @@ def test_workers_that_differ_in_flash_attn_4_are_refused_by_name():
     """One worker with flash-attn-4 and one without would make different collectives at the first small
     extend (graphs against the eager path) and wait on each other for ever: refused at start, each worker
     saying which side it is on. Workers that agree (all with, all without) start."""
-    from engine.worker_memory import check_same_kernels
+    from burstserve.engine.worker_memory import check_same_kernels
     check_same_kernels(0, torch.device("cpu"), False, False, False)
     check_same_kernels(1, torch.device("cuda:1"), True, True, True)
     with pytest.raises(ModelLoadError, match=r"worker 1 \(cuda:1\): flash-attn-4 runs here but not on every worker"):

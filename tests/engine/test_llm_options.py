@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from engine import LLM, InvalidRequestError
-from engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, EngineConfig, preset_config
-from engine.options import BY_NAME, OPTIONS, check_options, cluster_config, engine_config, from_args
-from engine.parallel import SP_STRATEGIES, STRATEGIES, get_strategy
-from server.cli import build_parser
+from burstserve.engine import LLM, InvalidRequestError
+from burstserve.engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, EngineConfig, preset_config
+from burstserve.engine.options import BY_NAME, OPTIONS, check_options, cluster_config, engine_config, from_args
+from burstserve.engine.parallel import SP_STRATEGIES, STRATEGIES, get_strategy
+from burstserve.server.cli import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKED = [o for o in OPTIONS if not o.checked_by]
@@ -214,7 +214,7 @@ def test_no_strategy_name_is_compared_outside_engine_parallel():
     compared = re.compile(rf"""(==|!=|\bin\b)\s*\(?[^#]*["']({STRATEGY_NAMES})["']|["']({STRATEGY_NAMES})["']\s*(==|!=|:)""")
     found = []
     for top in ("engine", "server"):
-        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+        for folder, _, files in os.walk(os.path.join(ROOT, "burstserve", top)):
             if os.path.join("engine", "parallel") in folder:
                 continue
             for name in (f for f in files if f.endswith(".py")):

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-import engine.model
-from engine.config import load_model_config
-from engine.model import LlamaModel
-from kernels import fp8
+import burstserve.engine.model
+from burstserve.engine.config import load_model_config
+from burstserve.engine.model import LlamaModel
+from burstserve.kernels import fp8
 from hf_reference import dense_causal_attend
 
 
@@ -43,7 +43,7 @@ def test_the_mlp_in_row_pieces_gives_the_same_logits(checkpoint, monkeypatch, dt
         monkeypatch.setattr(fp8, "scaled_mm", rowwise_scaled_mm)
     logits = {}
     for piece in (1 << 20, random.choice([1, 7, 16])):
-        monkeypatch.setattr(engine.model, "MLP_PIECE_ROWS", piece)
+        monkeypatch.setattr(burstserve.engine.model, "MLP_PIECE_ROWS", piece)
         weights = {name: t.to(dtype) for name, t in hf.state_dict().items()}
         model = LlamaModel(cfg, weights, torch.device("cpu"), quantization=quantization)
         logits[piece > n] = model.logits(model.forward(ids, torch.arange(n), dense_causal_attend))

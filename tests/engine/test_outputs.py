@@ -4,8 +4,8 @@ import array
 import pickle
 import random
 
-from engine.outputs import PROMPT_TYPECODE, Request
-from engine.sampling import SamplingParams
+from burstserve.engine.outputs import PROMPT_TYPECODE, Request
+from burstserve.engine.sampling import SamplingParams
 
 
 def test_a_request_arrives_with_its_prompt_as_the_same_list():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from burstserve.engine import LLM, SamplingParams
 from hf_reference import assert_same_logprobs, hf_greedy, save_checkpoint
 
 GEN = 20
@@ -107,7 +107,7 @@ def test_aborted_requests_return_every_page():
 
 
 def test_a_request_larger_than_the_pool_is_refused_naming_both_numbers():
-    from engine import InvalidRequestError
+    from burstserve.engine import InvalidRequestError
     with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=2, block_size=16, kv_cache_tokens=160) as llm:
         assert llm.kv_capacity_tokens == 320
         with pytest.raises(InvalidRequestError, match="prompt of 300 tokens plus max_tokens 50.*capacity of 320"):

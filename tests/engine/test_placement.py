@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
-from engine.calls import Adopt, Decode, Extend, ExtendAndDecode, Prefill, Truncate
-from engine.config import EngineConfig, resolve_model
+from burstserve.engine.calls import Adopt, Decode, Extend, ExtendAndDecode, Prefill, Truncate
+from burstserve.engine.config import EngineConfig, resolve_model
 
 
 def _placed_run(rank: int, world_size: int, strategy: str, seed: int) -> tuple[list, set]:
     """-> (the mismatches between the ledger's rank and this worker's pool, after which call; the extend ways)."""
-    from engine.model_runner import ModelRunner
-    from engine.worker import runner_alone
+    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.worker import runner_alone
     engine = EngineConfig(model="tiny", devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32",
                           block_size=4, max_num_seqs=8, extend_ring_min_tokens=24, kv_cache_tokens=2048)
     cfg, max_model_len = resolve_model(engine)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
+from burstserve.engine import LLM, InvalidRequestError, SamplingParams
 from hf_reference import save_checkpoint
 
 

@@ -5,9 +5,9 @@ Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset,
 call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
 import random
 
-from engine.calls import Adopt, Extend, Prefill, Reinstate, Truncate
-from engine.config import EngineConfig
-from engine.sampling import SamplingParams
+from burstserve.engine.calls import Adopt, Extend, Prefill, Reinstate, Truncate
+from burstserve.engine.config import EngineConfig
+from burstserve.engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
 
 CHUNK = 16

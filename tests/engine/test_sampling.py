@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from engine.sampling import RowSampling, SamplingParams, noise_seed, row_sampling, rows_logprobs, sample_rows
+from burstserve.engine.sampling import RowSampling, SamplingParams, noise_seed, row_sampling, rows_logprobs, sample_rows
 
 
 def _filtered_probs(logits, temperature, top_k, top_p):

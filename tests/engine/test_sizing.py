@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
+from burstserve.engine import LLM, InvalidRequestError, SamplingParams
+from burstserve.engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
                                  pass_q_bytes, pool_tokens_on_gpu, prefill_rows_reserved)
-from engine.config import default_chunk_tokens, preset_config
-from engine.parallel import get_strategy
+from burstserve.engine.config import default_chunk_tokens, preset_config
+from burstserve.engine.parallel import get_strategy
 
 GiB = 1 << 30
 
@@ -46,7 +46,7 @@ def test_llama3_8b_with_fp8_pages_on_one_h200_holds_about_twice_the_tokens():
     plus one layer's K/V of a gather segment and a chunk in bf16 (3 bytes an element with the FP8 bytes:
     ~1.1 GiB, whatever the context) and one piece of the MLP's: the pool holds ~1.64M tokens, twice bf16's;
     with chunks of 16384, more."""
-    from kernels.paged_attention import FP8_GATHER_SEGMENT
+    from burstserve.kernels.paged_attention import FP8_GATHER_SEGMENT
     cfg = preset_config("llama3-8b")
     kv, act = kv_bytes_per_token(cfg, cfg.num_kv_heads, 2, "fp8"), activation_bytes_per_token(cfg, 2)
     assert kv == 66560

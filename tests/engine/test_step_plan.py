@@ -10,10 +10,10 @@ import copy
 import inspect
 import random
 
-from engine import step_plan as plans
-from engine.calls import Offload, Shutdown
-from engine.config import EngineConfig
-from engine.sampling import SamplingParams
+from burstserve.engine import step_plan as plans
+from burstserve.engine.calls import Offload, Shutdown
+from burstserve.engine.config import EngineConfig
+from burstserve.engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
 
 

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.config import EngineConfig, resolve_model
-from engine.parallel import SP_STRATEGIES, get_strategy
-from engine.parallel.zero import ZeroLayout
+from burstserve.engine import LLM, InvalidRequestError, SamplingParams
+from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.parallel import SP_STRATEGIES, get_strategy
+from burstserve.engine.parallel.zero import ZeroLayout
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint
 
 
@@ -74,7 +74,7 @@ def test_qwen3_under_every_strategy_matches_transformers(qwen3_checkpoint, strat
 def test_burst_zero_with_its_gathers_on_the_data_group_gives_the_same_tokens(checkpoint, monkeypatch):
     """BURSTSERVE_ZERO_GATHER_GROUP=data (the layer gathers queued behind the ring on one communicator, the
     fallback should two NCCL communicators at once not progress on some GPUs) changes no result."""
-    from engine.parallel.zero import GATHER_GROUP_ENV
+    from burstserve.engine.parallel.zero import GATHER_GROUP_ENV
     monkeypatch.setenv(GATHER_GROUP_ENV, "data")
     path, model = checkpoint
     prompts = [[random.randrange(320) for _ in range(n)] for n in (5, 300)]
@@ -155,7 +155,7 @@ def test_each_strategy_answers_its_weight_layout(name):
 
 @pytest.mark.parametrize("workers", [3, 4, 5, 7, 8, 13])
 def test_cqs_plan_computes_every_block_once(workers):
-    from engine.parallel.cqs import CQSPlan, difference_cover
+    from burstserve.engine.parallel.cqs import CQSPlan, difference_cover
     plan = CQSPlan(workers)
     blocks = [pair for tasks in plan.tasks for pair in tasks]
     assert sorted(blocks) == sorted((q, k) for q in range(workers) for k in range(q + 1))   # causal blocks, once

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.structured_output import (GrammarBackend, check_tokenizer, parse_response_format, tokenizer_source)
-from engine.tokenizer import NoTokenizer
+from burstserve.engine import LLM, InvalidRequestError, SamplingParams
+from burstserve.engine.structured_output import (GrammarBackend, check_tokenizer, parse_response_format, tokenizer_source)
+from burstserve.engine.tokenizer import NoTokenizer
 from hf_reference import save_checkpoint, save_tokenizer
 
 NAMES = ["ada", "bob", "cy"]

@@ -5,8 +5,8 @@ import random
 import subprocess
 import sys
 
-from engine import LLM, SamplingParams
-from clients.server_process import free_port
+from burstserve.engine import LLM, SamplingParams
+from burstserve.clients.server_process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,7 +15,7 @@ def test_torchrun_workers_match_llm(tmp_path):
     prompts = [[random.randrange(512) for _ in range(n)] for n in (3, 40)]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-           "-m", "engine.worker", "--model", "tiny", "--device", "cpu", "--prompts", str(tmp_path / "prompts.json"),
+           "-m", "burstserve.engine.worker", "--model", "tiny", "--device", "cpu", "--prompts", str(tmp_path / "prompts.json"),
            "--max-tokens", "8"]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
+from burstserve.kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,10 +39,10 @@ def test_auto_backend_prefers_flash_attn_4_then_cudnn():
 
 def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):
     import torch.distributed as dist
-    from engine.parallel.burst_attention import BurstAttention
-    from engine.parallel.ring import RingCommunicator
-    from engine.parallel.sharding import zigzag_shards
-    from kernels.attention import select_backend
+    from burstserve.engine.parallel.burst_attention import BurstAttention
+    from burstserve.engine.parallel.ring import RingCommunicator
+    from burstserve.engine.parallel.sharding import zigzag_shards
+    from burstserve.kernels.attention import select_backend
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -123,7 +123,7 @@ def _hf_greedy(model, prompt, n, with_scales=False):
 
 def _gpu_backends() -> list[str]:
     """--attention-backend values that can run here: flash-attn (when flash-attn-4 imports) and cudnn."""
-    from kernels.attention import backend_refusal
+    from burstserve.kernels.attention import backend_refusal
     return [b for b in ("flash-attn", "cudnn") if backend_refusal(b, ["cuda:0"]) is None]
 
 
@@ -131,7 +131,7 @@ def _gpu_backends() -> list[str]:
 def test_engine_bf16_on_one_gpu_matches_transformers_with_each_backend(hf_bf16_checkpoint, backend):
     """The engine with --attention-backend flash-attn and cudnn on one GPU: logits and greedy tokens
     agree with transformers (bf16 noise); a backend that cannot run here is refused at start."""
-    from engine import LLM, DeviceSpecError, SamplingParams
+    from burstserve.engine import LLM, DeviceSpecError, SamplingParams
     path, model = hf_bf16_checkpoint
     if backend not in _gpu_backends():
         with pytest.raises(DeviceSpecError, match=f"--attention-backend {backend}"):
@@ -163,7 +163,7 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
     both GPUs, one keeping their K/V (ring_min 4096), or over the K/V ring (ring_min 0) with the queries
     passed to the cache (extend_pass q) or the cached K/V passed with the new (kv); four: pass-KV with each
     step's merges queued after the next exchange (PassKVAttention)."""
-    from engine import LLM
+    from burstserve.engine import LLM
     gpus = len(devices.split(","))
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
@@ -188,8 +188,8 @@ def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_c
     chunk's, so its pool is several times larger; a prompt past the first pool's capacity is refused there
     and served in chunks by the second with transformers' logits and greedy tokens (bf16 noise); with
     prompt_logprobs the same prompt is refused, by name."""
-    from engine import LLM, InvalidRequestError, SamplingParams
-    from kernels.paged_attention import fa4_available
+    from burstserve.engine import LLM, InvalidRequestError, SamplingParams
+    from burstserve.kernels.paged_attention import fa4_available
     if not fa4_available(torch.device("cuda:0")):
         pytest.skip("needs flash-attn-4 (without it attention gathers the cache and the whole share stays reserved)")
     path, model = hf_bf16_checkpoint
@@ -226,8 +226,8 @@ def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_check
     replays a graph: one GPU "local", two "whole") and a 300-token question after it (the prefix cache's
     extend, padded to the 384-row graph) give transformers' next-token logits (bf16 noise) and the eager
     extend's (cuda_graphs=False) within bf16 noise."""
-    from engine import LLM, SamplingParams
-    from kernels.paged_attention import fa4_available
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels.paged_attention import fa4_available
     if torch.cuda.device_count() < len(devices.split(",")):
         pytest.skip("needs 2 GPUs")
     if not fa4_available(torch.device("cuda:0")):
@@ -262,8 +262,8 @@ def test_mixed_batch_in_cuda_graphs_matches_eager_and_transformers(hf_bf16_check
     """--mixed-batch with CUDA graphs: a 3000-token prompt in chunks of 256 while 3 requests decode, each
     chunk and their decode step one graph replay (engine/extend_graphs.py); every request's tokens and
     logprobs are the eager mixed batch's (bf16 noise) up to a near-tie, and transformers' greedy tokens."""
-    from engine import LLM, SamplingParams
-    from kernels.paged_attention import fa4_available
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels.paged_attention import fa4_available
     if not fa4_available(torch.device("cuda:0")):
         pytest.skip("extend CUDA graphs need flash-attn-4")
     path, model = hf_bf16_checkpoint
@@ -295,12 +295,12 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     """ModelRunner.extend on one GPU, in this process: a 100-token chunk after 4000 cached tokens with the
     prefix cut into runs (MIN_RUN_KEYS lowered from 32768 so that a short prompt takes the path) gives
     transformers' next-token logits (bf16 noise), and the split path was taken at every layer."""
-    import engine.extend_attention as ea
-    import kernels.paged_attention as pa
-    from engine.config import EngineConfig, resolve_model
-    from engine.model_runner import ModelRunner
-    from engine.calls import Extend, Prefill
-    from engine.worker import runner_alone
+    import burstserve.engine.extend_attention as ea
+    import burstserve.kernels.paged_attention as pa
+    from burstserve.engine.config import EngineConfig, resolve_model
+    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.calls import Extend, Prefill
+    from burstserve.engine.worker import runner_alone
     if not pa.fa4_available(torch.device("cuda:0")):
         pytest.skip("the prefix runs need flash-attn-4")
     path, model = hf_bf16_checkpoint
@@ -332,8 +332,8 @@ def test_decode_in_cuda_graphs_matches_eager_decode_and_transformers(hf_bf16_che
     greedy tokens up to near-ties. Both runs prefill each prompt in one call (chunk sizes follow timings, and
     a chunk would ride with decode steps in the graphs' run only); every failed check is reported with its
     step, the largest logprob gaps and the margins, not only the first."""
-    from engine import LLM, SamplingParams
-    from kernels.paged_attention import fa4_available
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels.paged_attention import fa4_available
     if not fa4_available(torch.device("cuda:0")):
         pytest.skip("decode CUDA graphs need flash-attn-4 (not installed here)")
     path, model = hf_bf16_checkpoint
@@ -372,8 +372,8 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
     give exactly the tokens (and logprobs, copied to the host with them) of steps read back first: greedy
     and seeded top-p rows, the same batches replayed by the same graphs. Then transformers' greedy tokens
     up to near-ties."""
-    from engine import LLM, SamplingParams
-    from kernels.paged_attention import fa4_available
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels.paged_attention import fa4_available
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     if not fa4_available(torch.device("cuda:0")):
@@ -404,7 +404,7 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_engine_bf16_on_several_gpus_matches_transformers(hf_bf16_checkpoint, gpus):
     """Default flags on 2 and on 4 GPUs (from three workers the ring's merges move: BurstAttention.forward)."""
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     path, model = hf_bf16_checkpoint
@@ -436,7 +436,7 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
     """Also: the last prompt is sent twice, so its twin decodes from forked K/V. burst-zero-sliced: burst-zero
     with prompts up to 1000 tokens on the MLP's slices (every worker attends every head and keeps its own rows),
     the 4099 gathered."""
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 4099)]
     prompts.append(prompts[-1])
@@ -467,7 +467,7 @@ def test_every_strategy_on_two_gpus_matches_transformers(hf_bf16_checkpoint, str
 def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint):
     """Unset, --zero-sliced-max-tokens is measured at start, the same on both workers, and a prompt under it
     runs on the slices (one over it gathered), both with transformers' greedy tokens up to bf16 near-ties."""
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy="burst-zero",
              enable_chunked_prefill=False) as llm:                 # each prompt in one prefill, its strategy seen
@@ -497,7 +497,7 @@ def test_shutdown_after_cuda_graphs_on_one_gpu_and_two(hf_bf16_checkpoint, devic
     the process group is destroyed (with them alive, destroy_process_group waits on them for ever:
     pytorch/pytorch#115388)."""
     import time
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     workers = devices.count(",") + 1
     if torch.cuda.device_count() < workers:
         pytest.skip(f"needs {workers} GPUs")
@@ -540,7 +540,7 @@ def test_each_strategy_with_flash_attn_4_matches_cudnn_and_fp32(hf_bf16_checkpoi
     and with transformers in fp32, within bf16 noise. Prefix caching off: every call is a whole prefill
     through the strategy (checked by name). One GPU: burst, the check of this test itself; four: burst with
     three merges a worker, each queued after the next exchange (BurstAttention.forward)."""
-    from engine import LLM, SamplingParams
+    from burstserve.engine import LLM, SamplingParams
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     missing = [b for b in ("flash-attn", "cudnn") if b not in _gpu_backends()]
@@ -575,11 +575,11 @@ def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_c
     same); that model is further from transformers than bf16 is (quantized) but within 0.5 (relative,
     centered: this random 4-layer model amplifies FP8's 2^-4 rounding 10-16x more than bf16's 2^-8);
     decode from CUDA graphs gives the eager FP8 decode's tokens and logprobs up to near-ties."""
-    from engine import LLM, SamplingParams
-    from engine.config import load_model_config
-    from engine.model import LlamaModel, hf_weight_shapes
-    from engine.weights import load_weights
-    from kernels.attention import select_backend
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.engine.config import load_model_config
+    from burstserve.engine.model import LlamaModel, hf_weight_shapes
+    from burstserve.engine.weights import load_weights
+    from burstserve.kernels.attention import select_backend
     path, model = hf_bf16_checkpoint
     cfg = load_model_config(path)
     dev = torch.device("cuda:0")
@@ -623,10 +623,10 @@ def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_c
 
 @pytest.mark.parametrize("k", [1024, 4096, 14336])
 def test_fp8_row_quantization_kernel_matches_the_torch_ops(k):
-    """kernels.fused.quantize_fp8_rows (one Triton kernel) against kernels/fp8.py's torch ops: the same
+    """burstserve.kernels.fused.quantize_fp8_rows (one Triton kernel) against kernels/fp8.py's torch ops: the same
     scales (fp32 vs the bf16-rounded factor's inverse: within 0.4%), the same values within one FP8 step,
     and an FP8 GEMM through either within bf16 noise."""
-    from kernels import fp8, fused
+    from burstserve.kernels import fp8, fused
     x = (torch.randn(777, k, device="cuda:0") * torch.rand(777, 1, device="cuda:0") * 8).to(torch.bfloat16)
     x[3] = 0
     got = fused.quantize_fp8_rows(x)
@@ -649,11 +649,11 @@ def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf
     quantization in one Triton kernel) give the bits of the bf16 kernel then quantize_fp8_rows, at
     llama3-8b's widths; so a whole FP8 model's logits are the same bits with them (fp8_rows, the
     default) as with the two steps (the path tp-v3's gathered rows take)."""
-    from engine.config import load_model_config
-    from engine.model import LlamaModel, hf_weight_shapes
-    from engine.weights import load_weights
-    from kernels import fp8, fused
-    from kernels.attention import select_backend
+    from burstserve.engine.config import load_model_config
+    from burstserve.engine.model import LlamaModel, hf_weight_shapes
+    from burstserve.engine.weights import load_weights
+    from burstserve.kernels import fp8, fused
+    from burstserve.kernels.attention import select_backend
     dev = torch.device("cuda:0")
 
     def bits(rows):
@@ -695,12 +695,12 @@ def test_two_hosts_one_gpu_each_match_transformers(hf_bf16_checkpoint):
     import os
     import subprocess
     import sys
-    from clients.server_process import ROOT, free_port
-    from engine import LLM, SamplingParams
+    from burstserve.clients.server_process import ROOT, free_port
+    from burstserve.engine import LLM, SamplingParams
     path, model = hf_bf16_checkpoint
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    joiner = subprocess.Popen([sys.executable, "-m", "server.cli", "worker", "--model", path, "--devices", "cuda:1",
+    joiner = subprocess.Popen([sys.executable, "-m", "burstserve.server.cli", "worker", "--model", path, "--devices", "cuda:1",
                                "--dtype", "bfloat16", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
                                "--join-timeout", "120"], cwd=ROOT, env=env, start_new_session=True)
     try:
@@ -728,7 +728,7 @@ def test_torch_cp_peer_matches_transformers(hf_bf16_checkpoint, gpus):
     """The benchmark's torch-cp peer (clients/torch_cp.py: transformers' model under PyTorch's
     context_parallel on `gpus` GPUs, one process each) gives the prompt's next-token logits of one plain
     forward pass (bf16 noise): the peer the tables compare against computes the same thing."""
-    from clients.torch_cp import next_token_logits_torch_cp
+    from burstserve.clients.torch_cp import next_token_logits_torch_cp
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     path, model = hf_bf16_checkpoint
@@ -748,8 +748,8 @@ def test_fp8_kv_cache_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, s
     the pool holds about twice bf16's tokens. On one GPU, and on 2 with burst (the K/V ring sends FP8
     bytes), ulysses and tp."""
     from hf_reference import kv_rounded
-    from engine import LLM, SamplingParams
-    from kernels import kv_quant
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels import kv_quant
     path, model = hf_bf16_checkpoint
     # Rounded alike is not bit-alike: the two sides' K and V differ by bf16 noise before rounding, and where
     # an element sits near the middle of two e4m3 values (3 mantissa bits) that noise rounds it a whole FP8
@@ -809,8 +809,8 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from hf_reference import kv_rounded
-    from engine import LLM, SamplingParams
-    from kernels import kv_quant
+    from burstserve.engine import LLM, SamplingParams
+    from burstserve.kernels import kv_quant
     path, model = hf_bf16_checkpoint
     docs = [[random.randrange(2000) for _ in range(3000)] for _ in range(4)]
     question = docs[0] + [random.randrange(2000) for _ in range(200)]

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
-import kernels.paged_attention as pa
-from kernels import merge
-from kernels.paged_attention import fa4_available, paged_attention
-from kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal
+from burstserve.kernels.attention import AttentionBackend, _GPU_BACKENDS, available_backends, reference_attention
+import burstserve.kernels.paged_attention as pa
+from burstserve.kernels import merge
+from burstserve.kernels.paged_attention import fa4_available, paged_attention
+from burstserve.kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 import test_paged_attention as cpu_cases  # noqa: E402  (make_case, dense_reference)
@@ -29,7 +29,7 @@ needs_fa4 = pytest.mark.skipif(not torch.cuda.is_available() or not fa4_availabl
 def test_auto_prefers_flash_attn_4_then_cudnn():
     names = available_backends(DEV)
     assert names[:2] == ["flash_attn_4", "cudnn"], names
-    from kernels.attention import select_backend
+    from burstserve.kernels.attention import select_backend
     assert select_backend(DEV, torch.bfloat16, 32, 8, 128).name == "flash_attn_4"
 
 
@@ -250,13 +250,13 @@ def test_paged_fa4_keyless_rows_with_a_table_at_a_segment_start():
 
 @pytest.mark.parametrize("s", [1, 64, 3000])
 def test_fused_kernels_match_torch_ops_on_cuda(s):
-    """kernels.fused's Triton kernels (llama3-8b shapes, bf16) against the torch ops they replace:
+    """burstserve.kernels.fused's Triton kernels (llama3-8b shapes, bf16) against the torch ops they replace:
     the same bits for the KV store and the residual; rope, silu*up within one bf16 rounding and the
     norm within two (Triton's and torch's fp32 code differ in summation order and contraction)."""
 
     def ulps(a, b, n):   # |a - b| <= n bf16 roundings of b
         return ((a.float() - b.float()).abs() <= b.float().abs() * n * 2 ** -8 + 1e-6).all()
-    from kernels import fused
+    from burstserve.kernels import fused
     kern = fused._triton.kernels(DEV)
     assert kern is not None, "Triton kernels did not build"
     bf = torch.bfloat16
@@ -292,7 +292,7 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
 
 @pytest.mark.parametrize("acc_dtype", [torch.bfloat16, torch.float32])
 def test_ring_merge_on_cuda_matches_the_torch_merge(acc_dtype):
-    """kernels.merge.merge_into's kernel (BurstAttention's merge of a block into its accumulator, in place):
+    """burstserve.kernels.merge.merge_into's kernel (BurstAttention's merge of a block into its accumulator, in place):
     rows m: of an accumulator, flash-attn-4's transposed LSE views, rows with no keys on one side or both,
     against its torch ops (the same fp32 arithmetic, one rounding into a bf16 out)."""
     kern = merge._triton.kernels(DEV)
@@ -319,7 +319,7 @@ def test_merge_partials_on_cuda_matches_the_torch_merge(workers, rows):
     """The cross-worker merge (engine.decode_attention.merge_over_workers) through the split path's
     Triton merge kernel: partials as views into one gathered [G, R, H, D + 1] fp32 buffer (a keyless
     worker's partial: 0, -inf), bf16 out, against kernels.merge.merge_stacked; and inside a CUDA graph."""
-    from kernels.merge import merge_stacked
+    from burstserve.kernels.merge import merge_stacked
     kern = merge._triton.kernels(DEV)
     assert kern is not None, "Triton kernels did not build"
     gathered = torch.randn(workers, rows, 32, 129, device=DEV)
@@ -347,7 +347,7 @@ def test_fp8_paged_decode_kernel_matches_its_reference_and_replays_in_a_graph(le
     pages (fp32), eagerly and replayed from a CUDA graph after the lengths change (same shapes)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
     import test_fp8_paged_attention as fp8_cases
-    from kernels import fp8_paged_attention as fpa
+    from burstserve.kernels import fp8_paged_attention as fpa
     q, kp, vp, table, seq_lens, _ = fp8_cases._case(lens, h, hkv, 128, bs=128)
     q, table, seq_lens = q.to(DEV, torch.bfloat16), table.to(DEV), seq_lens.to(DEV)
     kp, vp = (type(p)(p.data.to(DEV), p.scale.to(DEV)) for p in (kp, vp))
@@ -377,7 +377,7 @@ def test_fp8_prefill_kernel_matches_its_reference_and_float64(queries, keys, h, 
     in two e4m3 parts (q_split), against its reference and float64."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
     import test_fp8_attention as cases
-    from kernels import fp8_attention as fa
+    from burstserve.kernels import fp8_attention as fa
     q, kp, vp, table, cu, lens, rounded = cases._case(queries, keys, h, hkv, 128, bs=128)
     want64, _ = cases._float64(q, rounded, cu, 128 ** -0.5, causal)
     q, table, cu, lens = q.to(DEV, torch.bfloat16), table.to(DEV), cu.to(DEV), lens.to(DEV)
@@ -411,7 +411,7 @@ def test_chunks_over_fp8_pages_run_one_flash_attn_4_call_and_match_the_reference
     causal mask is aligned to the end, against the reference backend over the same pages; causal chunks after
     a cached context, a chunk that is the whole sequence, a sequence without keys, not causal (pass-Q's
     call); segment 1024: contexts past FP8_GATHER_SEGMENT gathered a segment at a time and merged."""
-    from kernels import kv_quant
+    from burstserve.kernels import kv_quant
     if segment is not None:
         monkeypatch.setattr(pa, "FP8_GATHER_SEGMENT", segment)
     h, hkv, d, bs = 32, 8, 128, 128
@@ -436,7 +436,7 @@ def test_chunks_over_fp8_pages_run_one_flash_attn_4_call_and_match_the_reference
 def test_fp8_pages_gather_kernel_equals_the_torch_ops(dtype):
     """Fp8Pages.gather (one Triton kernel on CUDA) against dequantize_kv over the same pages: the same values
     bit for bit, pages shuffled, a partial last page, llama3-8b's 8 KV heads of 128."""
-    from kernels import kv_quant
+    from burstserve.kernels import kv_quant
     x = torch.randn(300, 128, 8, 128, device=DEV) * torch.exp(2 * torch.randn(300, 128, 8, 1, device=DEV))
     x[..., 9] *= 30
     data, scale = kv_quant.quantize_kv(x)
@@ -454,7 +454,7 @@ def test_fp8_kv_round_and_store_kernels_equal_the_torch_ops(dtype):
     """round_kv_ and store_kv_fp8 (one Triton kernel each) against quantize_kv/round_kv's torch ops: the
     same bytes, scales and values, bit for bit, from rows of a fused QKV output with an outlier channel.
     (fp16 rows take the torch ops: kv_quant._rows_ok.)"""
-    from kernels import kv_quant
+    from burstserve.kernels import kv_quant
     n, hkv, d = 1000, 8, 128
     qkv = torch.randn(n, 32 + 2 * hkv, d, device=DEV) * torch.exp(2 * torch.randn(n, 32 + 2 * hkv, 1, device=DEV))
     qkv[:, 32:32 + hkv, 9] *= 30
@@ -481,8 +481,8 @@ def test_fp8_few_rows_gemm_matches_scaled_mm_and_replays_in_a_graph(m, n, k, bia
     against torch._scaled_mm on the same FP8 operands (fp32 sums in another
     order, one bf16 rounding), eagerly and replayed from a CUDA graph on new rows; and fp8.linear takes it
     for these rows (the default launch)."""
-    from kernels import fp8
-    from kernels import fp8_small_gemm as sg
+    from burstserve.kernels import fp8
+    from burstserve.kernels import fp8_small_gemm as sg
     w = fp8.quantize_weight(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02)
     b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * torch.rand(m, 1, device=DEV) * 4
@@ -548,7 +548,7 @@ def test_fa3_fp8_kernel_rounds_as_its_torch_path(sq, sk, segment):
 def test_fa3_fp8_cast_kernels_give_the_torch_paths_bits(s, hx, hkv, strided):
     """kernels/fa3_fp8.py's Triton casts (bf16 in, rows of the fused QKV's stride or contiguous) against its torch
     path on the same GPU: the same scales and e4m3 bytes."""
-    from kernels import fa3_fp8
+    from burstserve.kernels import fa3_fp8
     gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
     qkv = torch.randn(s, hx + 2 * hkv, 128, device=DEV, dtype=torch.bfloat16, generator=gen)   # rows of the fused QKV
     rows = torch.rand(s, 1, 1, device=DEV, generator=gen) * 30                         # rows of unlike sizes
@@ -572,7 +572,7 @@ def test_fa3_fp8_cast_kernels_divide_exactly_on_ties_and_signed_zeros():
     division, where a multiply by the reciprocal goes wrong: values on e4m3's grid and half-way between pairs of
     them, times a scale that is not a power of two (many quotients land exactly on e4m3 values and ties),
     with -0, +0, values e4m3 takes to its subnormals or to 0, and one group whose scale is inf (a value inf)."""
-    from kernels import fa3_fp8
+    from burstserve.kernels import fa3_fp8
     from test_fa3_fp8_casts import TIE_SCALES, _ties
     s, hx, hkv = 4096, 8, 4
     x = _ties(torch.Generator().manual_seed(random.randrange(1 << 30)), s, 128).to(DEV)   # rows 1, 2: -0, +0
@@ -602,7 +602,7 @@ def test_fa3_fp8_cast_kernels_turn_the_rows_as_the_torch_path(s, hx, hkv, stride
     Hadamard matrix inside the kernels, fp32 sums rounded to bf16) against its torch path (x @ turn in bf16, then
     the cast) on the same GPU: scales within a bf16 rounding, bytes equal but for the rare sum that lands on a tie
     (the sums' order differs), and what the bytes dequantize to is x @ turn within e4m3's rounding."""
-    from kernels import fa3_fp8
+    from burstserve.kernels import fa3_fp8
     from test_fa3_fp8_casts import assert_rotated_cast
     gen = torch.Generator(device=DEV).manual_seed(random.randrange(1 << 30))
     qkv = torch.randn(s, hx + 2 * hkv, 128, device=DEV, dtype=torch.bfloat16, generator=gen)

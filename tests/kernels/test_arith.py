@@ -3,8 +3,8 @@ import math
 import random
 from fractions import Fraction
 
-from engine.cache.ledger import pages_for
-from kernels.arith import ceil_div
+from burstserve.engine.cache.ledger import pages_for
+from burstserve.kernels.arith import ceil_div
 
 
 def test_ceil_div_is_the_ceiling_of_the_quotient():

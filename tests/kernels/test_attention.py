@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from kernels import attention
-from kernels.attention import AttentionBackend, _flash_aten, available_backends, select_backend
+from burstserve.kernels import attention
+from burstserve.kernels.attention import AttentionBackend, _flash_aten, available_backends, select_backend
 
 
 def softmax_attention(q, k, v, causal, scale):

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kernels import fa3_fp8
-from kernels.attention import backend_refusal, select_backend
-from kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal, run_segments, segments
+from burstserve.kernels import fa3_fp8
+from burstserve.kernels.attention import backend_refusal, select_backend
+from burstserve.kernels.fa3_fp8 import fa3_fp8_attention, fa3_fp8_refusal, run_segments, segments
 from hf_reference import fa3_like_reference
 
 

@@ -7,7 +7,7 @@ values, which sum in another order (a scale within a rounding of x's dtype, a by
 step away), and what the bytes dequantize to is x @ turn within e4m3's rounding."""
 import torch
 
-from kernels import fa3_fp8
+from burstserve.kernels import fa3_fp8
 from triton_interpreter import run_interpreted
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_reference import dense_causal_attend
-from kernels import fp8
+from burstserve.kernels import fp8
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -70,8 +70,8 @@ def checkpoint(tmp_path_factory):
 def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
     """The tiny GQA model (hidden 64: few terms per dot product, so a coarse bound) in bf16 and with FP8
     linears, against transformers in fp32 over 96 positions: FP8 is further off than bf16 but close."""
-    from engine.config import load_model_config
-    from engine.model import LlamaModel
+    from burstserve.engine.config import load_model_config
+    from burstserve.engine.model import LlamaModel
     path, hf = checkpoint
     cfg = load_model_config(path)
     ids = torch.randint(0, cfg.vocab_size, (96,))
@@ -91,12 +91,12 @@ def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
 
 
 def test_fp8_is_refused_without_cuda_and_an_unknown_quantization_by_name():
-    from engine import LLM
-    from engine.errors import DeviceSpecError, InvalidRequestError
+    from burstserve.engine import LLM
+    from burstserve.engine.errors import DeviceSpecError, InvalidRequestError
     with pytest.raises(DeviceSpecError, match="CUDA GPUs with FP8 tensor cores"):
         LLM("tiny", devices="cpu", quantization="fp8")
     with pytest.raises(InvalidRequestError, match="not one of none, fp8"):
         LLM("tiny", devices="cpu", quantization="int4")
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--devices", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "serve", "--model", "tiny", "--devices", "cpu",
                            "--quantization", "fp8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs CUDA GPUs with FP8 tensor cores" in proc.stderr, proc.stderr[-2000:]

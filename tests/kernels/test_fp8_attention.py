@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from kernels import fp8_attention as fa
+from burstserve.kernels import fp8_attention as fa
 from test_fp8_paged_attention import fp8_pool
 from triton_interpreter import run_interpreted
 
@@ -144,7 +144,7 @@ def test_paged_attention_over_fp8_pages_gathers_in_segments(causal, monkeypatch)
     """paged_attention over FP8 pages (the gathered path chunks and prefix hits take) gathers a long context
     FP8_GATHER_SEGMENT keys at a time and merges by LSE: against float64 attention over the cache's values,
     with segments of 7 and 16 keys (pages of 16: segments across and within pages) and in one piece."""
-    from kernels import paged_attention as pa
+    from burstserve.kernels import paged_attention as pa
     queries, keys = [40, 16, 100, 1], [40, 120, 300, 77]
     q, kp, vp, table, cu, lens, rounded = _case(queries, keys)
     want_out, want_lse = _float64(q, rounded, cu, 0.125, causal)
@@ -160,8 +160,8 @@ def test_paged_attention_over_fp8_pages_runs_the_callers_attention_on_each_segme
     goes through it, unmasked, then the last q_len keys causally, merged into one fp32 accumulator (in one piece:
     the square causally, then the keys before it): with a reference attention the result is float64's over the
     cache's values, in segments of 7 keys and in one."""
-    from kernels import paged_attention as pa
-    from kernels.attention import AttentionBackend, reference_attention
+    from burstserve.kernels import paged_attention as pa
+    from burstserve.kernels.attention import AttentionBackend, reference_attention
     queries, keys = [40], [300]
     q, kp, vp, table, cu, lens, rounded = _case(queries, keys)
     want_out, want_lse = _float64(q, rounded, cu, 0.125, True)

@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from kernels import fp8_paged_attention as fpa
-from kernels.kv_quant import Fp8Pages, quantize_kv, round_kv
-from kernels.paged_attention import paged_attention
+from burstserve.kernels import fp8_paged_attention as fpa
+from burstserve.kernels.kv_quant import Fp8Pages, quantize_kv, round_kv
+from burstserve.kernels.paged_attention import paged_attention
 from triton_interpreter import run_interpreted
 
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kernels import fp8
-from kernels import fp8_small_gemm as sg
+from burstserve.kernels import fp8
+from burstserve.kernels import fp8_small_gemm as sg
 from triton_interpreter import run_interpreted
 
 

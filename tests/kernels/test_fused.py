@@ -1,10 +1,10 @@
-"""kernels.fused: the torch path against transformers' LLaMA pieces, and the Triton kernels (run on
+"""burstserve.kernels.fused: the torch path against transformers' LLaMA pieces, and the Triton kernels (run on
 CPU through Triton's interpreter, in a fresh process) against the torch path. Fresh random inputs."""
 import torch
 import torch.nn.functional as F
 
-from kernels import fused
-from kernels.arith import next_pow2
+from burstserve.kernels import fused
+from burstserve.kernels.arith import next_pow2
 from triton_interpreter import run_interpreted
 
 
@@ -22,8 +22,8 @@ def test_rms_norm_matches_transformers_with_and_without_residual():
 
 def test_rope_in_place_matches_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    from engine.config import ModelConfig
-    from engine.rope import inverse_frequencies, rope_cos_sin
+    from burstserve.engine.config import ModelConfig
+    from burstserve.engine.rope import inverse_frequencies, rope_cos_sin
     h, hkv, d, s = 6, 2, 16, 9
     cfg = ModelConfig(vocab_size=10, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
                       num_kv_heads=hkv, head_dim=d, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)

@@ -3,7 +3,7 @@ a graph without a cycle, so any of them can be imported first."""
 import ast
 import os
 
-KERNELS = os.path.join(os.path.dirname(__file__), "..", "..", "kernels")
+KERNELS = os.path.join(os.path.dirname(__file__), "..", "..", "burstserve", "kernels")
 
 
 def kernel_imports() -> dict[str, set[str]]:
@@ -15,12 +15,12 @@ def kernel_imports() -> dict[str, set[str]]:
             tree = ast.parse(f.read())
         found = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "kernels":
+            if isinstance(node, ast.ImportFrom) and node.module == "burstserve.kernels":
                 found |= {a.name for a in node.names if a.name in names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels."):
-                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("burstserve.kernels."):
+                found.add(node.module.split(".")[2])
             elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("kernels.")}
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("burstserve.kernels.")}
         graph[name] = found - {name}
     return graph
 

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from kernels.kv_quant import dequantize_kv, pack_kv, quantize_kv, round_kv, unpack_kv
+from burstserve.kernels.kv_quant import dequantize_kv, pack_kv, quantize_kv, round_kv, unpack_kv
 from triton_interpreter import run_interpreted
 
 
@@ -104,7 +104,7 @@ def _triton_interpreted_checks():
     """Run in a TRITON_INTERPRET=1 process (see test_fused_kernels_interpreted): the one-kernel round_kv_ and
     store_kv_fp8 give the torch ops' bytes, scales and values exactly (rows of a fused QKV output, binade
     edges, zero rows, an outlier channel), and the gather kernel dequantize_kv's values bit for bit."""
-    from kernels import kv_quant
+    from burstserve.kernels import kv_quant
     build = kv_quant._build()
     for dtype in (torch.float32, torch.float16):        # bf16: the interpreter loads its raw bits (GPU test)
         n, hkv, d = 37, 3, 64
@@ -130,7 +130,7 @@ def _triton_interpreted_checks():
             assert torch.equal(data[j].view(-1, hkv, d)[slots], q8), (dtype, j)
             assert torch.equal(scales[j].view(-1, hkv)[slots], s8), (dtype, j)
     # the gather kernel: pages in a shuffled order, a partial last page, bf16 and fp32 out, tiny scales too
-    from kernels.kv_quant import Fp8Pages
+    from burstserve.kernels.kv_quant import Fp8Pages
     x = _rows(30 * 8 * 2, 64).view(30, 8, 4, 64)[:, :, :3].contiguous()
     x[4] *= 1e-37                                                                 # scales near MIN_SCALE
     data, scale = quantize_kv(x)
@@ -147,7 +147,7 @@ def _triton_interpreted_checks():
 def test_pages_gather_in_the_compute_dtype_gives_dequantize_kvs_values():
     """Fp8Pages.gather multiplies in bf16 (no fp32 copy of a long context): the same values as the exact
     fp32 product rounded once."""
-    from kernels.kv_quant import Fp8Pages
+    from burstserve.kernels.kv_quant import Fp8Pages
     x = _rows(50 * 16, 64).view(50, 16, 2, 64)
     data, scale = quantize_kv(x)
     pages = Fp8Pages(data, scale)

@@ -4,8 +4,8 @@ and masked ones (used == 0, holding garbage) weigh nothing. The same checks run 
 kernels on the CPU, in Triton's interpreter (test_merge_triton_kernels_interpreted)."""
 import torch
 
-from kernels import merge
-from kernels.merge import merge_into, merge_partials, merge_stacked
+from burstserve.kernels import merge
+from burstserve.kernels.merge import merge_into, merge_partials, merge_stacked
 from triton_interpreter import run_interpreted
 
 SCALE = 0.3

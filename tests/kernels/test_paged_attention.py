@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-import kernels.paged_attention as pa
-from kernels import merge
-from kernels.merge import merge_stacked
-from kernels.paged_attention import choose_num_chunks, paged_attention
+import burstserve.kernels.paged_attention as pa
+from burstserve.kernels import merge
+from burstserve.kernels.merge import merge_stacked
+from burstserve.kernels.paged_attention import choose_num_chunks, paged_attention
 from triton_interpreter import run_interpreted
 
 

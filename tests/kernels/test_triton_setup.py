@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from kernels.triton_setup import LazyTriton
+from burstserve.kernels.triton_setup import LazyTriton
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -26,7 +26,7 @@ def test_a_failure_is_logged_once_and_the_torch_ops_serve_for_good(caplog):
         builds.append(1)
         raise ImportError("no triton")
     lazy = LazyTriton(broken, "test")
-    with caplog.at_level(logging.WARNING, logger="kernels.triton_setup"):
+    with caplog.at_level(logging.WARNING, logger="burstserve.kernels.triton_setup"):
         assert lazy.kernels(CUDA) is None and lazy.kernels(CUDA) is None
         lazy.failed(RuntimeError("a launch failed too"))
     assert builds == [1] and not lazy.enabled
@@ -37,7 +37,7 @@ def test_a_failure_is_logged_once_and_the_torch_ops_serve_for_good(caplog):
 def test_a_launch_failure_after_a_good_build_turns_the_kernels_off(caplog):
     lazy = LazyTriton(lambda: {"k": 1}, "test")
     assert lazy.kernels(CUDA) == {"k": 1}
-    with caplog.at_level(logging.WARNING, logger="kernels.triton_setup"):
+    with caplog.at_level(logging.WARNING, logger="burstserve.kernels.triton_setup"):
         lazy.failed(RuntimeError("out of resources"))
         lazy.failed(RuntimeError("again"))
     assert lazy.kernels(CUDA) is None and len(caplog.records) == 1

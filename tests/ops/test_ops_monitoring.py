@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.server_process import RemoteServer, free_port
+from burstserve.clients.server_process import RemoteServer, free_port
 from ops_helpers import (PROMETHEUS_YML, concrete, dashboard_metric_names, dashboard_targets, require_tool)
 
 # promtool lints the exposition; the one rule burstserve breaks on purpose: its names carry a

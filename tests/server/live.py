@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.server_process import RemoteServer
+from burstserve.clients.server_process import RemoteServer
 
 # A CPU server with 2 worker processes (gloo). The one place to change when the device flags change.
 DEVICE_ARGS = ["--devices", "cpu", "--context-parallel-size", "2"]

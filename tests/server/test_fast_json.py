@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from server.fast_json import token_ids_body
-from server.protocol import CompletionRequest
+from burstserve.server.fast_json import token_ids_body
+from burstserve.server.protocol import CompletionRequest
 
 
 def _ids(n):

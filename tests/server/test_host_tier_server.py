@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from clients.server_process import RemoteServer
-from engine.messages import EngineFigures
+from burstserve.clients.server_process import RemoteServer
+from burstserve.engine.messages import EngineFigures
 from hf_reference import save_checkpoint, save_tokenizer
 from live import metrics
-from server.stats_log import stats_line
+from burstserve.server.stats_log import stats_line
 
 KEY = "host-tier-key"
 DOC = 300

@@ -22,19 +22,19 @@ def imported_modules(path: str) -> set[str]:
 
 
 def test_server_imports_nothing_of_clients():
-    server = os.path.join(ROOT, "server")
+    server = os.path.join(ROOT, "burstserve", "server")
     files = [f for f in os.listdir(server) if f.endswith(".py")]
     assert "cli.py" in files
-    reads = {f: sorted(m for m in imported_modules(os.path.join(server, f)) if m.split(".")[0] == "clients")
+    reads = {f: sorted(m for m in imported_modules(os.path.join(server, f)) if m.split(".")[:2] == ["burstserve", "clients"])
              for f in files}
     assert not any(reads.values()), {f: m for f, m in reads.items() if m}
 
 
 def test_bench_is_a_subcommand_of_the_installed_command():
-    from server.cli import added_commands, build_parser
+    from burstserve.server.cli import added_commands, build_parser
     assert "bench" in added_commands()
     args = build_parser().parse_args(["bench", "sweep", "--lengths", "512", "--output-dir", "x"])
     assert (args.command, args.mode, args.lengths) == ("bench", "sweep", "512")
-    for cmd in ([sys.executable, "-m", "server.cli", "bench", "--help"], [sys.executable, "-m", "clients.bench", "--help"]):
+    for cmd in ([sys.executable, "-m", "burstserve.server.cli", "bench", "--help"], [sys.executable, "-m", "burstserve.clients.bench", "--help"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 0 and "sweep" in proc.stdout and "load" in proc.stdout, (cmd, proc.stderr[-500:])

@@ -1,8 +1,8 @@
 """Logprob names: unique per position, the sampled token always present, bytes for partial UTF-8."""
 import random
 
-from engine.tokenizer import ByteTokenizer
-from server.logprobs import chat_logprob_entry, completion_logprob_entry, token_name
+from burstserve.engine.tokenizer import ByteTokenizer
+from burstserve.server.logprobs import chat_logprob_entry, completion_logprob_entry, token_name
 
 
 class SameTextTokenizer(ByteTokenizer):

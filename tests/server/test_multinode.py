@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from clients.server_process import ROOT, free_port
+from burstserve.clients.server_process import free_port
+from paths import ROOT
 from hf_reference import hf_next_logits_and_greedy
 from live import LiveServer, ascii_checkpoint, kill_group, sse_payloads
 
@@ -43,7 +44,7 @@ def _rendezvous_port() -> int:
 
 
 def _joiner(path: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "server.cli", "worker", "--model", path, *ENGINE_ARGS, "--nnodes", "2",
+    cmd = [sys.executable, "-m", "burstserve.server.cli", "worker", "--model", path, *ENGINE_ARGS, "--nnodes", "2",
            "--node-rank", "1", "--master-port", str(port), "--join-timeout", "60", "--log-level", "info", *extra]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
@@ -150,7 +151,7 @@ def test_a_mismatched_host_is_refused_and_a_missing_one_fails_the_head(checkpoin
 
 def test_single_cannot_span_hosts():
     """`single` runs on one device: asked for with --nnodes 2 it is refused before anything starts."""
-    from engine import LLM
-    from engine.errors import InvalidRequestError
+    from burstserve.engine import LLM
+    from burstserve.engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="cannot span hosts"):
         LLM("tiny", devices="cpu", sp_strategy="single", nnodes=2, master_port=free_port())

@@ -348,7 +348,7 @@ def test_the_request_line_splits_the_ttft_into_parts_that_add_up(tiny):
     is read + checks + engine + back, engine holds the workers' queued and prefill, and the client, whose
     wait encloses the server's, saw at least that TTFT."""
     import random
-    from server.timeline import PARTS_PATTERN
+    from burstserve.server.timeline import PARTS_PATTERN
     prompt = [random.randrange(320) for _ in range(random.randrange(200, 600))]
     sent = time.perf_counter()
     with httpx.stream("POST", tiny.url(C), headers=tiny.headers, timeout=60,

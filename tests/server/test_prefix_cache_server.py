@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
-from clients.server_process import RemoteServer
+from burstserve.clients.server_process import RemoteServer
 from live import metrics
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint, save_tokenizer
-from clients.server_process import RemoteServer
+from burstserve.clients.server_process import RemoteServer
 from live import metrics, printable_window, wait_until_idle
 
 KEY = "test-key"
@@ -431,7 +431,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads():
         taken.listen()
         port = taken.getsockname()[1]
         start = time.time()
-        done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "tiny", "--devices", "cpu",
+        done = subprocess.run([sys.executable, "-m", "burstserve.server.cli", "serve", "--model", "tiny", "--devices", "cpu",
                                "-cp", "2", "--port", str(port), "--log-level", "info"],
                               capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr

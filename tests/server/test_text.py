@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from burstserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 from hf_reference import save_tokenizer
-from server.text import TextAssembler
+from burstserve.server.text import TextAssembler
 
 
 @pytest.fixture(scope="module")

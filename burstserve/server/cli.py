@@ -1,10 +1,13 @@
 """The `burstserve` command: `burstserve serve [--model PATH|PRESET] [--devices ...] ...`, `burstserve worker ...`
 (another host joining a `serve --nnodes N`), `burstserve bench ...`."""
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 
@@ -165,10 +168,27 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            log.info("%s: shutting down (in-flight requests end with 503)", signal.Signals(sig).name)
         loop = self.engine.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.engine.shut_down)   # safe from a signal handler
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, less its last step: after a graceful shutdown uvicorn raises the signal again, which
+        turns Ctrl-C into a KeyboardInterrupt traceback and exit status 130 (and SIGTERM into death by the
+        signal). A shutdown that went as asked is a success: `serve` returns and the process exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def _version() -> str:

@@ -658,9 +658,12 @@ def test_a_worker_ignores_sigterm_and_never_outlives_the_server():
         srv.stop()
 
 
-# ---- A6. SIGTERM with requests in flight -------------------------------------------------------------------------
-def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
-    srv = LiveServer([*BASE_ARGS, "--max-model-len", "8192"], api_key=KEY)
+# ---- A6. SIGTERM, or Ctrl-C (SIGINT to the terminal's process group), with requests in flight ------------------
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_sigterm_with_requests_in_flight_leaves_no_process(how, figures):
+    """Either way the streams end with an error event and [DONE], the server exits 0 without a traceback, and
+    nothing of it is left."""
+    srv = LiveServer([*BASE_ARGS, "--max-model-len", "8192"], api_key=KEY, log_level="info")
     try:
         pid = srv.proc.pid
         family = [pid, *descendants(pid)]
@@ -691,7 +694,10 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
             t.start()
         _wait_running(srv, running, results)
         time.sleep(0.3)
-        srv.proc.send_signal(signal.SIGTERM)
+        if how == "SIGTERM":
+            srv.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(pid, signal.SIGINT)                 # a terminal's Ctrl-C reaches the whole group
         sent = time.time()
         try:
             srv.proc.wait(timeout=15)
@@ -707,11 +713,15 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(figures):
                     else o.get("exception", "closed")) for i, o in results.items()}
         state = (f"exited ({srv.proc.returncode}) after {exit_seconds:.2f} s, {len(left)} of its {len(family)} "
                  f"processes left" if exited else f"still running {exit_seconds:.0f} s after it")
-        figures(f"reliability: SIGTERM with {streams} streams running: server {state}; streams ended: "
+        figures(f"reliability: {how} with {streams} streams running: server {state}; streams ended: "
                 f"{sorted(set(ends.values()))}, {len(results)}/{streams} within 5 s of the exit")
         assert exited, "the server was still running 15 s after SIGTERM"
         assert not left, f"processes left after the server exited: {[(p, cmdline(p)[:120]) for p in left]}"
         assert len(results) == streams, "some streams were still open after the server exited"
+        assert set(ends.values()) == {"[DONE] after an error event"}, ends
+        log = srv.log()
+        assert srv.proc.returncode == 0 and "Traceback" not in log, (srv.proc.returncode, log[-3000:])
+        assert f"{'SIGTERM' if how == 'SIGTERM' else 'SIGINT'}: shutting down" in log, log[-3000:]
     finally:
         kill_group(srv.proc.pid)   # at once: a server that ignored SIGTERM is not given 30 s more
         srv.stop()

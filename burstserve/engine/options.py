@@ -55,6 +55,7 @@ class Option:
     check: Callable[[object], str | None] | None = None   # a further check: why a value is refused, or None
     checked_by: str = ""             # where the value is checked instead (this table then checks nothing)
     on_worker: bool = False          # `burstserve worker` takes it too (settings of every host, not the head's alone)
+    aliases: tuple[tuple[str, object], ...] = ()   # other names of values, as vLLM's flags take them (dtype auto)
 
     def __post_init__(self):
         if self.default is FROM_CONFIG:
@@ -73,15 +74,20 @@ class Option:
         """The type LLM's signature shows: `type`, or `type | None`."""
         return self.type | None if self.nullable else self.type
 
+    def canonical(self, value):
+        """The value an alias stands for (dtype "auto": None, "half": "float16"); any other value as it is."""
+        return dict(self.aliases).get(value, value) if isinstance(value, str) else value
+
     def refusal(self, value) -> str | None:
         """Why `value` cannot be this option's, or None; the message names the option by its keyword."""
+        value = self.canonical(value)
         if self.checked_by or (value is None and self.nullable):
             return None
         if not _is_a(value, self.type):
             kind = _KINDS[self.type] + (" or None" if self.nullable else "")
             return f"{self.name} must be {kind}, not {value!r}"
         if self.choices and value not in self.choices:
-            return f"{self.name} {value!r} is not one of {', '.join(self.choices)}"
+            return f"{self.name} {value!r} is not one of {', '.join(self._choice_names())}"
         if not self._in_bounds(value):
             unset = f" (or None: {self.none})" if self.none else ""
             return f"{self.name} must be {self._bounds()}{unset}, not {value}"
@@ -109,17 +115,28 @@ class Option:
         kwargs = dict(dest=self.name, default=self.default, help=help_text)
         if self.type is bool:
             return kwargs | dict(action="store_false" if self.off_flag else argparse.BooleanOptionalAction)
+        if self.aliases:            # argparse would check the choices after the alias became its value: checked here
+            names = "{" + ",".join(self._choice_names()) + "}"
+            return kwargs | dict(type=self._cli_type(checked), metavar=self.metavar or names)
         kwargs |= dict(type=self._cli_type(checked), metavar=self.metavar)
         return kwargs | (dict(choices=list(self.choices)) if self.choices else {})
 
+    def _choice_names(self) -> list[str]:
+        return [*map(str, self.choices), *(alias for alias, _ in self.aliases)]
+
     def _cli_type(self, checked: bool = False) -> Callable[[str], object]:
-        """The command line's parser of a value: `type`, with `cli_none` read as None (and, checked, the
-        value's refusal an argparse error)."""
-        if self.cli_none is None and not checked:
+        """The command line's parser of a value: `type`, with `cli_none` read as None, an alias as its value
+        (and, checked, the value's refusal an argparse error)."""
+        if self.cli_none is None and not checked and not self.aliases:
             return self.type
 
         def parse(text: str):
             value = self.type(text)
+            if self.aliases:
+                if value not in self._choice_names():
+                    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
+                                                     f"{', '.join(self._choice_names())})")
+                value = self.canonical(value)
             if self.cli_none is not None and value == self.cli_none:
                 value = None
             if checked and not (self.choices and value not in self.choices):   # a choice: argparse's message
@@ -153,8 +170,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("context_parallel_size", int, "worker processes that split each prompt (default: every named GPU; on "
            "CPU, 1); on CUDA the first N named GPUs, on CPU N processes on cpu", default=None,
            flags=("-cp", "--context-parallel-size"), metavar="N", checked_by=DEVICES_CHECK, on_worker=True),
-    Option("dtype", str, "default: bfloat16 on GPUs, float32 on CPU", default=None, choices=tuple(DTYPES),
-           on_worker=True),
+    Option("dtype", str, "the weights' and activations' dtype; auto (the default): bfloat16 on GPUs, float32 on CPU; "
+           "half and float as vLLM takes them", default=None, choices=tuple(DTYPES), on_worker=True,
+           aliases=(("auto", None), ("half", "float16"), ("float", "float32"))),
     Option("quantization", str, "fp8: the linear layers' weights quantized to FP8 at load (per-channel scales) and "
            "their inputs per token, GEMMs on FP8 tensor cores (compute capability 8.9+); attention, norms, "
            "embeddings and the LM head stay bfloat16", flags=("--quantization", "-q"), choices=QUANTIZATIONS,
@@ -258,7 +276,7 @@ def check_options(given: Mapping[str, object]) -> dict:
     unknown = sorted(set(given) - set(BY_NAME))
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
-    values = {o.name: given.get(o.name, o.default) for o in OPTIONS}
+    values = {o.name: o.canonical(given.get(o.name, o.default)) for o in OPTIONS}
     for o in OPTIONS:
         why = o.refusal(values[o.name])
         if why:

@@ -14,6 +14,7 @@ import uvicorn
 from burstserve.engine.config import preset_names
 from burstserve.engine.gguf import PACKAGED_MODELS
 from burstserve.engine.options import OPTIONS, add_arguments, from_args
+from burstserve.server.vllm_flags import DEFAULT_MODEL, add_vllm_flags, apply_vllm_flags
 
 log = logging.getLogger("burstserve")
 
@@ -22,9 +23,9 @@ def _add_engine_args(p) -> None:
     """What every host of an engine names, `serve` and `worker` alike: the model and its settings (the same
     on every host: JOIN_FIELDS of engine/cluster.py), its own devices, and where the hosts meet
     (engine/cluster.py); each an engine option of engine/options.py but the model."""
-    p.add_argument("--model", default="tiny", help=f"a local model directory, a GGUF file, a trained model a "
+    p.add_argument("--model", default=None, help=f"a local model directory, a GGUF file, a trained model a "
                    f"package carries ({', '.join(PACKAGED_MODELS)}) or a preset of random weights "
-                   f"({', '.join(preset_names())}); default: %(default)s")
+                   f"({', '.join(preset_names())}); default: {DEFAULT_MODEL}")
     add_arguments(p, (o for o in OPTIONS if o.on_worker))
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default: %(default)s")
@@ -47,6 +48,8 @@ def serve_parser(sub) -> None:
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between the log lines on throughput, requests and KV usage while busy (0: never)")
+    add_vllm_flags(p, log_stats=True)
+    p.set_defaults(command_parser=p)
 
 
 def worker_parser(sub) -> None:
@@ -56,6 +59,8 @@ def worker_parser(sub) -> None:
     p.add_argument("--node-rank", type=int, required=True,
                    help="this host's place, 1 .. nnodes-1 (the head, `burstserve serve`, is 0); its workers' "
                         "ranks follow the hosts before it")
+    add_vllm_flags(p, log_stats=False)
+    p.set_defaults(command_parser=p)
 
 
 def _setup_logging(args) -> None:
@@ -222,9 +227,17 @@ def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: list[str], commands: dict | None = None) -> argparse.Namespace:
+    """The parsed command line, vLLM's flags turned into this engine's (server/vllm_flags.py)."""
+    args = build_parser(commands).parse_args(argv)
+    if args.command in ("serve", "worker"):
+        apply_vllm_flags(args, args.command_parser, argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     commands = added_commands()
-    args = build_parser(commands).parse_args(argv)
+    args = parse_command_line(sys.argv[1:] if argv is None else argv, commands)
     if args.command == "serve":
         serve(args)
     elif args.command == "worker":

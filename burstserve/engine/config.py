@@ -1,4 +1,5 @@
 """Model and engine configuration: one dataclass each, passed down (no global flags)."""
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from burstserve.engine.errors import ModelLoadError
+from burstserve.engine.gguf import PACKAGED_MODELS
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -52,7 +54,7 @@ class ModelConfig:
 def load_model_config(model_dir: str) -> ModelConfig:
     """Reads `model_dir/config.json`; raises ModelLoadError naming what is missing or unsupported."""
     if not os.path.isdir(model_dir):
-        raise ModelLoadError(f"model {model_dir!r} is neither a preset ({', '.join(preset_names())}) nor a directory")
+        raise ModelLoadError(unknown_model(model_dir))
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ModelLoadError(f"model directory {model_dir!r} has no config.json (expected at {path})")
@@ -62,6 +64,19 @@ def load_model_config(model_dir: str) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
     return config_from_hf_dict(raw, source=path)
+
+
+def unknown_model(model: str) -> str:
+    """Why `model` names nothing, with the nearest name it may have meant: a preset, a packaged model, or an
+    entry of the folder the path points into."""
+    why = (f"model {model!r} is neither a preset ({', '.join(preset_names())}), a trained model a package carries "
+           f"({', '.join(PACKAGED_MODELS)}) nor a directory")
+    guess = difflib.get_close_matches(model.lower(), [*preset_names(), *PACKAGED_MODELS], n=1, cutoff=0.75)
+    folder = os.path.dirname(model)
+    if not guess and folder and os.path.isdir(folder):
+        near = difflib.get_close_matches(os.path.basename(model), sorted(os.listdir(folder)), n=1, cutoff=0.75)
+        guess = [os.path.join(folder, name) for name in near]
+    return why + (f"; did you mean {guess[0]!r}?" if guess else "")
 
 
 def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:

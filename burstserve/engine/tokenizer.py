@@ -1,7 +1,10 @@
 """Tokenizers: transformers' from the model directory when present, a byte-level one for presets."""
+import logging
 import os
 
 from burstserve.engine.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -90,4 +93,7 @@ def load_tokenizer(model: str, is_preset: bool):
         return ByteTokenizer()
     if any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
         return HFTokenizer(model)
+    log.warning("model directory %r has no tokenizer files (%s): text prompts and chat requests will be refused; "
+                "only prompts of token ids can be served. Copy the tokenizer's files from the checkpoint it was "
+                "saved with.", model, ", ".join(TOKENIZER_FILES))
     return NoTokenizer(model)

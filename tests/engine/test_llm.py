@@ -258,3 +258,24 @@ def test_identical_prompts_share_one_prefill(llm, checkpoint):
     twin_greedy = llm.generate([fresh, fresh], [greedy, greedy])
     assert twin_greedy[1].metrics.prefill_stats.shared_prefill
     assert [o.outputs[0].token_ids for o in twin_greedy] == [fresh_ref, fresh_ref]
+
+
+def test_a_near_miss_model_name_gets_the_name_it_may_mean(tmp_path):
+    with pytest.raises(ModelLoadError, match="did you mean 'llama3-8b'"):
+        LLM("llama3-8", devices="cpu")
+    with pytest.raises(ModelLoadError, match="did you mean 'smollm2-135m-instruct'"):
+        LLM("smollm2-135m-instruc", devices="cpu")
+    (tmp_path / "Llama-3.1-8B-Instruct").mkdir()
+    with pytest.raises(ModelLoadError, match=f"did you mean '{tmp_path}/Llama-3.1-8B-Instruct'"):
+        LLM(str(tmp_path / "Llama-3.1-8B-Instruc"), devices="cpu")
+    with pytest.raises(ModelLoadError, match="neither a preset") as refused:
+        LLM(str(tmp_path / "something-else"), devices="cpu")
+    assert "did you mean" not in str(refused.value)
+
+
+def test_a_model_directory_without_tokenizer_files_is_said_at_start(tmp_path, caplog):
+    from burstserve.engine.tokenizer import NoTokenizer, load_tokenizer
+    with caplog.at_level("WARNING", logger="burstserve.engine.tokenizer"):
+        tok = load_tokenizer(str(tmp_path), is_preset=False)
+    assert isinstance(tok, NoTokenizer)
+    assert "no tokenizer files" in caplog.text and "token ids" in caplog.text

@@ -41,7 +41,8 @@ BASELINES_HELP = ("; or a baseline, not the engine: `transformers` (LlamaForCaus
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark time to first token (sweep; shared: cold and warm, prefix cache) or "
                                       "a request load")
-    modes = p.add_subparsers(dest="mode", required=True)
+    modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    p.error = _naming_the_modes(p.error)
     sweep = modes.add_parser("sweep", help="TTFT over prompt lengths (with --output-len, time per output token; "
                                            "with --batch, generated tokens/s)")
     load = modes.add_parser("load", help="many requests at a rate; vllm bench serve's metrics")
@@ -52,17 +53,18 @@ def add_parser(sub) -> None:
     for m in (sweep, load, shared, interference):
         m.add_argument("--url", default=None, help="a running server (default: --serve, else http://127.0.0.1:8000)")
         m.add_argument("--serve", default=None, help="start `burstserve serve` with these arguments for this run")
-        m.add_argument("--api-key", default=None)
+        m.add_argument("--api-key", default=None, help="the server's --api-key, sent as a bearer token")
         m.add_argument("--label", default=None, help="the configuration's name in tables and plots")
         m.add_argument("--output-dir", default="bench-out", help="where results.json, .csv, .md and plots go "
                                                                  "(default: %(default)s)")
     sweep.add_argument("--lengths", default=",".join(str(n) for n in _default_lengths()),
                        help="prompt lengths in tokens, comma-separated (default: %(default)s; the long ones take "
                             "hours on a CPU)")
-    sweep.add_argument("--repeats", type=int, default=3, help="measured requests (batches) per length")
+    sweep.add_argument("--repeats", type=int, default=3, help="measured requests (batches) per length (default: "
+                                                                 "%(default)s)")
     sweep.add_argument("--warmup", type=int, default=1,
                        help="unmeasured requests (batches) per length first (a new length builds kernel plans); "
-                            "recorded apart")
+                            "recorded apart (default: %(default)s)")
     sweep.add_argument("--output-len", "--max-tokens", dest="output_len", type=_positive_int, default=1,
                        metavar="N",
                        help="tokens each request generates, exactly (ignore_eos). 1 (default): TTFT only; N > 1: "
@@ -99,12 +101,20 @@ def add_parser(sub) -> None:
     shared.add_argument("--seed", type=int, default=0, help="of the random token ids")
     _add_offline_args(shared)
     _add_interference_args(interference)
-    load.add_argument("--num-prompts", type=int, default=100)
-    load.add_argument("--input-len", type=int, default=1024)
-    load.add_argument("--output-len", type=int, default=128)
-    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--num-prompts", type=_positive_int, default=100, metavar="N",
+                      help="requests sent in all (default: %(default)s)")
+    load.add_argument("--input-len", type=_positive_int, default=1024, metavar="L",
+                      help="prompt tokens of each request, random ids (default: %(default)s)")
+    load.add_argument("--output-len", type=_positive_int, default=128, metavar="N",
+                      help="tokens each request generates, exactly (ignore_eos; default: %(default)s)")
+    load.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
+                      help="requests a second, arriving as a Poisson process; inf (default): all at once")
+    load.add_argument("--max-concurrency", type=_positive_int, default=None, metavar="C",
+                      help="requests in flight at most (default: no limit)")
+    load.add_argument("--seed", type=int, default=0, help="of the random token ids and arrival times "
+                                                          "(default: %(default)s)")
+    for m in (sweep, load, shared, interference):
+        _say_defaults(m)
     merge = modes.add_parser("merge", help="several sweeps' results.json into one table and plot")
     merge.add_argument("paths", nargs="+")
     merge.add_argument("--output-dir", default="bench-merged")
@@ -114,6 +124,28 @@ def add_parser(sub) -> None:
     merge.add_argument("--title", default="Time to first token")
     merge.add_argument("--scaling-length", type=int, default=65536,
                        help="the prompt length of the scaling table (configurations by device count); 0: none")
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each flag whose default is a value and whose help does not say it gets "(default: ...)" (as argparse's
+    ArgumentDefaultsHelpFormatter, without restating defaults the help already words)."""
+    for a in parser._actions:
+        if a.option_strings and a.default not in (None, True, False, argparse.SUPPRESS) and a.help \
+                and "default" not in a.help.lower():
+            a.help += " (default: %(default)s)"
+
+
+MODES_HINT = ("burstserve bench takes a mode first, then its flags: sweep, load, shared, interference or merge "
+              "(e.g. `burstserve bench sweep --lengths 8192`; `burstserve bench MODE --help` lists a mode's flags)")
+
+
+def _naming_the_modes(error):
+    """bench's parser error, saying that a mode comes first where none was named (`bench --lengths 8192`)."""
+    def error_naming_the_modes(message: str):
+        if "argument MODE" in message or "required: MODE" in message:
+            message = f"{message}\n{MODES_HINT}"
+        error(message)
+    return error_naming_the_modes
 
 
 def _add_interference_args(m) -> None:
@@ -140,7 +172,7 @@ def _add_offline_args(m, baselines: bool = False) -> None:
     """A mode's flags of an offline run (the LLM in this process) and of the devices --serve is given: the
     engine's from its option table (OFFLINE_OPTIONS), --sp-strategy with the BASELINES if `baselines`."""
     m.add_argument("--offline", action="store_true", help="through the LLM API in this process, no HTTP")
-    m.add_argument("--model", default="tiny", help="offline: model directory or preset")
+    m.add_argument("--model", default="tiny", help="offline: model directory or preset (default: %(default)s)")
     add_arguments(m, offline_option_rows(baselines), checked=True)
 
 
@@ -239,7 +271,7 @@ def _run(args) -> None:
                                               args.input_len, args.output_len, args.request_rate,
                                               args.max_concurrency, args.api_key, bar, args.seed))
             result.update(label=args.label, input_len=args.input_len, output_len=args.output_len,
-                          num_prompts=args.num_prompts, server=info)
+                          num_prompts=args.num_prompts, server=info, **_run_meta(args, url))
             report.write_load(args.output_dir, result)
             print(open(f"{args.output_dir}/results.md").read())
 
@@ -265,9 +297,24 @@ def _sweep_rows(args, url: str | None, lengths: list[int], bar):
 
 def _run_meta(args, url: str | None) -> dict:
     """What results.json records of every run: the command, where it measured, the date and the machine."""
+    offline = getattr(args, "offline", False)
     return {"command": "burstserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-            "url": None if args.offline else url, "date": datetime.date.today().isoformat(),
-            "machine": report.this_machine() if args.offline or args.serve else None}
+            "url": None if offline else url, "date": datetime.date.today().isoformat(),
+            "machine": report.this_machine() if offline or args.serve or _is_this_host(url)
+            else f"unknown: the server at {url}, on another host"}
+
+
+def _is_this_host(url: str | None) -> bool:
+    """Whether `url` is served on this host (a loopback address), so this host's machine is the server's."""
+    import ipaddress
+    from urllib.parse import urlsplit
+    host = urlsplit(url or "").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _device_args(args) -> list[str]:

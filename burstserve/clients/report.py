@@ -318,10 +318,11 @@ def plot_tpot(rows: list[dict], path: str) -> None:
 
 def write_load(output_dir: str, result: dict) -> None:
     scalars = {k: v for k, v in result.items() if not isinstance(v, (list, dict))}
+    shown = {**scalars, "max_concurrency": scalars.get("max_concurrency") or "no limit"}
     write_result_files(output_dir, {"mode": "load", **result}, list(scalars), [scalars],
                        "| metric | value |\n|---|---|\n" + "".join(
                            f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
-                           for k, v in scalars.items()))
+                           for k, v in shown.items() if v is not None))   # None: a figure no request gave
     plot_load(result, os.path.join(output_dir, "latency.png"))
 
 

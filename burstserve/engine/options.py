@@ -87,7 +87,7 @@ class Option:
             kind = _KINDS[self.type] + (" or None" if self.nullable else "")
             return f"{self.name} must be {kind}, not {value!r}"
         if self.choices and value not in self.choices:
-            return f"{self.name} {value!r} is not one of {', '.join(self._choice_names())}"
+            return f"{self.name} {value!r} is not one of {', '.join(self.choice_names())}"
         if not self._in_bounds(value):
             unset = f" (or None: {self.none})" if self.none else ""
             return f"{self.name} must be {self._bounds()}{unset}, not {value}"
@@ -116,12 +116,12 @@ class Option:
         if self.type is bool:
             return kwargs | dict(action="store_false" if self.off_flag else argparse.BooleanOptionalAction)
         if self.aliases:            # argparse would check the choices after the alias became its value: checked here
-            names = "{" + ",".join(self._choice_names()) + "}"
+            names = "{" + ",".join(self.choice_names()) + "}"
             return kwargs | dict(type=self._cli_type(checked), metavar=self.metavar or names)
         kwargs |= dict(type=self._cli_type(checked), metavar=self.metavar)
         return kwargs | (dict(choices=list(self.choices)) if self.choices else {})
 
-    def _choice_names(self) -> list[str]:
+    def choice_names(self) -> list[str]:
         return [*map(str, self.choices), *(alias for alias, _ in self.aliases)]
 
     def _cli_type(self, checked: bool = False) -> Callable[[str], object]:
@@ -133,9 +133,9 @@ class Option:
         def parse(text: str):
             value = self.type(text)
             if self.aliases:
-                if value not in self._choice_names():
+                if value not in self.choice_names():
                     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
-                                                     f"{', '.join(self._choice_names())})")
+                                                     f"{', '.join(self.choice_names())})")
                 value = self.canonical(value)
             if self.cli_none is not None and value == self.cli_none:
                 value = None

@@ -86,6 +86,21 @@ def test_load_mode_reports_vllm_metrics(tmp_path):
     assert len(result["ttfts"]) == 12 and statistics.fmean(result["ttfts"]) * 1e3 == pytest.approx(result["mean_ttft_ms"])
     assert statistics.fmean(result["e2els"]) * 1e3 == pytest.approx(result["mean_e2el_ms"])
     assert open(tmp_path / "load" / "latency.png", "rb").read(8) == PNG_MAGIC
+    table = open(tmp_path / "load" / "results.md").read()
+    assert "None" not in table and "| max_concurrency | 4 |" in table, table
+    from burstserve.clients import report
+    assert result["machine"] == report.this_machine() and result["date"] and "bench load" in result["command"]
+
+
+def test_the_load_table_shows_no_none(tmp_path):
+    """A figure no request gave (TPOT of one-token answers) is left out of results.md (kept in results.json as
+    null, as vllm bench serve keeps it), and no concurrency limit reads so."""
+    from burstserve.clients import report
+    report.write_load(str(tmp_path), {"label": None, "completed": 3, "max_concurrency": None, "mean_tpot_ms": None,
+                                      "mean_ttft_ms": 1.5, "ttfts": [0.001] * 3, "e2els": [0.002] * 3})
+    table = open(tmp_path / "results.md").read()
+    assert "None" not in table and "| max_concurrency | no limit |" in table and "| mean_ttft_ms | 1.500 |" in table
+    assert json.load(open(tmp_path / "results.json"))["mean_tpot_ms"] is None
 
 
 def test_transformers_baseline_sweep_and_doc_section(tmp_path):

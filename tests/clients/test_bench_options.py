@@ -42,7 +42,8 @@ def test_every_engine_option_of_the_bench_is_the_tables(mode):
         assert set(a.option_strings) == _serve_flags(o), name
         assert a.default == o.default, name
         baselines = BASELINES if (name, mode) == ("sp_strategy", "sweep") else ()
-        assert tuple(a.choices or ()) == tuple(o.choices) + baselines, name
+        shown = tuple(a.choices or ()) if not o.aliases else tuple(a.metavar.strip("{}").split(","))  # checked by type
+        assert shown == tuple(o.choice_names()) + baselines, name
     for flag, name in OLD_FLAGS.items():
         assert next(a for a in actions.values() if flag in a.option_strings).dest == name, flag
     # a bench flag spelled as an engine flag of serve is that option, from the table (not restated by hand)
@@ -192,3 +193,30 @@ def test_gpu_sh_command_lines_listed_here_parse(argv):
     args = _parse(*shlex.split(argv))
     if getattr(args, "offline", False) and args.sp_strategy not in BASELINES:
         check_options({k: v for k, v in offline_llm_args(args, 1024).items() if k != "model"})
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--lengths", "256"]])
+def test_bench_without_a_mode_says_that_a_mode_comes_first(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "takes a mode first" in err and "bench sweep --lengths" in err, err
+
+
+@pytest.mark.parametrize("mode", ["sweep", "load", "shared", "interference"])
+def test_every_flag_of_a_mode_says_what_it_does_and_its_default(mode):
+    """Each flag has help; a flag whose default is a value says it (%(default)s or the value in words)."""
+    parser = _mode(build_parser(), mode)
+    silent = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert not silent, silent
+    unsaid = [a.option_strings for a in parser._actions if a.option_strings and a.default not in (None, False, True)
+              and a.default != argparse.SUPPRESS and "default" not in a.help.lower() and "%(default)" not in a.help]
+    assert not unsaid, unsaid
+
+
+def test_the_machine_is_this_hosts_only_where_the_server_is_local():
+    from burstserve.clients.bench import _is_this_host
+    assert _is_this_host("http://127.0.0.1:8000") and _is_this_host("http://localhost:8000/")
+    assert _is_this_host("http://[::1]:8000")
+    assert not _is_this_host("http://10.1.2.3:8000") and not _is_this_host("http://gpu-box:8000")
+    assert not _is_this_host(None)

@@ -51,11 +51,12 @@ def test_a_live_round_against_a_chunked_cpu_server(tmp_path):
 
 
 def test_default_flags_keep_streams_flowing_while_a_long_prompt_prefills(tmp_path):
-    """The server as shipped (no chunking flag given): 4 streams decode while a prompt that takes at least
-    3 s to prefill alone is admitted; no stream waits more than 0.5 s for a token, and a 16-token request
-    sent during that prefill has its first token before the long prompt does. The long prompt is shorter
-    than the default chunk: it is chunked because others decode and one call would hold their tokens past
-    the ITL target."""
+    """The server as shipped (no chunking flag given): 4 streams decode while a long prompt is admitted. Without
+    chunking every stream would wait the whole prefill for its next token; here none waits a fifth of it (the
+    prefill as it ran beside them, so a machine loaded by other work slows both sides alike), and a 16-token
+    request sent during that prefill has its first token before the long prompt does. The long prompt is
+    shorter than the default chunk: it is chunked because others decode and one call would hold their tokens
+    past the ITL target. Times are compared within the run only: no bound on the machine's own speed."""
     out = tmp_path / "defaults"
     bench("interference", "--serve", "--model tiny --devices cpu", "--streams", "4", "--stream-len", "16",
           "--stream-output-len", "100000", "--long-len", str(LONG_CPU), "--short-len", "16", "--short-delay", "0.5",
@@ -66,12 +67,13 @@ def test_default_flags_keep_streams_flowing_while_a_long_prompt_prefills(tmp_pat
     print(f"default flags, {LONG_CPU}-token prompt: alone {r['long_ttft_alone_s']:.2f} s, beside 4 streams "
           f"{r['long_ttft_under_load_s']:.2f} s; streams' largest gap {r['max_itl_during_ms']:.0f} ms "
           f"({r['itl_during_count']} gaps during); 16-token request {r['short_ttft_s'] * 1e3:.0f} ms")
-    assert r["long_ttft_alone_s"] >= 3.0, "the long prompt must take at least 3 s alone for this test to mean anything"
-    assert r["itl_during_count"] >= 4 * 3                       # the streams kept decoding during the prefill
-    assert r["max_itl_during_ms"] <= 500, r
+    # the prefill is long against a stream's step: it alone takes 20 of the steps the streams made before it
+    assert r["long_ttft_alone_s"] * 1e3 >= 20 * r["median_itl_before_ms"], r
+    assert r["itl_during_count"] >= 4 * 10                      # the streams kept decoding during the prefill
+    assert r["max_itl_during_ms"] <= 0.2 * r["long_ttft_under_load_s"] * 1e3, r
     raw = r["raw"]
     assert raw["short_first"] < raw["long_first"]
     assert all(times[-1] > raw["long_first"] for times in raw["streams"])   # every stream outlived the window
 
 
-LONG_CPU = 32768     # tiny on a 2-core CI machine: about 10 s alone (3 s is the least the test asks), under a chunk (65536)
+LONG_CPU = 32768     # tiny on a 2-core CI machine: about 10 s alone, under a chunk (65536)

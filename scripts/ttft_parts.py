@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from burstserve.server.timeline import PARTS_PATTERN  # noqa: E402
 
 PROMPT = re.compile(r"(\d+) prompt tokens, ")
-PARTS = ["ttft", "read", "checks", "engine", "queued", "prefill", "back"]
+PARTS = ["ttft", "read", "checks", "engine", "queued", "prefill", "between", "back"]
 
 
 def server_lines(log_path: str) -> dict[int, list[dict]]:
@@ -34,8 +34,8 @@ def main(log_path: str, results_path: str) -> None:
     rows = json.load(open(results_path))["rows"]
     lines = server_lines(log_path)
     print("| prompt tokens | requests | client TTFT | server TTFT | read | checks | engine | of which queued | "
-          "of which prefill | back | wire (client - server) | HTTP - engine | its median |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "of which prefill | of which between | back | wire (client - server) | HTTP - engine | its median |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         n = row["prompt_tokens"]
         client = row["warmup_ttft_ms_samples"] + row["ttft_ms_samples"]
@@ -50,7 +50,7 @@ def main(log_path: str, results_path: str) -> None:
         overs = [c - s["engine"] for c, s in zip(client, server)]
         print(f"| {n} | {len(client)} | {statistics.fmean(client):.1f} | {mean['ttft']:.1f} | {mean['read']:.1f} | "
               f"{mean['checks']:.1f} | {mean['engine']:.1f} | {mean['queued']:.1f} | {mean['prefill']:.1f} | "
-              f"{mean['back']:.1f} | {wire:.1f} | {statistics.fmean(overs):.1f} | {statistics.median(overs):.1f} |")
+              f"{mean['between']:.1f} | {mean['back']:.1f} | {wire:.1f} | {statistics.fmean(overs):.1f} | {statistics.median(overs):.1f} |")
 
 
 if __name__ == "__main__":

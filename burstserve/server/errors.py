@@ -88,6 +88,10 @@ def body_error(request: Request, exc: RequestValidationError) -> APIError | None
     return APIError(400, "the request body must be a JSON object of the request's fields")
 
 
+UNKNOWN_FIELD = ("not a field this server takes: OpenAI's request fields and vLLM's top_k, ignore_eos, "
+                 "stop_token_ids and return_tokens_as_token_ids are (GET /openapi.json lists them)")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's complaint about the first bad field as a 400 naming it (OpenAI answers 400, not
     FastAPI's 422). A field of several types (`prompt`, `stop`, `content`) gets one complaint per
@@ -106,6 +110,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for i, p in enumerate(common) if not (i and isinstance(common[i - 1], int) and p in UNION_TAGS)]
     param = ".".join(loc) or None
     message = str(chosen.get("msg", "invalid request")).removeprefix("Value error, ")
+    if chosen.get("type") == "extra_forbidden":
+        message = UNKNOWN_FIELD
     return APIError(400, f"{param or 'body'}: {message}", param)
 
 

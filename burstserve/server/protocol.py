@@ -14,7 +14,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from burstserve.engine.sampling import MAX_LOGPROBS
 
 MAX_N = 64           # choices per prompt
-MAX_STOPS = 16
+MAX_STOPS = 4        # stop strings a request, as OpenAI's API allows
 SEED_RANGE = dict(ge=-(1 << 53), le=1 << 53)   # a torch seed even as seed + j; exact as a JSON number (a double) too
 STRICT = ConfigDict(strict=True)
 TOKEN_IDS = TypeAdapter(list[StrictInt])   # one pass in pydantic-core, no Python call per id (bools refused)
@@ -83,8 +83,10 @@ ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaRespons
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields both endpoints share, with vLLM's extensions (top_k, ignore_eos, ...)."""
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    """Sampling fields both endpoints share, with vLLM's extensions (top_k, ignore_eos, ...). A field that is none
+    of these is refused by name, as OpenAI's API refuses it: ignored, a `repetition_penalty` or `min_p` meant for
+    another server would change the answer without a word."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     frequency_penalty: Float = Field(0.0, ge=0, le=0, description="only 0 is supported")
     logit_bias: dict[str, Float] | None = Field(None, json_schema_extra={"maxProperties": 0},
                                                 description="only an empty bias is supported")
@@ -217,7 +219,7 @@ ChatMessage = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, Assi
 
 
 class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra={
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra={
         "dependentSchemas": {"top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str | None = None
@@ -230,6 +232,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Number(int, ge=0, le=MAX_LOGPROBS) | None = None
     functions: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0}, description="not supported")
     function_call: Literal["none", "auto"] | None = Field(None, description="no function calling: none or auto")
+    # OpenAI's fields about the service, not the answer: taken, and nothing to do here
+    metadata: dict[str, str] | None = Field(None, description="taken and not used")
+    store: StrictBool | None = Field(None, description="taken and not used: nothing is stored")
+    service_tier: str | None = Field(None, description="taken and not used")
 
     @field_validator("top_logprobs")
     @classmethod

@@ -17,8 +17,9 @@ def test_the_wheel_installs_one_top_level_module(tmp_path):
     """The wheel's RECORD, as pip builds it from pyproject.toml: burstserve and its dist-info, nothing else. Built
     from a copy of the sources, so the build leaves nothing in the checkout."""
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "docs", "tests", "build", "*.egg-info", "wheels", "*.whl", ".*venv",
-                                                                 "__pycache__"))
+    skipped = shutil.ignore_patterns(".git", ".*venv", "docs", "tests", "build", "wheels", "*.whl", "*.egg-info",
+                                     "__pycache__")
+    shutil.copytree(ROOT, source, ignore=skipped)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
     wheel = next(p for p in os.listdir(tmp_path / "wheel") if p.endswith(".whl"))
@@ -46,8 +47,8 @@ def test_transformers_and_the_offline_api_import_from_the_repository_root():
     them, where installed) resolve to the installed distributions, and `from burstserve import LLM` works."""
     code = ("import importlib.util, os, sys; import transformers.activations, transformers.models.llama; "
             "from burstserve import LLM, SamplingParams; "
-            "spec = importlib.util.find_spec('kernels'); "
-            "print(spec.origin if spec else '-'); print(os.path.dirname(os.path.dirname(sys.modules['burstserve'].__file__)))")
+            "spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else '-'); "
+            "print(os.path.dirname(os.path.dirname(sys.modules['burstserve'].__file__)))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,8 +30,8 @@ import httpx
 
 from burstserve.clients.report import write_result_files
 from burstserve.clients.stats import summarize
-from burstserve.clients.sweep import (check_generated, config_fields, config_label, engine_timing, metric_totals, offline_llm,
-                           offline_llm_args, random_prompt, server_info)
+from burstserve.clients.sweep import (check_generated, config_fields, config_label, engine_timing, metric_totals,
+                                      offline_llm, offline_llm_args, random_prompt, server_info)
 from burstserve.clients.ttft_probe import completion_body, stream_once
 
 MULTI_TURN_OUTPUT_LEN = 128     # --output-len's default in multi-turn mode (document mode: 1)

@@ -45,8 +45,8 @@ from burstserve.engine.parallel.sharding import Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.device import num_sms
 from burstserve.kernels.merge import merge_partials
-from burstserve.kernels.paged_attention import (FP8_GATHER_SEGMENT, PrefixRuns, fa4_available, guarded_table, paged_attention,
-                                     prefix_run_count, prefix_runs, split_prefix_attention)
+from burstserve.kernels.paged_attention import (FP8_GATHER_SEGMENT, PrefixRuns, fa4_available, guarded_table,
+                                                paged_attention, prefix_run_count, prefix_runs, split_prefix_attention)
 
 class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,

@@ -47,7 +47,7 @@ from burstserve.engine.decode_attention import all_gather
 from burstserve.kernels.device import num_sms
 from burstserve.kernels.merge import merge_partials
 from burstserve.kernels.paged_attention import (MAX_RUNS, attention_ctas, device_prefix_runs, fa4_available,
-                                     paged_attention, runs_filling_waves)
+                                                paged_attention, runs_filling_waves)
 
 log = logging.getLogger(__name__)
 

@@ -24,15 +24,17 @@ from burstserve.engine.cache.ledger import pages_for
 from burstserve.engine.cluster import Head
 from burstserve.engine.config import context_limit, resolve_model
 from burstserve.engine.devices import resolve_devices
-from burstserve.engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from burstserve.engine.errors import (DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError,
+                                      PromptTooLongError)
 from burstserve.engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from burstserve.engine.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
-                             WorkerFailed, WorkerReady)
+                                        WorkerFailed, WorkerReady)
 from burstserve.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from burstserve.engine.parallel import STRATEGIES, get_strategy
 from burstserve.engine.sampling import SamplingParams
-from burstserve.engine.structured_output import StructuredRequest, check_tokenizer, parse_response_format, tokenizer_source
+from burstserve.engine.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
+                                                 tokenizer_source)
 from burstserve.engine.tokenizer import load_tokenizer
 from burstserve.kernels.fp8 import quantization_refusal
 from burstserve.kernels.kv_quant import kv_cache_refusal

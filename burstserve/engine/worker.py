@@ -19,8 +19,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload, Prefill,
-                          PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
+from burstserve.engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload,
+                                     Prefill, PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
 from burstserve.engine.cache.kv_manager import KVManager
 from burstserve.engine.config import EngineConfig, default_dtype, resolve_model
 from burstserve.engine.control import GlooControl, PipeControl

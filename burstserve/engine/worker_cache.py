@@ -17,8 +17,8 @@ from burstserve.engine.cache.ledger import pages_for
 from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.cache.page_pool import PagePool
 from burstserve.engine.cache.sizing import kv_bytes_per_token
-from burstserve.engine.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult, PumpStores,
-                          Reinstate, Restore, Retire, Truncate)
+from burstserve.engine.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult,
+                                     PumpStores, Reinstate, Restore, Retire, Truncate)
 from burstserve.engine.config import EngineConfig, ModelConfig
 from burstserve.engine.errors import ModelLoadError
 from burstserve.engine.parallel.sharding import Shard

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token, mlp_piece_bytes,
-                                 pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu, prefill_rows_reserved)
+from burstserve.engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
+                                            mlp_piece_bytes, pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu,
+                                            prefill_rows_reserved)
 from burstserve.engine.config import EngineConfig, ModelConfig
 from burstserve.engine.decode_attention import all_gather
 from burstserve.engine.errors import ModelLoadError

@@ -52,7 +52,7 @@ from burstserve.kernels.device import num_sms
 from burstserve.kernels.fp8_paged_attention import fp8_paged_decode
 from burstserve.kernels.kv_quant import Fp8Pages
 from burstserve.kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
-                               select_backend)
+                                          select_backend)
 from burstserve.kernels.merge import merge_into, merge_partials
 from burstserve.kernels.triton_setup import LazyTriton
 

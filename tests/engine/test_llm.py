@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from burstserve.engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError, PromptTooLongError,
-                    SamplingParams)
+from burstserve.engine import (LLM, DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError,
+                               PromptTooLongError, SamplingParams)
 from burstserve.engine.cache.ledger import KVLedger
 from hf_reference import assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 

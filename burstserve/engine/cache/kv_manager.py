@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from burstserve.engine.cache.ledger import KVLedger, pages_for
 from burstserve.engine.cache.page_planner import PagePlanner
 from burstserve.engine.cache.prefix_cache import BLOCK, Chain, PrefixCache
-from burstserve.engine.calls import (Adopt, Decode, Extend, ExtendAndDecode, ExtendPlacement, Fork, Free, HostFree, Offload,
-                          Prefill, Reinstate, Restore, Retire, Truncate)
+from burstserve.engine.calls import (Adopt, Decode, Extend, ExtendAndDecode, ExtendPlacement, Fork, Free, HostFree,
+                                     Offload, Prefill, Reinstate, Restore, Retire, Truncate)
 
 OFFLOAD_GAIN = 8     # a retiring entry is copied to the host tier when at least 1/8 of it is not there yet
 RESTORE_GAIN = 8     # a host hit is restored when it is longer than the pool's by at least 1/8 of it

@@ -198,6 +198,14 @@ def test_the_default_chunk_is_a_share_for_each_worker_a_prompt_is_sharded_over()
     assert chunk(4, enable_chunked_prefill=False) is None
 
 
+def test_the_readme_says_the_cpu_kv_capacity_the_option_has():
+    """The README's row of --kv-cache-tokens gives the CPU default the option's help gives (it said "1M on CPU"
+    after the default became what 4 GiB of K/V hold)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--kv-cache-tokens`"))
+    assert "4 GiB" in BY_NAME["kv_cache_tokens"].help and "4 GiB" in row and "1M on CPU" not in row, row
+
+
 def test_the_readme_flag_table_names_every_option():
     readme = open(os.path.join(ROOT, "README.md")).read()
     for o in OPTIONS:

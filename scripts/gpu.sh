@@ -129,7 +129,9 @@ bench() {
   local dir=$out/$name start=$SECONDS rc
   mkdir -p "$dir"
   if [ -n "${_visible:-}" ]; then local -x CUDA_VISIBLE_DEVICES=$_visible; fi
-  timeout "$limit" python3 -m burstserve.clients.bench "$@" --output-dir "$dir" > "$dir/stdout.log" 2> "$dir/stderr.log"
+  local module=burstserve.clients.bench
+  [ -d burstserve ] || module=clients.bench      # an older tree (regress's base) before the one package
+  timeout "$limit" python3 -m "$module" "$@" --output-dir "$dir" > "$dir/stdout.log" 2> "$dir/stderr.log"
   rc=$?
   echo "$(date +%T) $name: rc=$rc in $((SECONDS - start)) s"
   if [ -n "${_pick:-}" ]; then grep -E "$_pick" "$dir/stdout.log"; else grep -E "^\|" "$dir/stdout.log" | tail -"${_rows:-8}"; fi
@@ -285,7 +287,7 @@ part_regress() {   # the same benchmarks on an older tree (.ab/base.tgz, carried
   sel=${PARTS:-decode ttft shared interference}
   local here=$PWD base=/tmp/ab-base
   if [ -f .ab/base.tgz ]; then rm -rf "$base" && mkdir -p "$base" && tar xzf .ab/base.tgz -C "$base"; fi
-  [ -d "$base/engine" ] || { echo "$me regress: carry .ab/base.tgz (git archive REV | gzip > .ab/base.tgz)" >&2; return 2; }
+  [ -d "$base/burstserve" ] || [ -d "$base/engine" ] || { echo "$me regress: carry .ab/base.tgz (git archive REV | gzip > .ab/base.tgz)" >&2; return 2; }
   cat .ab/REV "$base/.ab-rev" 2>/dev/null | head -1 | sed 's/^/base tree: /'
   if [ "${ORDER:-}" = this-first ]; then regress_benches "-this"; fi   # the other order: a drift (heat) shows
   (cd "$base" && PYTHONPATH=${PYTHONPATH/%$here/$base} regress_benches "-base")

@@ -12,8 +12,10 @@ TINY_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hid
 def make_config(kind: str):
     """'llama-mha', 'llama3-gqa' (llama3 RoPE scaling), 'qwen2' (qkv bias), 'qwen2-yarn' (with YaRN RoPE
     scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part), 'qwen3'
-    (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16) or 'qwen3-yarn'."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16) or 'qwen3-yarn'; the mixtures of
+    experts 'qwen3-moe' (8 experts, top 2 renormalized, layer 1 dense: mlp_only_layers), 'mixtral' (4 experts, top
+    2) and 'qwen2-moe' (6 experts, top 3 not renormalized, a gated shared expert, every second layer sparse)."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
     if kind == "llama-mha":
         return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
     if kind == "llama3-gqa":
@@ -30,6 +32,16 @@ def make_config(kind: str):
     if kind == "qwen3-yarn":
         return Qwen3Config(**TINY_SHAPE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0,
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
+    if kind == "qwen3-moe":
+        return Qwen3MoeConfig(**TINY_SHAPE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])
+    if kind == "mixtral":
+        return MixtralConfig(**TINY_SHAPE, num_key_value_heads=2, rope_theta=1000000.0, num_local_experts=4,
+                             num_experts_per_tok=2)
+    if kind == "qwen2-moe":
+        return Qwen2MoeConfig(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0, num_experts=6,
+                              num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=72,
+                              decoder_sparse_step=2, norm_topk_prob=False)
     raise ValueError(kind)
 
 
@@ -44,6 +56,8 @@ def save_checkpoint(kind: str, path: str, seed: int) -> torch.nn.Module:
                 p.normal_(0, 0.1)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.3)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)                  # routers: zeros at init would tie every expert
     model.save_pretrained(path)
     return model
 

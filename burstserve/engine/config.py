@@ -14,7 +14,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/rope.py; "dynamic" NTK is refused: its frequencies
                                                       # follow the longest sequence in a forward pass, which a KV
                                                       # cache cannot (transformers' own cached generate drifts)
@@ -45,10 +49,24 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE; engine/moe.py); num_experts 0: every MLP dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0               # experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0             # an expert's MLP width
+    norm_topk_prob: bool = False               # the chosen experts' weights renormalized to sum to 1
+    sparse_layers: tuple[int, ...] = ()        # the layers whose MLP is the experts; the others dense
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
+    expert_names: str = "qwen"                 # the checkpoint's names: "qwen" (mlp.experts.j.gate_proj),
+                                               # "mixtral" (block_sparse_moe.experts.j.w1 / w3 / w2)
+    router_weights_fp32: bool = False          # Mixtral: the routing weights stay fp32 in the combine
 
     @property
     def kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the experts."""
+        return layer in self.sparse_layers
 
 
 def load_model_config(model_dir: str) -> ModelConfig:
@@ -89,10 +107,14 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         max_pos = raw.get("max_position_embeddings", 0)
         if raw["sliding_window"] < max_pos:
             raise ModelLoadError(f"{source}: Mistral with sliding_window={raw['sliding_window']} is not supported")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+    if arch == "MixtralForCausalLM" and raw.get("sliding_window"):
+        if raw["sliding_window"] < raw.get("max_position_embeddings", 0):
+            raise ModelLoadError(f"{source}: Mixtral with sliding_window={raw['sliding_window']} is not supported")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") \
+            and raw.get("use_sliding_window"):
         family = arch.removesuffix("ForCausalLM")
         raise ModelLoadError(f"{source}: {family} with use_sliding_window=true is not supported")
-    if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelLoadError(f"{source}: attention_bias / mlp_bias on {arch} is not supported")
     heads = raw["num_attention_heads"]
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -120,13 +142,35 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
         rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else rope,
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **(_experts(arch, raw, source) if arch in MOE_ARCHITECTURES else {}),
     )
+
+
+def _experts(arch: str, raw: dict, source: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of a Qwen3-MoE, Mixtral or Qwen2-MoE config.json (transformers
+    5 writes num_local_experts where the released checkpoints say num_experts). Which layers are sparse
+    follows transformers: Mixtral every one; the Qwen families every decoder_sparse_step-th, less
+    mlp_only_layers."""
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    layers = raw["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=raw.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                    sparse_layers=tuple(range(layers)), expert_names="mixtral", router_weights_fp32=True)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu)")
+    step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or ())
+    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob")),
+                sparse_layers=tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0),
+                shared_expert_intermediate_size=(raw.get("shared_expert_intermediate_size") or 0)
+                if arch == "Qwen2MoeForCausalLM" else 0)
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
@@ -152,6 +196,20 @@ _PRESETS = {
                        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=10000.0, max_position_embeddings=4096),
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
                        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192),
+    # mixtures of experts (engine/moe.py), their released configs' shapes
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, sparse_layers=tuple(range(48))),
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+                         sparse_layers=tuple(range(32)), expert_names="mixtral", router_weights_fp32=True),
+    # about 470 GB in bf16: for memory planning; more than any one GPU holds (refused with the figures)
+    "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
+                            num_kv_heads=4, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                            rms_norm_eps=1e-6, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536, norm_topk_prob=True, sparse_layers=tuple(range(94))),
 }
 
 
@@ -160,7 +218,7 @@ def preset_names() -> list[str]:
 
 
 def preset_config(name: str) -> ModelConfig:
-    return ModelConfig(**_PRESETS[name], rms_norm_eps=1e-5, bos_token_id=256, eos_token_ids=[257])
+    return ModelConfig(**{"rms_norm_eps": 1e-5, **_PRESETS[name]}, bos_token_id=256, eos_token_ids=[257])
 
 
 # Chunked prefill's default chunk, per worker a prompt is sharded over: large enough that a lone long prompt

@@ -1,4 +1,5 @@
-"""The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2, Qwen3 dense), readable top to bottom.
+"""The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral and Qwen2-MoE, whose sparse
+layers' MLP is engine/moe.py's experts), readable top to bottom.
 
 Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` callable, so the same
 model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from burstserve.engine.config import ModelConfig
+from burstserve.engine.moe import ExpertWeights, expert_weight_shapes, experts_mlp, take_expert_weights
 from burstserve.engine.rope import attention_scaling, inverse_frequencies, rope_cos_sin
 from burstserve.kernels import fp8, fused
 from burstserve.kernels.fp8 import Fp8Weight
@@ -25,12 +27,13 @@ class LayerWeights:
     qkv: "torch.Tensor | Fp8Weight"        # [(H + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None          # [(H + 2 Hkv) D]
     o: "torch.Tensor | Fp8Weight"          # [hidden, H D]
-    gate_up: "torch.Tensor | Fp8Weight"    # [2 I, hidden]
-    down: "torch.Tensor | Fp8Weight"       # [hidden, I]
+    gate_up: "torch.Tensor | Fp8Weight | None"    # [2 I, hidden]; None in a sparse layer
+    down: "torch.Tensor | Fp8Weight | None"       # [hidden, I]
     input_norm: torch.Tensor       # [hidden]
     post_norm: torch.Tensor        # [hidden]
     q_norm: torch.Tensor | None = None    # [D] (Qwen3): each head of q RMS-normed before RoPE
     k_norm: torch.Tensor | None = None    # [D] and of k
+    experts: ExpertWeights | None = None  # a sparse layer's MLP (engine/moe.py)
 
 
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -45,10 +48,13 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "self_attn.q_proj.weight": (h * d, hid), p + "self_attn.k_proj.weight": (kvd, hid),
             p + "self_attn.v_proj.weight": (kvd, hid), p + "self_attn.o_proj.weight": (hid, h * d),
-            p + "mlp.gate_proj.weight": (inter, hid), p + "mlp.up_proj.weight": (inter, hid),
-            p + "mlp.down_proj.weight": (hid, inter),
             p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,),
         })
+        if cfg.is_sparse(i):
+            shapes.update(expert_weight_shapes(cfg, i))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, hid), p + "mlp.up_proj.weight": (inter, hid),
+                           p + "mlp.down_proj.weight": (hid, inter)})
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (h * d,), p + "self_attn.k_proj.bias": (kvd,),
                            p + "self_attn.v_proj.bias": (kvd,)})
@@ -113,12 +119,15 @@ class LlamaModel:
         if self.cfg.qkv_bias:
             bias = torch.cat([w.pop(a + f"{x}_proj.bias") for x in "qkv"])
         linear = fp8.quantize_weight if quantization == "fp8" else (lambda t: t)
+        sparse = self.cfg.is_sparse(i)
         return LayerWeights(
             qkv=linear(torch.cat([w.pop(a + f"{x}_proj.weight") for x in "qkv"])),
             qkv_bias=bias,
             o=linear(w.pop(a + "o_proj.weight")),
-            gate_up=linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
-            down=linear(w.pop(p + "mlp.down_proj.weight")),
+            gate_up=None if sparse else linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"),
+                                                          w.pop(p + "mlp.up_proj.weight")])),
+            down=None if sparse else linear(w.pop(p + "mlp.down_proj.weight")),
+            experts=take_expert_weights(self.cfg, w, i) if sparse else None,
             input_norm=w.pop(p + "input_layernorm.weight"),
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
             q_norm=w.pop(a + "q_norm.weight") if self.cfg.qk_norm else None,
@@ -195,6 +204,8 @@ class LlamaModel:
         return out
 
     def _mlp(self, x: "torch.Tensor | fp8.Fp8Rows", layer: LayerWeights, rows: bool) -> torch.Tensor:
+        if layer.experts is not None:
+            return experts_mlp(x, layer.experts)
         act = fp8.silu_and_mul_rows if rows else fused.silu_and_mul
         return fp8.linear(act(fp8.linear(x, layer.gate_up)), layer.down)
 

@@ -17,6 +17,7 @@ Capacity: the longest prompt on one GPU).
 """
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.model import MLP_PIECE_ROWS
+from burstserve.engine.moe import piece_elements_per_row
 from burstserve.kernels.kv_quant import SCALE_BYTES, is_fp8
 
 CPU_KV_TOKENS = 1 << 20       # a CPU worker's default (memory is touched only as pages are used)
@@ -41,9 +42,9 @@ def activation_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def mlp_piece_bytes(cfg: ModelConfig, itemsize: int) -> int:
-    """The MLP's gate/up [rows, 2 I] and silu*up [rows, I] for the rows it runs at once (engine/model.py,
-    LlamaModel.mlp: MLP_PIECE_ROWS; fewer in a shorter call, so this is a bound)."""
-    return itemsize * 3 * cfg.intermediate_size * MLP_PIECE_ROWS
+    """The MLP's gate/up [rows, 2 I] and silu*up [rows, I] (a sparse layer's: engine/moe.py) for the rows it runs
+    at once (engine/model.py, LlamaModel.mlp: MLP_PIECE_ROWS; fewer in a shorter call, so this is a bound)."""
+    return itemsize * max(3 * cfg.intermediate_size, piece_elements_per_row(cfg)) * MLP_PIECE_ROWS
 
 
 def pool_tokens_on_gpu(budget_bytes: int, kv_per_token: int, act_per_token: int, prefill_tokens_max: int) -> int:

@@ -18,6 +18,10 @@ from burstserve.engine.parallel.strategy import Attention, PrefillContext, Prefi
 
 def tp_check(cfg: ModelConfig, world_size: int) -> str | None:
     """Why this model cannot be split over world_size workers, or None."""
+    if cfg.num_experts and world_size > 1:
+        return (f"tp slices the dense MLP; a mixture of experts ({cfg.num_experts} experts) is not sliced over "
+                "workers yet: serve it with --sp-strategy burst (the default), ulysses, ring-rsa or cqs, each worker "
+                "holding every expert")
     if cfg.num_heads % world_size:
         return f"tp splits the {cfg.num_heads} attention heads over the workers; {world_size} do not divide them"
     if cfg.intermediate_size % world_size:

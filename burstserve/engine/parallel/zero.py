@@ -95,7 +95,9 @@ class BurstZeroStrategy(BurstStrategy):
 
 def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
     """Why burst-zero cannot slice this model over world_size workers, or None: the MLP's width and the
-    vocabulary's rows must divide."""
+    vocabulary's rows must divide, and the MLP be dense (a mixture of experts' experts are not sliced yet)."""
+    if cfg.num_experts:
+        return f"burst-zero slices the dense MLP, and this model's are {cfg.num_experts} experts"
     if cfg.intermediate_size % world_size:
         return f"burst-zero splits the MLP width {cfg.intermediate_size}; {world_size} workers do not divide it"
     if cfg.vocab_size % world_size:

@@ -1,0 +1,145 @@
+"""A mixture of experts' MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), as transformers computes it.
+
+The router picks each token's top-k experts from the softmax of its logits (fp32, torch.topk: ties break as
+transformers breaks them); the chosen weights are renormalized where the model says so. Each expert is a
+SwiGLU MLP run on the rows routed to it, its output times the row's routing weight, summed into the row
+in expert order (transformers' index_add order). Qwen2-MoE adds a shared expert every row takes, behind a
+sigmoid gate.
+
+The experts' feed-forward is local to a token: under context parallelism each worker routes its own rows
+to experts it holds whole, and nothing is exchanged beyond what attention exchanges.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from burstserve.engine.config import ModelConfig
+from burstserve.kernels import fused
+
+
+@dataclass
+class ExpertWeights:
+    router: torch.Tensor                     # [E, hidden]
+    gate_up: torch.Tensor                    # [E, 2 Im, hidden]: each expert's gate rows, then its up rows
+    down: torch.Tensor                       # [E, hidden, Im]
+    top_k: int
+    renormalize: bool                        # the chosen weights divided by their sum
+    weights_fp32: bool                       # Mixtral: the routing weights stay fp32 in the combine
+    shared_gate_up: torch.Tensor | None = None   # [2 Is, hidden] (Qwen2-MoE)
+    shared_down: torch.Tensor | None = None      # [hidden, Is]
+    shared_gate: torch.Tensor | None = None      # [1, hidden]: sigmoid(x . g) scales the shared expert's output
+
+
+def expert_weight_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """transformers' tensor names and shapes of one sparse layer's MLP (the checkpoints' per-expert names)."""
+    hid, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if cfg.expert_names == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        shapes = {p + "gate.weight": (n, hid)}
+        for j in range(n):
+            e = f"{p}experts.{j}."
+            shapes.update({e + "w1.weight": (inter, hid), e + "w3.weight": (inter, hid), e + "w2.weight": (hid, inter)})
+        return shapes
+    p = f"model.layers.{layer}.mlp."
+    shapes = {p + "gate.weight": (n, hid)}
+    for j in range(n):
+        e = f"{p}experts.{j}."
+        shapes.update({e + "gate_proj.weight": (inter, hid), e + "up_proj.weight": (inter, hid),
+                       e + "down_proj.weight": (hid, inter)})
+    if cfg.shared_expert_intermediate_size:
+        shared = cfg.shared_expert_intermediate_size
+        shapes.update({p + "shared_expert.gate_proj.weight": (shared, hid), p + "shared_expert.up_proj.weight": (shared, hid),
+                       p + "shared_expert.down_proj.weight": (hid, shared), p + "shared_expert_gate.weight": (1, hid)})
+    return shapes
+
+
+def take_expert_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int) -> ExpertWeights:
+    """One sparse layer's weights, popped from the checkpoint's tensors and stacked by expert."""
+    n = cfg.num_experts
+    if cfg.expert_names == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        gate, up, down = "w1", "w3", "w2"
+    else:
+        p = f"model.layers.{layer}.mlp."
+        gate, up, down = "gate_proj", "up_proj", "down_proj"
+    router = w.pop(p + "gate.weight")
+    gate_up = torch.stack([torch.cat([w.pop(f"{p}experts.{j}.{gate}.weight"), w.pop(f"{p}experts.{j}.{up}.weight")])
+                           for j in range(n)])
+    downs = torch.stack([w.pop(f"{p}experts.{j}.{down}.weight") for j in range(n)])
+    experts = ExpertWeights(router=router, gate_up=gate_up, down=downs, top_k=cfg.num_experts_per_tok,
+                            renormalize=cfg.norm_topk_prob, weights_fp32=cfg.router_weights_fp32)
+    if cfg.shared_expert_intermediate_size:
+        s = p + "shared_expert."
+        experts.shared_gate_up = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
+        experts.shared_down = w.pop(s + "down_proj.weight")
+        experts.shared_gate = w.pop(p + "shared_expert_gate.weight")
+    return experts
+
+
+def route(x: torch.Tensor, experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, hidden] -> (the routing weights [S, k], fp32 or x's dtype as the model keeps them; the experts
+    [S, k] int64), as transformers' TopKRouter computes them."""
+    probs = torch.softmax(F.linear(x, experts.router).float(), dim=-1)      # [S, E] fp32
+    weights, chosen = torch.topk(probs, experts.top_k, dim=-1)
+    if experts.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if experts.weights_fp32 else weights.to(x.dtype)), chosen
+
+
+def experts_mlp(x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+    """x [S, hidden] -> [S, hidden]: the routed experts' weighted sum, plus the shared expert where there is one."""
+    weights, chosen = route(x, experts)                                      # [S, k] each
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        out = every_expert(x, experts, weights, chosen)                     # a CUDA graph: no host read-back
+    else:
+        out = routed_experts(x, experts, weights, chosen)
+    if experts.shared_gate_up is not None:
+        shared = F.linear(fused.silu_and_mul(F.linear(x, experts.shared_gate_up)), experts.shared_down)
+        out = out + torch.sigmoid(F.linear(x, experts.shared_gate)) * shared
+    return out
+
+
+def routed_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each expert on the rows routed to it: the [S k] choices sorted by expert once (the counts read back to the
+    host), each expert then running on its contiguous run of rows, its weighted output added to them."""
+    top_k = chosen.shape[1]
+    flat = chosen.flatten()                                                  # [S k]: row r's choices at r k ..
+    order = torch.argsort(flat, stable=True)                                 # by expert, then by row
+    rows = order // top_k                                                    # [S k] the token of each sorted slot
+    counts = torch.bincount(flat, minlength=experts.gate_up.shape[0]).tolist()
+    routed = x[rows]                                                         # [S k, hidden]
+    slot_weights = weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        stop = start + count
+        y = F.linear(fused.silu_and_mul(F.linear(routed[start:stop], experts.gate_up[e])), experts.down[e])
+        out.index_add_(0, rows[start:stop], (y * slot_weights[start:stop, None]).to(out.dtype))
+        start = stop
+    return out
+
+
+def every_expert(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The same sum with shapes fixed by S alone (what a CUDA graph can replay): every expert runs on every row,
+    weighted by the row's routing weight for it, 0 where the row did not choose it. E / k times the FLOPs, and
+    every expert's weights read: for a decode step's few rows only, until a kernel reads the chosen ones alone."""
+    dense = torch.zeros(x.shape[0], experts.gate_up.shape[0], dtype=weights.dtype, device=x.device)
+    dense.scatter_(1, chosen, weights)                                       # [S, E]
+    out = torch.zeros_like(x)
+    for e in range(experts.gate_up.shape[0]):
+        y = F.linear(fused.silu_and_mul(F.linear(x, experts.gate_up[e])), experts.down[e])
+        out += (y * dense[:, e:e + 1]).to(out.dtype)
+    return out
+
+
+def piece_elements_per_row(cfg: ModelConfig) -> int:
+    """Elements a sparse layer's MLP holds per row of the piece it runs (engine/cache/sizing.py): the routed
+    copies of the row, each chosen expert's gate/up and silu*up and its weighted output, the router's fp32
+    probabilities (two elements each of a 16-bit dtype, a bound), and the shared expert's gate/up."""
+    if not cfg.num_experts:
+        return 0
+    k, hid, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    return k * (2 * hid + 3 * inter) + 2 * cfg.num_experts + 3 * cfg.shared_expert_intermediate_size + hid

@@ -3,8 +3,8 @@
     burstserve bench sweep --offline --sp-strategy transformers --model llama3-8b --devices cuda
     burstserve bench sweep --offline --sp-strategy transformers --model llama3-8b --devices cuda \
         --lengths 8192 --output-len 128 --batch 16
-Random weights with the preset's shapes (or a local checkpoint), `LlamaForCausalLM` with sdpa
-attention in bf16. With --output-len 1 (TTFT only) a request is one forward pass over the prompt with
+Random weights with the preset's shapes (or a local checkpoint), `LlamaForCausalLM` (a mixture of experts:
+`Qwen3MoeForCausalLM` or `MixtralForCausalLM`, experts as transformers' grouped GEMM) with sdpa attention in bf16. With --output-len 1 (TTFT only) a request is one forward pass over the prompt with
 the KV cache on and the logits of the last position only (`logits_to_keep=1`), then the greedy token
 on the host: the same work the engine does before its first token. With --output-len N > 1 a batch is
 one `model.generate` call, greedy, exactly N new tokens (`min_new_tokens`), its tokens timed as a
@@ -27,23 +27,41 @@ from burstserve.engine.errors import DeviceSpecError
 
 
 def build_model(model: str, dtype: torch.dtype, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model of a checkpoint or of a preset's shapes (random weights), sdpa attention; a mixture of
+    experts with transformers' fastest experts implementation there (its grouped GEMM on CUDA)."""
+    from transformers import AutoModelForCausalLM
     from burstserve.engine.config import preset_config, preset_names
+    experts = "grouped_mm" if device.type == "cuda" else "eager"
     if model not in preset_names():
-        return LlamaForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    c = preset_config(model)
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                      max_position_embeddings=1 << 20, rms_norm_eps=c.rms_norm_eps)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa",
+                                                    experts_implementation=experts).to(device).eval()
+    cfg = hf_config(preset_config(model))
     cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = experts
     torch.set_default_dtype(dtype)
     try:
         with device:
-            m = LlamaForCausalLM(cfg)
+            m = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(torch.float32)
     return m.eval()
+
+
+def hf_config(c):
+    """transformers' config of a preset's shapes (engine/config.py ModelConfig): LLaMA, or the mixture of experts
+    whose names the preset's checkpoint would carry (Mixtral, Qwen3-MoE)."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                  head_dim=c.head_dim, rope_theta=c.rope_theta, max_position_embeddings=1 << 20,
+                  rms_norm_eps=c.rms_norm_eps)
+    if not c.num_experts:
+        return LlamaConfig(**common)
+    if c.expert_names == "mixtral":
+        return MixtralConfig(**common, num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
+    return Qwen3MoeConfig(**common, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                          moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                          mlp_only_layers=[i for i in range(c.num_layers) if not c.is_sparse(i)])
 
 
 def random_prompts(model, batch: int, length: int) -> torch.Tensor:

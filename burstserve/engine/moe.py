@@ -90,7 +90,9 @@ def route(x: torch.Tensor, experts: ExpertWeights) -> tuple[torch.Tensor, torch.
 def experts_mlp(x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
     """x [S, hidden] -> [S, hidden]: the routed experts' weighted sum, plus the shared expert where there is one."""
     weights, chosen = route(x, experts)                                      # [S, k] each
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if grouped_gemm_runs(x):
+        out = grouped_experts(x, experts, weights, chosen)                  # no host read-back: graphs too
+    elif x.is_cuda and torch.cuda.is_current_stream_capturing():
         out = every_expert(x, experts, weights, chosen)                     # a CUDA graph: no host read-back
     else:
         out = routed_experts(x, experts, weights, chosen)
@@ -120,6 +122,30 @@ def routed_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tenso
         out.index_add_(0, rows[start:stop], (y * slot_weights[start:stop, None]).to(out.dtype))
         start = stop
     return out
+
+
+def grouped_gemm_runs(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (CUTLASS, Hopper and newer, bfloat16) takes these rows."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def grouped_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The experts as two grouped GEMMs over the [S k] choices sorted by expert (gate/up, then down), the group
+    boundaries computed on the GPU (no host read-back, so a CUDA graph can replay it; an expert no row chose is an
+    empty group, its weights not read). Each row's k outputs summed in its choices' order."""
+    n, top_k = chosen.shape
+    flat = chosen.flatten()                                                  # [S k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts.gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)                    # [E] each group's end
+    routed = x[order // top_k]                                               # [S k, hidden]
+    up = torch._grouped_mm(routed, experts.gate_up.transpose(-2, -1), offs=offsets)        # [S k, 2 Im]
+    y = torch._grouped_mm(fused.silu_and_mul(up), experts.down.transpose(-2, -1), offs=offsets)   # [S k, hidden]
+    by_choice = torch.empty_like(y)
+    by_choice[order] = y
+    return (by_choice.view(n, top_k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 def every_expert(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch
 from burstserve.engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from burstserve.engine.config import load_model_config, preset_config
 from burstserve.engine.model import hf_weight_shapes
-from burstserve.engine.moe import every_expert, experts_mlp, route, routed_experts, take_expert_weights
+from burstserve.engine.moe import (every_expert, experts_mlp, grouped_experts, route, routed_experts,
+                                  take_expert_weights)
 from burstserve.engine.weights import load_weights
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
@@ -57,6 +58,22 @@ def test_the_experts_equal_transformers_sparse_block_on_fresh_rows(checkpoint):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(every_expert(x, experts, weights, chosen),
                                    routed_experts(x, experts, weights, chosen), atol=1e-5, rtol=1e-5)
+
+
+def test_the_grouped_gemms_equal_the_routed_experts(checkpoint):
+    """grouped_experts (the GPU's path: torch's grouped GEMM, which the CPU runs too) in bfloat16 against the routed
+    experts in fp32 on the same rows, a few rows as in a decode step (most experts an empty group) and many."""
+    kind, path, model = checkpoint
+    cfg, layer, experts = _sparse_layer(path)
+    for n in (1, 3, random.randrange(100, 400)):
+        x = torch.randn(n, cfg.hidden_size)
+        weights, chosen = route(x, experts)
+        want = routed_experts(x, experts, weights, chosen)
+        bf16 = {name: getattr(experts, name).bfloat16() for name in ("gate_up", "down")}
+        half = type(experts)(**{**vars(experts), **bf16})
+        got = grouped_experts(x.bfloat16(), half, weights if experts.weights_fp32 else weights.bfloat16(), chosen)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0.05)
 
 
 def test_routing_ties_break_as_transformers_breaks_them(checkpoint):

@@ -25,7 +25,7 @@ def test_token_ids_arrive_as_the_int32_array_of_the_same_request(dump):
         ids = _ids(random.randrange(1, 3000)) + [0, 9, 10, 99, 100, (1 << 31) - 1]
         random.shuffle(ids)
         body = {"model": "m", "max_tokens": random.randrange(1, 99), "prompt": ids,
-                "stop": ["\"prompt\": [1]"], "metadata": {"a": [1, 2]}}
+                "stop": ["\"prompt\": [1]"], "stop_token_ids": [1, 2], "response_format": {"type": "json_object"}}
         if random.random() < 0.5:
             body = {"prompt": body.pop("prompt"), **body}    # first or last key
         got = token_ids_body(dump(body).encode(), "prompt")

@@ -845,3 +845,47 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
                 if x != y:
                     assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
                     break
+
+
+@pytest.fixture(scope="module")
+def hf_moe_bf16_checkpoint(tmp_path_factory):
+    """A Qwen3-MoE of 16 experts (top 4, renormalized; layer 2 dense) saved by transformers, and transformers' model
+    of it in bf16 on the GPU with its eager experts (the reference)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    path = str(tmp_path_factory.mktemp("qwen3-moe-bf16"))
+    cfg = Qwen3MoeConfig(vocab_size=2000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
+                         rope_theta=1000000.0, initializer_range=0.05, num_experts=16, num_experts_per_tok=4,
+                         moe_intermediate_size=256, norm_topk_prob=True, mlp_only_layers=[2])
+    torch.manual_seed(random.randrange(1 << 30))
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)                       # a router that prefers some experts, not near ties
+    model.save_pretrained(path)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                experts_implementation="eager")
+    return path, model.to("cuda:0").eval()
+
+
+def test_a_mixture_of_experts_on_one_gpu_matches_transformers(hf_moe_bf16_checkpoint):
+    """engine/moe.py's grouped GEMMs (prefill and the decode steps' CUDA graphs) against transformers' eager experts
+    in bf16: next-token logits within bf16 noise, greedy tokens the same until a near-tie."""
+    from burstserve.engine import LLM, SamplingParams
+    path, model = hf_moe_bf16_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 5000)]
+    with LLM(path, devices="cuda:0", dtype="bfloat16") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
+            diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
+            print(f"mixture of experts, bf16, prompt {len(prompt)}: max |logit diff| {diff:.4f}")
+            assert diff <= 0.1 * max(ref_logits.abs().max().item(), 1.0), len(prompt)
+            same = 0
+            for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+                if a != b:
+                    assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
+                    break
+                same += 1
+            print(f"  greedy: {same} of 16 tokens before any difference")

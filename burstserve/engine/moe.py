@@ -2,8 +2,8 @@
 
 The router picks each token's top-k experts from the softmax of its logits (fp32, torch.topk: ties break as
 transformers breaks them); the chosen weights are renormalized where the model says so. Each expert is a
-SwiGLU MLP run on the rows routed to it, its output times the row's routing weight, summed into the row
-in expert order (transformers' index_add order). Qwen2-MoE adds a shared expert every row takes, behind a
+SwiGLU MLP run on the rows routed to it, its output times the row's routing weight, summed into the row:
+on the CPU in expert order (transformers' index_add order), on a GPU in the row's choices' order (grouped_experts). Qwen2-MoE adds a shared expert every row takes, behind a
 sigmoid gate.
 
 The experts' feed-forward is local to a token: under context parallelism each worker routes its own rows

@@ -45,7 +45,7 @@ class ModelRunner:
         self.strategy = get_strategy(engine.sp_strategy, self.world_size)   # how a prefill spans the workers
         shapes = hf_weight_shapes(cfg)
         slices = self.strategy.weight_slices(cfg, rank)                     # tp: this worker's part of each
-        check_weights_fit(engine, rank, weight_bytes(shapes, dtype.itemsize, slices), device, cfg.num_experts)
+        check_weights_fit(engine, rank, weight_bytes(shapes, dtype.itemsize, slices), device)
         if engine.is_preset:
             weights = random_weights(shapes, device, dtype, engine.seed, slices)
         else:

@@ -7,7 +7,11 @@ on the CPU in expert order (transformers' index_add order), on a GPU in the row'
 sigmoid gate.
 
 The experts' feed-forward is local to a token: under context parallelism each worker routes its own rows
-to experts it holds whole, and nothing is exchanged beyond what attention exchanges.
+to experts it holds whole, and nothing is exchanged beyond what attention exchanges. Where the strategy slices
+the weights (tp, tp-v3, burst-zero: `expert_slices`), every expert is cut by width as tp cuts a dense MLP: each
+worker holds rows r Im/W .. of every expert's gate and up and the same columns of its down (the router whole),
+routes every row it runs, and its weighted sum is a partial sum that the model's all-reduce after the MLP
+completes (the routing weights and the shared expert's sigmoid gate scale each partial alike).
 """
 from dataclasses import dataclass
 
@@ -52,6 +56,26 @@ def expert_weight_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, .
         shapes.update({p + "shared_expert.gate_proj.weight": (shared, hid), p + "shared_expert.up_proj.weight": (shared, hid),
                        p + "shared_expert.down_proj.weight": (hid, shared), p + "shared_expert_gate.weight": (1, hid)})
     return shapes
+
+
+# the checkpoints' per-expert tensors tp cuts by rows (gate and up) and by columns (down)
+ROW_SLICED = ("gate_proj.weight", "up_proj.weight", "w1.weight", "w3.weight")
+COLUMN_SLICED = ("down_proj.weight", "w2.weight")
+
+
+def expert_slices(cfg: ModelConfig, layer: int, rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
+    """Worker `rank`'s part of one sparse layer's MLP, name -> (dim, start, stop): rows rank Im/W .. of every
+    expert's gate and up, the same columns of its down, and so of the shared expert's (its width Is); the router
+    and the shared expert's gate are read whole."""
+    slices = {}
+    for name in expert_weight_shapes(cfg, layer):
+        dim = 0 if name.endswith(ROW_SLICED) else 1 if name.endswith(COLUMN_SLICED) else None
+        if dim is None:
+            continue
+        width = cfg.shared_expert_intermediate_size if ".shared_expert." in name else cfg.moe_intermediate_size
+        per = width // world_size
+        slices[name] = (dim, rank * per, (rank + 1) * per)
+    return slices
 
 
 def take_expert_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int) -> ExpertWeights:

@@ -79,10 +79,10 @@ def size_pool(engine: EngineConfig, cfg: ModelConfig, num_kv_heads: int, dtype: 
     return PoolSize(pages, rows_max, pass_q)
 
 
-def check_weights_fit(engine: EngineConfig, rank: int, nbytes: int, device: torch.device, experts: int = 0) -> None:
+def check_weights_fit(engine: EngineConfig, rank: int, nbytes: int, device: torch.device) -> None:
     """Refuses, before allocating anything, weights larger than this GPU's share for the model
     (--gpu-memory-utilization of its memory), or, on CPU, than the host's memory over all its CPU
-    workers, with the numbers. experts: the model's experts (their weights are not split over workers yet)."""
+    workers, with the numbers."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget, where = engine.gpu_memory_utilization * total, f"{engine.gpu_memory_utilization:.2f} x"
@@ -94,9 +94,8 @@ def check_weights_fit(engine: EngineConfig, rank: int, nbytes: int, device: torc
             f"worker {rank} ({device}) would hold {nbytes / 2**30:.1f} GiB of weights with "
             f"--sp-strategy {engine.sp_strategy} over {engine.world_size} device(s), more than "
             f"{where} {total / 2**30:.1f} GiB = {budget / 2**30:.1f} GiB: "
-            + (f"its {experts} experts are held whole on every worker (no expert parallelism yet): use devices "
-               "with more memory, or a smaller model" if experts else
-               "use --sp-strategy tp or burst-zero over more devices (they split the weights), or a smaller model"))
+            + "use --sp-strategy tp or burst-zero over more devices (they split the weights, a mixture's experts "
+            "included), or a smaller model")
 
 
 def check_same_kernels(rank: int, device: torch.device, has_fa4: bool, fa4_on_every: bool, fa4_on_some: bool) -> None:

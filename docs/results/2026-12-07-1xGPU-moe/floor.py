@@ -1,8 +1,9 @@
 """The floor of the qwen3-30b-a3b preset on one GPU, bf16, measured as bare kernels on the same machine:
 TTFT(L) = 48 layers x (flash-attn-4's causal call over L tokens [32 q / 4 KV heads, d 128] + the dense GEMMs q/k/v,
 o and the router + the experts' two grouped GEMMs at the token counts a random router gives, inputs already sorted);
-TPOT(1 x L) = the bytes a decode step must read (the attention's weights, the 8 chosen experts of each layer, the LM
-head, L tokens of KV) at the rate of a bare device-to-device copy.
+TPOT(B x L) = the bytes a decode step must read (the attention's weights, the experts B rows choose in each layer: 8 at
+one row, E (1 - (1 - 8/E)^B) expected for B rows routed uniformly, the LM head, B L tokens of KV) at the rate of a bare
+device-to-device copy; tokens/s B / TPOT.
 python3 docs/results/2026-12-07-1xGPU-moe/floor.py 8192,32768"""
 import sys
 
@@ -56,11 +57,12 @@ def copy_rate() -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), iters=5)     # bytes read + written a second
 
 
-def decode_floor_bytes(context: int) -> int:
+def decode_floor_bytes(context: int, batch: int = 1) -> int:
     attn = LAYERS * ((H + 2 * HKV) * D * HID + HID * H * D + E * HID + 2 * D) * 2
-    experts = LAYERS * K * 3 * INTER * HID * 2
+    chosen = K if batch == 1 else E * (1 - (1 - K / E) ** batch)
+    experts = int(LAYERS * chosen * 3 * INTER * HID * 2)
     head = VOCAB * HID * 2 + HID * 2
-    kv = LAYERS * context * 2 * HKV * D * 2
+    kv = LAYERS * batch * context * 2 * HKV * D * 2
     return attn + experts + head + kv
 
 
@@ -75,8 +77,8 @@ if __name__ == "__main__":
         torch.cuda.empty_cache()
     rate = copy_rate()
     print(f"\ndevice copy: {rate / 1e12:.2f} TB/s")
-    print("| context | bytes a decode step reads, GB | TPOT floor ms |")
-    print("|---|---|---|")
-    for ctx in (8192, 131072):
-        b = decode_floor_bytes(ctx)
-        print(f"| {ctx} | {b / 1e9:.2f} | {b / rate * 1e3:.2f} |")
+    print("| rows x context | bytes a decode step reads, GB | TPOT floor ms | tokens/s floor |")
+    print("|---|---|---|---|")
+    for batch, ctx in ((1, 8192), (1, 131072), (16, 8192), (64, 2048)):
+        b = decode_floor_bytes(ctx, batch)
+        print(f"| {batch} x {ctx} | {b / 1e9:.2f} | {b / rate * 1e3:.2f} | {batch * rate / b:.0f} |")

@@ -3,8 +3,10 @@
 # (kernels/moe_few_rows.py) and the grouped path's weights folded before down. Under scripts/gpu.sh's header:
 #   bash scripts/gpu.sh run bash docs/results/2026-12-07-1xGPU-moe-kernels/driver.sh PART
 #   probes: the few-row kernels against the grouped GEMMs (1-64 rows), a prefill piece stage by stage
+#   pieces: a prefill piece stage by stage
 #   tests:  the GPU tests of the experts (kernels and engine against transformers)
-#   engine: TTFT 8K / 32K and TPOT 1 x 8K / 1 x 32K (one sweep, 64 tokens out); 16 x 8K; 64 x 2K
+#   engine: TTFT 8K / 32K and TPOT 1 x 8K / 1 x 32K (one sweep, 64 tokens out); 16 x 8K
+#   engine64: 64 x 2K
 #   floor:  bare kernels and bytes (docs/results/2026-12-07-1xGPU-moe/floor.py)
 #   hf:     transformers (grouped_mm experts, sdpa) TTFT 8K / 32K
 set -u
@@ -27,17 +29,22 @@ for part in "$@"; do
       timeout 200 python3 $here/probe_few_rows.py 2>&1 | tee "$out/probe_few_rows.log" | grep -v Warning
       timeout 200 python3 $here/probe_prefill_pieces.py 2>&1 | tee "$out/probe_prefill_pieces.log" | grep -v Warning
       ;;
+    pieces)
+      timeout 60 python3 $here/probe_prefill_pieces.py 2>&1 | tee "$out/probe_prefill_pieces.log" | grep -v Warning
+      ;;
     tests)
-      timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu -k "mixture or moe or few_rows" 2>&1 \
+      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu -k "mixture or moe or few_rows" 2>&1 \
           | tee "$out/tests.log" | grep -E "passed|failed|error|FAIL|diff" | tail -20
       ;;
     engine)
-      bench engine-1row 330 sweep $M --lengths 8192,32768 --repeats 2 --warmup 1 --output-len 64 --label "engine, 1 GPU"
-      bench engine-16x8k 200 sweep $M --lengths 8192 --batch 16 --output-len 64 --repeats 1 --warmup 1 --label "engine, 16 x 8K"
-      bench engine-64x2k 200 sweep $M --lengths 2048 --batch 64 --output-len 64 --repeats 1 --warmup 1 --label "engine, 64 x 2K"
+      bench engine-1row 200 sweep $M --lengths 8192,32768 --repeats 2 --warmup 1 --output-len 64 --label "engine, 1 GPU"
+      bench engine-16x8k 120 sweep $M --lengths 8192 --batch 16 --output-len 64 --repeats 1 --warmup 1 --label "engine, 16 x 8K"
+      ;;
+    engine64)
+      bench engine-64x2k 120 sweep $M --lengths 2048 --batch 64 --output-len 64 --repeats 1 --warmup 1 --label "engine, 64 x 2K"
       ;;
     floor)
-      timeout 300 python3 $here/floor.py 8192,32768 2>&1 | grep -v -i warn | tee "$out/floor.log"
+      timeout 100 python3 $here/floor.py 8192,32768 2>&1 | grep -v -i warn | tee "$out/floor.log"
       ;;
     hf)
       bench hf-ttft 400 sweep $M --sp-strategy transformers --lengths 8192,32768 --repeats 2 --warmup 1 --label transformers

@@ -21,7 +21,7 @@ KIND=${KIND:-cuda}
 site=/tmp/site
 out=${OUT:-/tmp/burstserve-gpu}
 # parts whose figures rest on flash-attn-4: they stop (exit 3) without it, the others fall back to cuDNN
-NEEDS_FA4="kernels decode prefix fp8 fp8attn profile extend 8x regress"
+NEEDS_FA4="kernels decode prefix fp8 fp8attn profile 8x regress"
 
 usage() {
   awk '/^## `scripts\/gpu.sh`/ {p = 1; print; next} p && /^## / {exit} p' scripts/README.md
@@ -292,12 +292,6 @@ part_regress() {   # the same benchmarks on an older tree (.ab/base.tgz, carried
   if [ "${ORDER:-}" = this-first ]; then regress_benches "-this"; fi   # the other order: a drift (heat) shows
   (cd "$base" && PYTHONPATH=${PYTHONPATH/%$here/$base} regress_benches "-base")
   if [ "${ORDER:-}" != this-first ]; then regress_benches "-this"; fi
-}
-
-part_extend() {   # a late chunk's extend time by size (scripts/gpu_extend_sizes.py), then the interference run
-  timeout 240 python3 scripts/gpu_extend_sizes.py "${CONTEXT:-122880}" 2>&1 | grep -v -i "warn\|exe_args" \
-      | tee "$out/extend_sizes.txt"
-  [ -n "${SKIP_INTERFERENCE:-}" ] || PARTS=interference UNCHUNKED=0 SERVE_EXTRA="--log-level debug" part_prefix
 }
 
 # capacity_run NAME LIMIT SERVE_ARGS LABEL: `bench sweep` over HTTP against a server it starts
@@ -587,8 +581,8 @@ part_final() {   # end of session on all GPUs: GPU tests, the server answering s
   grep -E "kernel|listening|Shutting|shutting" "$out/server.log" | head -5
 }
 
-part_profile() {   # profile decode | prefill | chunk | mixed: where a step's time goes (markdown tables)
-  local what=${1:-} ctx script
+part_profile() {   # profile decode | prefill: where a step's time goes (markdown tables)
+  local what=${1:-} ctx
   case "$what" in
     decode)
       for ctx in ${CONTEXTS:-8192 131072}; do
@@ -598,16 +592,8 @@ part_profile() {   # profile decode | prefill | chunk | mixed: where a step's ti
       done ;;
     prefill)
       CP=${CP:-1} DEVICE=${DEVICE:-$KIND} timeout 540 python3 scripts/gpu_prefill_profile.py "${LENGTHS:-8192,32768,131072}" \
-          2>&1 | grep -v -i "warn\|exe_args" | tee "$out/prefill_profile.txt"
-      # and where a flash-attn-4 call's ~100 us of host time goes (cProfile)
-      [ -n "${SKIP_FA4_HOST:-}" ] || [ "${CP:-1}" != 1 ] || [ "$KIND" != cuda ] || timeout 120 python3 scripts/gpu_fa4_host.py \
-          --cprofile 2>&1 | grep -v -i "exe_args" | tee "$out/fa4_host.txt" ;;
-    chunk | mixed)
-      script=gpu_${what}_profile
-      for ctx in ${CONTEXTS:-131072}; do
-        timeout 400 python3 "scripts/$script.py" "$ctx" 2>&1 | grep -v -i "warn\|exe_args" | tee "$out/${what}_profile_$ctx.txt"
-      done ;;
-    *) echo "usage: $me profile decode | prefill | chunk | mixed" >&2; return 2 ;;
+          2>&1 | grep -v -i "warn\|exe_args" | tee "$out/prefill_profile.txt" ;;
+    *) echo "usage: $me profile decode | prefill" >&2; return 2 ;;
   esac
 }
 

@@ -6,8 +6,6 @@ the kernel against the torch path of the same arithmetic.
     python scripts/gpu_fa3_fp8.py [error] [speed] [agree]        (default: all three)
     KEYS=8192,131072,1048576 SEGMENTS=16384,32768 SPEED_LENGTHS=8192,131072 python scripts/gpu_fa3_fp8.py
 
-`no_sink` (error rows): sink=0, the backend's default since 292f0ba; the other fa3_fp8_attention rows take kernels/fa3_fp8.py's
-SINK_KEYS (0 now: the same as `no_sink`; 4 in the 2026-12-01 run).
 error: the last 256 queries of a prompt of N keys (they see every key), KV head 0's four query heads, against
     float64; K/V bf16 random, "plain" (diffuse attention) and "sink" (key 0 takes about half of every row's
     weight, as trained models' first token does); FA3 FP8 in one call and in segments, flash-attn-4 bf16.
@@ -30,7 +28,7 @@ from burstserve.kernels.attention import fa4_forward  # noqa: E402
 from burstserve.kernels.fa3_fp8 import _fa3_module, _to_e4m3_torch, fa3_fp8_attention, rotation, to_e4m3  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_gemm_shapes import timed  # noqa: E402  (CUDA events, median after warm-ups: seconds)
+from gpu_kernel_timing import timed  # noqa: E402  (CUDA events, median after warm-ups: seconds)
 
 
 def timed_ms(fn) -> float:
@@ -89,8 +87,6 @@ def error_part(keys_list, segments_list) -> list[dict]:
             row["fa4_bf16"] = relative(out[0][:, :4], want)
             row["fa3_fp8_one_call"] = relative(
                 fa3_fp8_attention(q, k, v, False, SCALE, segment=1 << 30, kernel="fa3")[0][:, :4], want)
-            row["fa3_fp8_no_sink"] = relative(
-                fa3_fp8_attention(q, k, v, False, SCALE, segment=1 << 30, kernel="fa3", sink=0)[0][:, :4], want)
             for seg in segments_list:
                 row[f"fa3_fp8_seg{seg}"] = relative(
                     fa3_fp8_attention(q, k, v, False, SCALE, segment=seg, kernel="fa3")[0][:, :4], want)

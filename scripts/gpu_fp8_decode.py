@@ -4,7 +4,6 @@ decode kernel), one layer with llama3-8b's attention shapes (32 query heads, 8 K
 in a CUDA graph, with the KV bytes it reads per second.
 
     python scripts/gpu_fp8_decode.py [BATCHxCONTEXT ...]      default: 1x131072 16x8192 64x2048 1x1048576
-    python scripts/gpu_fp8_decode.py --sweep [BATCHxCONTEXT ...]   the kernel's launch settings, time per call
 
 Prints a table; writes fp8_decode.json under $OUT (or the working directory).
 """
@@ -14,7 +13,6 @@ import sys
 
 import torch
 
-from burstserve.kernels import fp8_paged_attention as fpa
 from burstserve.kernels.fp8_paged_attention import choose_splits, fp8_paged_decode, fp8_paged_decode_reference
 from burstserve.kernels.kv_quant import SCALE_BYTES, Fp8Pages, dequantize_kv, quantize_kv
 from burstserve.kernels.paged_attention import guarded_table, paged_attention
@@ -76,52 +74,7 @@ def run(batch: int, context: int) -> dict:
     return row
 
 
-SWEEP = {   # variant: (warps, stages, waves, keys a tile) to try
-    "decode": [(w, st, wv, bn) for w in (2, 4) for st in (3, 4) for wv in (3, 4, 6) for bn in (64, 128)],
-}
-
-
-def compiled_facts(kernel) -> str:
-    """Registers, spills and shared memory of the kernel's compiled versions (Triton's cache; best effort)."""
-    try:
-        facts = set()
-        for per_device in kernel.device_caches.values():
-            for c in per_device[0].values():
-                facts.add(f"regs {c.n_regs} spills {c.n_spills} smem {c.metadata.shared}")
-        return "; ".join(sorted(facts))
-    except Exception as e:
-        return f"({type(e).__name__})"
-
-
-def sweep(shapes) -> None:
-    """The kernels' launch settings: warps x pipeline stages x waves of programs x keys a tile, time per call."""
-    kernels = fpa._triton.kernels(torch.device("cuda"))     # straight: a failure is shown, not hidden
-    print("| variant | batch x context | warps | stages | waves | keys a tile | splits | fp8 us | TB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, n in shapes:
-        q, ((k8, _), (v8, _)), table, lens = make(b, n)
-        for variant, settings in SWEEP.items():
-            for warps, stages, waves, bn in settings:
-                launch = dict(num_warps=warps, num_stages=stages, waves=waves, block_keys=bn)
-                row = f"| {variant} | {b} x {n} | {warps} | {stages} | {waves} | {bn} |"
-                try:
-                    t = graph_time(lambda: fpa._decode_triton(kernels[variant], q, k8, v8, table, lens, D ** -0.5,
-                                                              None, **launch))
-                except Exception as e:
-                    print(f"{row} - | {type(e).__name__}: {str(e)[:60]} | |", flush=True)
-                    continue
-                splits = choose_splits(b, HKV, table.shape[1] * BS,
-                                       torch.cuda.get_device_properties(0).multi_processor_count, waves)
-                tbps = b * n * HKV * 2 * (D + SCALE_BYTES) / t / 1e12
-                print(f"{row} {splits} | {t * 1e6:.1f} | {tbps:.2f} |", flush=True)
-        torch.cuda.empty_cache()
-    for variant in SWEEP:
-        print(f"{variant}: {compiled_facts(kernels[variant])}")
-
-
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--sweep"]:
-        return sweep([tuple(int(x) for x in a.split("x")) for a in (argv[1:] or ["1x131072", "16x8192", "64x2048"])])
     shapes = [tuple(int(x) for x in a.split("x")) for a in (argv or ["1x131072", "16x8192", "64x2048", "1x1048576"])]
     rows = []
     print("| batch x context | splits | fp8 us | fp8 TB/s | fa4 bf16 us | fa4 TB/s | speed-up | max abs err vs fp32 "

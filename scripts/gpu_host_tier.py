@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_gemm_shapes import timed  # noqa: E402
+from gpu_kernel_timing import timed  # noqa: E402
 
 
 def _median_seconds(fn) -> float:
-    """Median of 3 timed calls after one (scripts/gpu_gemm_shapes.py's CUDA-event timing)."""
+    """Median of 3 timed calls after one (scripts/gpu_kernel_timing.py's CUDA-event timing)."""
     return timed(fn, iters=3, warmup=1)
 
 

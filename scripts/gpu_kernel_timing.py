@@ -6,7 +6,8 @@ a num_chunks sweep of the decode fast path. Needs flash-attn-4 (scripts/README.m
     python scripts/gpu_kernel_timing.py [--no-blocks]     (markdown tables; --no-blocks: the paged tables only)
 
 `bash scripts/gpu.sh kernels` runs it after the kernel GPU tests; `bash scripts/gpu.sh decode` runs it
-with --no-blocks."""
+with --no-blocks. Its CUDA-event timers are imported by the other GPU tools (`timed`: gpu_host_tier.py,
+gpu_fa3_fp8.py; `graph_us`: gpu_fp8_decode.py)."""
 import sys
 
 import torch
@@ -29,6 +30,21 @@ def time_us(fn, iters=20, warm=3):
         fn()
     b.record(); torch.cuda.synchronize()
     return a.elapsed_time(b) * 1000 / iters
+
+
+def timed(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median seconds of fn() on the current stream, each call between two CUDA events (after `warmup` calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def graph_us(f, iters=50):

@@ -1,6 +1,6 @@
-"""What Triton makes of the FP8 kernels (attention, the few-rows GEMM, a row kernel) for a Hopper GPU (sm_90),
-compiled on this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the wheel). For each kernel and
-launch, the PTX instructions that decide its speed, counted over the whole kernel:
+"""What Triton makes of the FP8 kernels (paged decode, the few-rows GEMM, the row kernels, fa3-fp8's casts) for a
+Hopper GPU (sm_90), compiled on this machine: no GPU needed, only Triton (its CUDA backend and ptxas ship in the
+wheel). For each kernel and launch, the PTX instructions that decide its speed, counted over the whole kernel:
 
     global loads   ld.global.* by width (b8: a byte at a time, what unaligned K/V tiles come to)
     async copies   cp.async.* (the software pipeline's copies into shared memory)
@@ -8,8 +8,7 @@ launch, the PTX instructions that decide its speed, counted over the whole kerne
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|prefill|prefill-pv16|prefill-vt|prefill-vt-qsplit|small-gemm|
-                                       silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast ...]
+    python scripts/hopper_codegen.py [decode|small-gemm|silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -28,7 +27,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from burstserve.kernels import fa3_fp8
-from burstserve.kernels import fp8_attention as fa
 from burstserve.kernels import fp8_paged_attention as fpa
 from burstserve.kernels import fp8_small_gemm as sg
 from burstserve.kernels import fused
@@ -41,18 +39,6 @@ DECODE_ARGS = [("q_ptr", "*bf16", None), ("k_ptr", "*u8", None), ("v_ptr", "*u8"
                ("out_ptr", "*fp32", None), ("lse_ptr", "*fp32", None), ("scale2", "fp32", None),
                ("table_stride", "i32", 1025), ("splits", "i32", 49), ("q_stride_b", "i32", QKV_ROW),
                ("q_stride_h", "i32", D), ("batch", "i32", 1)]
-PREFILL_ARGS = [("q_ptr", "*bf16", None), ("kd_ptr", "*fp8e4nv", None), ("ks_ptr", "*bf16", None),
-                ("vd_ptr", "*fp8e4nv", None), ("vs_ptr", "*bf16", None), ("table_ptr", "*i32", None),
-                ("cu_ptr", "*i32", None), ("lens_ptr", "*i32", None), ("out_ptr", "*bf16", None),
-                ("lse_ptr", "*fp32", None), ("qk_scale", "fp32", None), ("q_tok", "i32", QKV_ROW),
-                ("q_head", "i32", D), ("k_page", "i32", BS * HKV * D), ("k_tok", "i32", HKV * D),
-                ("k_head", "i32", D), ("ks_page", "i32", BS * HKV), ("ks_tok", "i32", HKV),
-                ("v_page", "i32", BS * HKV * D), ("v_tok", "i32", HKV * D), ("v_head", "i32", D), ("v_dim", "i32", 1),
-                ("vs_page", "i32", BS * HKV), ("vs_tok", "i32", HKV), ("table_stride", "i32", 1025),
-                ("o_tok", "i32", H * D), ("o_head", "i32", D), ("lse_tok", "i32", H), ("tiles_m", "i32", 512)]
-# V's pages stored transposed, [blocks, KV heads, D, page]: a tile's keys contiguous (K-major for P . V)
-_VT = {"v_page": HKV * D * BS, "v_tok": 1, "v_head": D * BS, "v_dim": BS}
-PREFILL_VT_ARGS = [(a, t, _VT.get(a, v)) for a, t, v in PREFILL_ARGS]
 # the few-rows FP8 GEMM on llama3-8b's o projection (K 4096), 16 rows (a 16-sequence decode step)
 GEMM_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("w_ptr", "*u8", None), ("ws_ptr", "*fp32", None),
              ("bias_ptr", "*fp32", None), ("out_ptr", "*bf16", None), ("part_ptr", "*fp32", None),
@@ -65,12 +51,10 @@ def _defaults(launcher) -> dict:
     return {k: p.default for k, p in inspect.signature(launcher).parameters.items() if p.default is not p.empty}
 
 
-_DEC, _PRE = _defaults(fpa._decode_triton), _defaults(fa._prefill_triton)
+_DEC = _defaults(fpa._decode_triton)
 _GEMM = _defaults(sg._launch)
 _GEMM_CONSTS = dict(HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=_GEMM["block_n"], BLOCK_K=_GEMM["block_k"],
                     STAGES=_GEMM["stages"])
-_PREFILL_CONSTS = dict(QPK=H // HKV, D=D, BS=BS, BM=_PRE["block_m"], BN=_PRE["block_n"], CAUSAL=True,
-                       FP8_DOTS=_PRE["dots"] == "fp8", Q_SPLIT=_PRE["q_split"])
 # silu * up quantized per row, llama3-8b's 8K-token prefill (intermediate 14336; gate_up rows of 28672)
 SILU_FP8_ARGS = [("x_ptr", "*bf16", None), ("q_ptr", "*fp8e4nv", None), ("scale_ptr", "*fp32", None),
                  ("inter", "i32", 14336), ("x_stride", "i32", 28672)]
@@ -93,15 +77,6 @@ LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
                dict(HKV=HKV, QPK=H // HKV, QPAD=fpa.QPAD_MIN, D=D, BS=BS, STAGES=_DEC["num_stages"],
                     BN=min(_DEC["block_keys"], BS)), _DEC["num_warps"], _DEC["num_stages"]),
-    "prefill": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
-                _PRE["num_warps"], _PRE["num_stages"]),
-    "prefill-pv16": (fa, "prefill", PREFILL_ARGS, dict(_PREFILL_CONSTS, PV16=True),
-                     _PRE["num_warps"], _PRE["num_stages"]),
-    "prefill-vt": (fa, "prefill", PREFILL_VT_ARGS, dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16"),
-                   _PRE["num_warps"], _PRE["num_stages"]),
-    "prefill-vt-qsplit": (fa, "prefill", PREFILL_VT_ARGS,
-                          dict(_PREFILL_CONSTS, PV16=_PRE["pv"] == "fp16", Q_SPLIT=True),
-                          _PRE["num_warps"], _PRE["num_stages"]),
     "silu-and-mul-fp8": (fused, "silu_and_mul_fp8", SILU_FP8_ARGS, dict(BLOCK=16384), fused._row_warps(16384), 1),
     "rms-norm": (fused, "rms_norm", NORM_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),
     "rms-norm-fp8": (fused, "rms_norm_fp8", NORM_FP8_ARGS, dict(HAS_RES=True, BLOCK=4096), fused._row_warps(4096), 1),

@@ -186,12 +186,12 @@ def dense_causal_attend(layer, q, k, v):
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
+def fa3_like_reference(q, k, v, causal: bool, scale: float):
     """FA3's FP8 forward in float64, dense, written apart from kernels/fa3_fp8.py: q, k, v [S, Hx, D] each cast to
     e4m3 with amax / 448 per KV head (q over the group's query heads; the descale rounded to fp32, as FA3 takes
-    it), S = q8 k8^T * descales * scale, causal aligned to the end; the first `sink` keys and the rest as two
-    calls, each with P = exp(S - its row max) * 256 cast to e4m3 and P8 v8 * v's descale / (256 sum P) in bf16
-    (FA3's output dtype for FP8 operands), the two merged by their LSE -> (out [Sq, H, D] float64, lse [Sq, H]).
+    it), S = q8 k8^T * descales * scale, causal aligned to the end; P = exp(S - its row max) * 256 cast to e4m3
+    and P8 v8 * v's descale / (256 sum P) in bf16 (FA3's output dtype for FP8 operands) -> (out [Sq, H, D]
+    float64, lse [Sq, H]).
     First q and k turned by the kernel's rotation (fa3_fp8.rotation, +-1 entries, R R^T = D I:
     tests/kernels/test_fa3_fp8.py checks it) in their dtype, as the kernel turns them (turned in float64, their
     e4m3 roundings would tip apart), the softmax scale divided by D."""
@@ -214,19 +214,14 @@ def fa3_like_reference(q, k, v, causal: bool, scale: float, sink: int = 0):
     s = torch.einsum("qhd,khd->hqk", q8, kh) * (per_head(qd) * per_head(kd) * scale)[:, None, None]
     if causal:
         s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq), float("-inf"))
-    outs, lses = [], []
-    for keys in (slice(0, sink), slice(sink, sk)) if 0 < sink < sk else (slice(0, sk),):
-        part = s[..., keys]                                                      # [H, Sq, n]
-        m = part.amax(-1, keepdim=True)
-        seen = torch.isfinite(m)
-        p = torch.exp(part - torch.where(seen, m, 0.0))
-        p8 = (p * 256).float().to(torch.float8_e4m3fn).double()
-        total = p.sum(-1, keepdim=True)
-        o = torch.einsum("hqk,khd->hqd", p8, vh[keys]) * per_head(vd)[:, None, None] / (256 * total.clamp(min=1e-300))
-        outs.append(o.to(torch.bfloat16).double())                               # each call's output in bf16
-        lses.append(torch.where(seen, m + torch.log(total), float("-inf")))
-    lse = torch.logaddexp(*lses) if len(lses) == 2 else lses[0]                 # [H, Sq, 1]
-    out = sum(o * torch.exp(torch.where(torch.isfinite(l), l - lse, float("-inf"))) for o, l in zip(outs, lses))
+    m = s.amax(-1, keepdim=True)                                                 # [H, Sq, 1]
+    seen = torch.isfinite(m)
+    p = torch.exp(s - torch.where(seen, m, 0.0))
+    p8 = (p * 256).float().to(torch.float8_e4m3fn).double()
+    total = p.sum(-1, keepdim=True)
+    o = torch.einsum("hqk,khd->hqd", p8, vh) * per_head(vd)[:, None, None] / (256 * total.clamp(min=1e-300))
+    out = o.to(torch.bfloat16).double() * seen                                   # the call's output in bf16
+    lse = torch.where(seen, m + torch.log(total), float("-inf"))
     return out.transpose(0, 1), lse.squeeze(-1).T
 
 

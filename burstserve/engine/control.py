@@ -7,7 +7,7 @@ order. Two ways to carry it:
   the reader reads it); a worker waiting for its next call sleeps in `recv`, woken by the write. Worker 0
   does not wait out a broadcast before running its own share of every call, as it does with gloo's
   `broadcast_object_list`, and a decode step's call reaches the readers several times sooner
-  (scripts/control_latency.py measures both).
+  (docs/benchmarks.md, "Decode").
 - `GlooControl` (workers on several hosts, or under torchrun): `broadcast_object_list` on a gloo group.
 A worker whose peer is gone gets an error, never a hang: the pipe's reader sees EOF when worker 0's process
 is gone (no other process keeps its write end), worker 0's write fails once a reader's process is gone.

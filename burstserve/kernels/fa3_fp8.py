@@ -19,12 +19,9 @@ The arithmetic (FlashAttention-3's, the kernel's own: hopper/softmax.h, mainloop
 - S = q8 . k8 in fp32 times q's and k's descales and the softmax scale; P = exp(S - running row max) * 2^8
   (FA3's Max_offset: P in [0, 256], far from e4m3's subnormals), cast to e4m3; P8 . v8, times v's descale,
   over the row sum of the unrounded P;
-- the first SINK_KEYS keys in calls of their own, and the keys in segments of at most KEY_SEGMENT a call, the
-  partials merged by their LSE (kernels.merge). P is rounded against the row's maximum over the call's keys: a
-  trained model's attention sink (its first token, far above the rest in most rows) would leave every other
-  key's P far down e4m3's range, its small values in the subnormals or at zero; apart, they are rounded
-  against their own maximum. A segment bounds the P . V accumulation that Hopper's FP8 tensor cores carry at
-  reduced precision along a call, which drifts with the number of keys (docs/benchmarks.md, FP8 attention).
+- the keys in segments of at most KEY_SEGMENT a call, the partials merged by their LSE (kernels.merge): a
+  segment bounds the P . V accumulation that Hopper's FP8 tensor cores carry at reduced precision along a
+  call, which drifts with the number of keys (docs/benchmarks.md, FP8 attention).
 The torch path takes the row maximum over the segment's keys, not the running maximum of FA3's tiles: P is
 never larger than the kernel's, so its e4m3 rounding is never finer (a bound on the kernel's error, and equal
 to it where a row's maximum is in its first tile).
@@ -40,7 +37,6 @@ from burstserve.kernels.merge import merge_into
 from burstserve.kernels.triton_setup import LazyTriton, bf16_by_bits, e4m3_by_arithmetic
 
 KEY_SEGMENT = 131072         # keys a kernel call at most; longer key ranges in segments merged by LSE
-SINK_KEYS = 0                # a call's first keys attended apart (0: not; the accuracy study's `sink`)
 P_OFFSET = 256.0             # FA3's 2^Max_offset for FP8
 MIN_SCALE = 2.0 ** -126
 QUERY_CHUNK = 1024           # the torch path's query rows at a time (no [Sq, Sk] score matrix whole)
@@ -299,8 +295,7 @@ def _torch_call(q8, k8, v8, qd, kd, vd, causal: bool, scale: float):
 # ---------------------------------------------------------------- the backend
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                      segment: int = KEY_SEGMENT, kernel: str = "auto", sink: int = SINK_KEYS
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      segment: int = KEY_SEGMENT, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. kernel: auto (FA3 on CUDA, torch elsewhere) | fa3 | torch."""
     hkv = k.shape[1]
     call = _fa3_call if kernel == "fa3" or (kernel == "auto" and q.is_cuda) else _torch_call
@@ -309,15 +304,15 @@ def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         scale = scale / q.shape[-1]                                                    # q R . k R = D q . k
     (q8, qd), (k8, kd), (v8, vd) = to_e4m3(q, hkv, turn), to_e4m3(k, hkv, turn), to_e4m3(v, hkv)
     out, lse = run_segments(lambda a, b, c, masked: call(a, b, c, qd, kd, vd, masked, scale), q8, k8, v8,
-                            causal, segment, sink)
+                            causal, segment)
     return out.to(q.dtype), lse
 
 
-def run_segments(call, q, k, v, causal: bool, segment: int, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def run_segments(call, q, k, v, causal: bool, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
     """call(q rows, k rows, v rows, causal) -> (out, lse) over each of segments(...)'s pieces, merged by LSE
     in fp32 (kernels.merge; a bf16 accumulator's rounding at every merge costs more than FP8's own error at
     a million keys in 32 segments) -> (out [Sq, H, D] fp32, or the one call's own; lse [Sq, H] fp32)."""
-    pieces = list(segments(q.shape[0], k.shape[0], causal, segment, sink))
+    pieces = list(segments(q.shape[0], k.shape[0], causal, segment))
     if len(pieces) == 1:
         return call(q, k, v, causal)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
@@ -328,15 +323,15 @@ def run_segments(call, q, k, v, causal: bool, segment: int, sink: int = 0) -> tu
     return out, lse
 
 
-def segments(sq: int, sk: int, causal: bool, segment: int, sink: int = 0):
+def segments(sq: int, sk: int, causal: bool, segment: int):
     """The kernel calls of one attention call -> (query rows q0:q1, keys k0:k1, causal) each. The keys are cut
-    at every multiple of `segment` and after the first `sink`. Under a causal mask (end-aligned: query r sees
+    at every multiple of `segment`. Under a causal mask (end-aligned: query r sees
     keys up to r + sk - sq) a range that ends the keys is one end-aligned call from its first row that sees
     it; a range before the square of the last sq keys is seen whole by every row; a range inside the square
     is a square for its own rows and seen whole by the rows after them (and one across the square's start is
     cut there). Rows that see no key of a range are in no call of it."""
     off = sk - sq if causal else sk                 # keys before the square (all of them when not causal)
-    cuts = sorted(set(range(0, sk, segment)) | {sk} | ({sink} if 0 < sink < sk else set()))
+    cuts = sorted(set(range(0, sk, segment)) | {sk})
     for k0, k1 in zip(cuts[:-1], cuts[1:]):
         if k1 <= off:
             yield 0, sq, k0, k1, False

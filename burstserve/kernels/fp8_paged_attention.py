@@ -38,15 +38,13 @@ QPAD_MIN = 16             # tl.dot's smallest M
 
 
 def fp8_paged_decode(q: torch.Tensor, k_pages: Fp8Pages, v_pages: Fp8Pages, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, **launch
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. num_splits: None chooses from the shapes (host-known only). launch: the
-    Triton launch's settings (num_warps, num_stages, waves), for measuring them."""
+    """See the module docstring. num_splits: None chooses from the shapes (host-known only)."""
     kern = _triton.kernels(q.device)
     if kern is not None:
         try:
-            return _decode_triton(kern["decode"], q, k_pages, v_pages, block_table, seq_lens, scale, num_splits,
-                                  **launch)
+            return _decode_triton(kern["decode"], q, k_pages, v_pages, block_table, seq_lens, scale, num_splits)
         except Exception as e:      # compile or launch failure: the torch ops from now on
             _triton.failed(e)
     return fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
@@ -83,9 +81,10 @@ def fp8_paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale
 
 def _decode_triton(kernel, q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, num_warps=2,
                    num_stages=2, waves=4, block_keys=64):
-    """The launch's defaults are the fastest settings measured on Hopper GPUs at 1 x 128K, 16 x 8K and 1 x 1M
+    """The launch's settings are the fastest measured on Hopper GPUs at 1 x 128K, 16 x 8K and 1 x 1M
     (docs/benchmarks.md, "FP8 KV cache"): 2-warp programs over tiles of 64 keys, 4 waves of them, 2 pipeline
-    stages (3 took as long or longer)."""
+    stages (3 took as long or longer). block_keys: smaller tiles for pages smaller than the GPU's (the tests);
+    scripts/hopper_codegen.py compiles the kernel with these defaults."""
     b, h, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     qpk = h // hkv

@@ -64,7 +64,7 @@ def e4m3_by_arithmetic():
     """A jitted function x (fp32) -> the nearest e4m3 value (ties to even, saturating at 448, x's sign kept, -0's
     too) as fp32, computed with fp32 arithmetic: what a kernel uses in place of `.to(tl.float8e4nv)` under the Triton
     interpreter, whose fp32 -> e4m3 cast drops the carry into the exponent (31.9 -> 16). For kernels'
-    build functions (kernels/kv_quant.py, kernels/fp8_attention.py); Triton imported here, on first use."""
+    build functions (kernels/kv_quant.py, kernels/fa3_fp8.py); Triton imported here, on first use."""
     global tl
     import triton
     import triton.language as tl

@@ -39,12 +39,12 @@ def test_segments_cover_every_visible_key_once(trial):
     rng = random.Random(trial)
     sq = rng.randrange(1, 60)
     sk = rng.randrange(1, 90) + (sq if rng.random() < 0.7 else 0)
-    causal, segment, sink = rng.random() < 0.7, rng.randrange(1, 200), rng.choice([0, 0, 1, 4])
+    causal, segment = rng.random() < 0.7, rng.randrange(1, 200)
     count = torch.zeros(sq, sk, dtype=torch.int32)
-    pieces = list(segments(sq, sk, causal, segment, sink))
+    pieces = list(segments(sq, sk, causal, segment))
     for q0, q1, k0, k1, masked in pieces:
         assert 0 <= q0 < q1 <= sq and 0 <= k0 < k1 <= sk, (q0, q1, k0, k1)
-        assert k1 - k0 <= segment and not k0 < sink < k1 or len(pieces) == 1, (q0, q1, k0, k1, segment, sink)
+        assert k1 - k0 <= segment or len(pieces) == 1, (q0, q1, k0, k1, segment)
         block = torch.ones(q1 - q0, k1 - k0, dtype=torch.int32)
         if masked:           # a masked call is a square, or ends the keys and the rows (end-aligned)
             assert q1 - q0 == k1 - k0 or (q1, k1) == (sq, sk), (q0, q1, k0, k1)
@@ -55,9 +55,9 @@ def test_segments_cover_every_visible_key_once(trial):
     assert torch.equal(count, visible.int()), (sq, sk, causal, segment)
 
 
-@pytest.mark.parametrize("sq,sk,causal,segment,sink", [(200, 200, True, 48, 0), (50, 333, True, 64, 4),
-                                                      (70, 250, False, 100, 1), (200, 200, True, 1000, 4)])
-def test_segments_merged_by_lse_equal_one_exact_call(sq, sk, causal, segment, sink):
+@pytest.mark.parametrize("sq,sk,causal,segment", [(200, 200, True, 48), (50, 333, True, 64), (70, 250, False, 100),
+                                                 (120, 300, True, 50)])
+def test_segments_merged_by_lse_equal_one_exact_call(sq, sk, causal, segment):
     """With an exact kernel in place of the FP8 one, the segmented call equals attention in one piece."""
     q, k, v = _qkv(sq, sk)
     scale = 0.1
@@ -72,9 +72,9 @@ def test_segments_merged_by_lse_equal_one_exact_call(sq, sk, causal, segment, si
             s = s.masked_fill(~mask, float("-inf"))
         return torch.einsum("hqk,hkd->qhd", torch.softmax(s, -1), vh), torch.logsumexp(s, -1).T
 
-    out, lse = run_segments(exact, q, k, v, causal, segment, sink)
+    out, lse = run_segments(exact, q, k, v, causal, segment)
     want, want_lse = exact(q, k, v, causal)
-    assert len(list(segments(sq, sk, causal, segment, sink))) > 2
+    assert len(list(segments(sq, sk, causal, segment))) > 2
     assert (out - want).abs().max() < 1e-5 and (lse - want_lse).abs().max() < 1e-5
 
 

@@ -1,10 +1,9 @@
 """The FP8 kernels as Triton compiles them for a Hopper GPU (sm_90), on this machine without one
 (scripts/hopper_codegen.py): their tiles (K/V, the few-rows GEMM's weight) reach shared memory by asynchronous
-16-byte copies, never a byte at a time from global memory, and the prefill's first dot and the GEMM run on
-FP8 warp-group MMAs; over V's pages transposed the prefill's second dot reads V without a byte-wise
-transpose in shared memory, and with Q split (q_split) it runs half as many MMAs again. An argument added to
-a kernel's do_not_specialize list that carries a tile's alignment (a page or token stride) fails this: the
-prefill kernel read its tiles byte by byte, at a quarter of flash-attn-4's rate, until 9666433."""
+16-byte copies, never a byte at a time from global memory, and the GEMM runs on FP8 warp-group MMAs. An
+argument added to a kernel's do_not_specialize list that carries a tile's alignment (a page or token stride)
+fails this: an FP8 prefill kernel (removed since; commit b63512b has it) read its tiles byte by byte, at a
+quarter of flash-attn-4's rate, until 9666433."""
 import os
 import re
 import sys
@@ -17,20 +16,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import hopper_codegen  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["decode", "prefill", "prefill-pv16", "prefill-vt", "prefill-vt-qsplit",
-                                  "small-gemm"])
+@pytest.mark.parametrize("name", ["decode", "small-gemm"])
 def test_fp8_tiles_are_copied_asynchronously_not_byte_by_byte(name):
     counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
     assert counts["ld.global.b8"] == 0, counts                                   # byte-wise global loads
     assert counts["cp.async.cg.shared.global"] >= 16, counts                     # 16-byte async tile copies
-    if name.startswith(("prefill", "small-gemm")):
+    if name == "small-gemm":
         assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in counts), counts
-    if name == "prefill-vt-qsplit":                      # Q . K as two FP8 dots: half as many MMAs again
-        plain = hopper_codegen.summary(hopper_codegen.compile_for_hopper("prefill-vt").asm["ptx"])
-        wgmma = [k for k in counts if k.startswith("wgmma")]
-        assert sum(counts[k] for k in wgmma) == 3 * sum(plain[k] for k in wgmma) // 2, (counts, plain)
-    if name in ("prefill-pv16", "prefill-vt", "prefill-vt-qsplit"):
-        assert counts["st.shared.b8"] == 0, counts       # V read as stored (fp16 dot; FP8 dot, V transposed)
 
 
 def test_row_kernels_move_rows_16_bytes_at_a_time():

@@ -25,7 +25,6 @@ Written on torch.distributed's collectives (all_gather_into_tensor with async_op
 the weights so that their gathers never queue behind the ring's exchanges): FSDP2's prefetching
 all-gather wraps nn.Modules, and the model here is plain tensors and functions.
 """
-import os
 from dataclasses import replace
 from typing import Mapping
 
@@ -106,11 +105,6 @@ def zero_check(cfg: ModelConfig, world_size: int) -> str | None:
     return None
 
 
-# Operator's fallback: "data" puts burst-zero's layer gathers on the data group, queued behind the ring (no
-# overlap), should a GPU hang with two NCCL communicators in flight (see LayerGather.__init__); default "own"
-GATHER_GROUP_ENV = "BURSTSERVE_ZERO_GATHER_GROUP"
-
-
 class LayerGather:
     """The whole weights of layer i, its MLP all-gathered from every worker's tp slices (the attention's
     weights are whole already) (`layer(i)`, called for i = 0, 1, ... in order by every worker alike:
@@ -123,11 +117,9 @@ class LayerGather:
         """cfg: the whole model's config; layers: this worker's slices (engine.model.LlamaModel.layers)."""
         self.cfg, self.layers, self.world_size, self.device = cfg, layers, world_size, device
         ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
-        # the weights' own queue (collective: all workers), beside the ring's on the data group. NCCL does not
-        # promise progress to two communicators at once; every worker issues both in the same order, but
-        # BURSTSERVE_ZERO_GATHER_GROUP=data queues the gathers behind the ring instead (no overlap)
-        own = os.environ.get(GATHER_GROUP_ENV, "own") != "data"
-        self.group = dist.new_group(ranks) if own else group
+        # the weights' own queue (collective: all workers), beside the ring's on the data group, so that a
+        # gather never waits behind the ring's exchanges; every worker issues both in the same order
+        self.group = dist.new_group(ranks)
         self.gate_up_index = gate_up_row_index(cfg.intermediate_size, world_size).to(device)
         self.shared_gate_up_index = gate_up_row_index(cfg.shared_expert_intermediate_size, world_size).to(device)
         self._arriving: dict[int, tuple[list, list]] = {}    # layer -> (gathered buffers, works)

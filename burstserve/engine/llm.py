@@ -109,9 +109,6 @@ class LLM:
             self.engine = self._head.gather(self.engine)
             self.engine = dataclasses.replace(self.engine, max_num_batched_tokens=chunk_tokens(
                 values, self.engine.world_size))        # the default chunk grows with every host's workers
-        if self.model_config.num_experts and self.engine.quantization != "none":
-            raise InvalidRequestError(f"--quantization {self.engine.quantization} does not cover a mixture of "
-                                      "experts' experts yet: serve this model in bfloat16", "quantization")
         reason = get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config)
         if self._head is not None and reason:
             self._head.abort(reason)

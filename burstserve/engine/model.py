@@ -127,7 +127,7 @@ class LlamaModel:
             gate_up=None if sparse else linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"),
                                                           w.pop(p + "mlp.up_proj.weight")])),
             down=None if sparse else linear(w.pop(p + "mlp.down_proj.weight")),
-            experts=take_expert_weights(self.cfg, w, i) if sparse else None,
+            experts=take_expert_weights(self.cfg, w, i, quantization) if sparse else None,
             input_norm=w.pop(p + "input_layernorm.weight"),
             post_norm=w.pop(p + "post_attention_layernorm.weight"),
             q_norm=w.pop(a + "q_norm.weight") if self.cfg.qk_norm else None,
@@ -169,7 +169,8 @@ class LlamaModel:
                 k, v = round_kv_(k, v)                                 # in place: one kernel on GPUs
             attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
             delta = reduce_o(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
-            x, residual = norm(delta, layer.post_norm, eps, residual)
+            post_norm = fused.rms_norm if layer.experts is not None else norm   # the router reads x unquantized
+            x, residual = post_norm(delta, layer.post_norm, eps, residual)
             delta = reduce(self.mlp(gather(x), layer, rows))
             if i + 1 < len(self.layers):
                 x, residual = norm(delta, self.layers[i + 1].input_norm, eps, residual)

@@ -57,16 +57,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def experts_few_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                      chosen: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                     down_scale: torch.Tensor | None = None, **launch) -> torch.Tensor | None:
-    """See the module docstring; the scales given: FP8 weights. launch: block_n, block_k, stages, warps, waves (for
-    measuring them)."""
+                     down_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """See the module docstring; the scales given: FP8 weights."""
     if x.shape[0] > MAX_ROWS or x.shape[0] == 0:
         return None
     kern = _triton.kernels(x.device)
     if kern is None:
         return None
     try:
-        return _launch(kern, x, gate_up, down, weights, chosen, gate_up_scale, down_scale, **launch)
+        return _launch(kern, x, gate_up, down, weights, chosen, gate_up_scale, down_scale)
     except Exception as e:          # compile or launch failure: the torch path from now on
         _triton.failed(e)
         return None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, no flash-attn-4 (cuDNN prefill attention, the engine's decode without fa4): the experts' GPU test on
+# One device call, no flash-attn-4 (cuDNN prefill attention, the engine's decode without fa4): the experts' GPU tests on
 # this tree, then qwen3-30b-a3b bf16 TTFT 8K and TPOT 1 x 8K (64 tokens) on this tree and on the tree before the few-row
 # kernels (58af417, carried as .ab/base.tgz), one after the other on the same GPU. (16 x 8K: driver.sh.)
 #   bash scripts/gpu.sh run bash docs/results/2026-12-07-1xGPU-moe-kernels/ab.sh
@@ -8,7 +8,8 @@ out=${OUT:-/tmp/burstserve-gpu}
 mkdir -p "$out" /tmp/base
 tar xzf .ab/base.tgz -C /tmp/base
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader > "$out/gpu.txt"
-timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py -k "mixture" 2>&1 \
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py tests/engine/test_moe_fp8.py \
+    -k "mixture or fp8_experts_on_a_gpu" 2>&1 \
     | tee "$out/tests.log" | grep -E "passed|failed|error|diff" | tail -8
 bench() {   # bench NAME LIMIT TREE ARGS...
   local name=$1 limit=$2 tree=$3; shift 3

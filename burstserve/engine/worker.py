@@ -45,13 +45,13 @@ def spawned_worker_main(*args) -> None:
     """worker_main in a process that `LLM` (engine/llm.py) or a joining host (engine/cluster.py) started."""
     _owned_by_parent()
     worker_main(*args)
-    _exit_after_shutdown([a for a in args if hasattr(a, "join_thread")])
+    exit_after_shutdown([a for a in args if hasattr(a, "join_thread")])
 
 
-def _exit_after_shutdown(queues: list) -> None:
-    """A worker that shut down cleanly ends here: its queues' last messages flushed and the logs written, then
-    exit 0 without the interpreter's teardown, whose only visible work would be the Triton bindings' report of
-    the objects still alive at exit (nanobind's "leaked ..." lines, noise in the server's log at every stop)."""
+def exit_after_shutdown(queues: list) -> None:
+    """A worker, or the server, that shut down cleanly ends here: its queues' last messages flushed and the logs
+    written, then exit 0 without the interpreter's teardown, whose only visible work would be the Triton bindings'
+    report of the objects still alive at exit (nanobind's "leaked ..." lines, noise in the server's log at a stop)."""
     for q in queues:
         q.close()
         q.join_thread()

@@ -106,7 +106,7 @@ def worker(args) -> None:
 
 def serve(args) -> None:
     from burstserve.engine import LLM, BurstServeError
-    from burstserve.engine.worker import GIL_SWITCH_INTERVAL, freeze_heap
+    from burstserve.engine.worker import GIL_SWITCH_INTERVAL, exit_after_shutdown, freeze_heap
     from burstserve.server.app import build_app
     _setup_logging(args)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)    # the router thread delivers tokens while a long body parses
@@ -139,6 +139,7 @@ def serve(args) -> None:
         DrainingServer(config, app.state.ctx.engine).run(sockets=[sock])
     finally:
         llm.shutdown()
+    exit_after_shutdown([])      # no teardown: a GGUF conversion here loaded Triton's bindings, which report at exit
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -11,11 +11,14 @@ import dataclasses
 import itertools
 import os
 import random
+import signal
 
+import httpx
 import pytest
 import torch
 
 import hf_reference
+from burstserve.clients.server_process import RemoteServer
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.config import load_model_config
 from burstserve.engine.errors import ModelLoadError
@@ -185,3 +188,26 @@ def test_a_mixtral_gguf_file_is_refused_by_name(cache, tmp_path):
     with pytest.raises(ModelLoadError, match=r"mixtral.gguf: transformers reads this GGUF file \('llama'\) as "
                                              r"LlamaForCausalLM but finds no tensor for model.layers.0.mlp"):
         LLM(path, devices="cpu")
+
+
+def test_a_server_that_converted_the_file_stops_cleanly_on_ctrl_c(twins, tmp_path, monkeypatch):
+    """A first start converts the file in the server's own process (transformers' GGUF reading, which loads Triton's
+    bindings); Ctrl-C to the process group then ends it with exit 0, and its log holds no traceback and not the
+    bindings' report of objects alive at interpreter exit (nanobind's "leaked ..." lines)."""
+    kind, folder, model, path = twins
+    monkeypatch.setenv("BURSTSERVE_CACHE", str(tmp_path / "cache"))        # a fresh cache: this start converts
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as out:
+        srv = RemoteServer(["--model", path, "--devices", "cpu", "--dtype", "float32"], log_level="info",
+                           output=out, timeout=180)
+    try:
+        answer = httpx.post(srv.url("/v1/completions"), json={"model": path, "prompt": [5, 6, 7], "max_tokens": 2},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        os.killpg(srv.proc.pid, signal.SIGINT)
+        code = srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    log = log_path.read_text(errors="replace")
+    assert code == 0 and "SIGINT: shutting down" in log, log[-3000:]
+    assert "leaked" not in log and "Traceback" not in log, log[-3000:]

@@ -288,7 +288,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.
 def every_expert(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """The same sum with shapes fixed by S alone (what a CUDA graph can replay): every expert runs on every row,
     weighted by the row's routing weight for it, 0 where the row did not choose it. E / k times the FLOPs, and
-    every expert's weights read: for a decode step's few rows only, until a kernel reads the chosen ones alone."""
+    every expert's weights read: the fallback of a graph where neither the few-row kernels nor a grouped GEMM runs."""
     dense = torch.zeros(x.shape[0], experts.gate_up.shape[0], dtype=weights.dtype, device=x.device)
     dense.scatter_(1, chosen, weights)                                       # [S, E]
     out = torch.zeros_like(x)

@@ -15,8 +15,8 @@ def main(argv):
     print("|---|---|---|")
     for kv in argv or ["auto", "fp8"]:
         with LLM("llama3-8b", devices="cuda:0", kv_cache_dtype=kv) as llm:
-            info = llm.worker_info[0]
-            print(f"| {kv} | {info['kv_capacity_tokens']:,} | {torch.cuda.get_device_name(0)} |", flush=True)
+            capacity = llm.worker_facts[0].kv_capacity_tokens
+            print(f"| {kv} | {capacity:,} | {torch.cuda.get_device_name(0)} |", flush=True)
 
 
 if __name__ == "__main__":

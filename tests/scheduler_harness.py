@@ -32,7 +32,7 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
 
     requests, outputs = queue.Queue(), queue.Queue()
     call = Dispatch(run_here, sent.append if sent is not None else None)
-    scheduler = Scheduler(call, requests, outputs, runner, max_model_len, [])
+    scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len, [], runner.cache.host)
     if prepare is not None:
         prepare(scheduler, runner)
     failure = []

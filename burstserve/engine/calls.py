@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from burstserve.engine.outputs import PrefillStats
+from burstserve.engine.placement import ExtendWay, Shard
 
 
 # ---------------------------------------------------------------- calls
@@ -30,8 +31,8 @@ class Prefill:
 @dataclass
 class ExtendPlacement:
     """Where an extend's new tokens go over the workers, as the KV manager placed them."""
-    way: str                                   # ExtendWay (engine/cache/page_planner.py)
-    shards: list                               # the new tokens over the workers (Shard by rank)
+    way: ExtendWay
+    shards: list[Shard]                        # the new tokens over the workers, by rank
     held: list[int]                            # the sequence's tokens on each worker before them, by rank
     pages: list[list[int]]                     # by rank, the pages each worker takes for them
 
@@ -196,7 +197,7 @@ class PrefillResult:
     exchange_seconds: float | None = None      # all layers' exchanges alone (arithmetic)
     hidden_fraction: float | None = None
     peak_memory_bytes: int | None = None
-    extend_way: str | None = None              # an extend: its ExtendWay's value (engine/cache/page_planner.py)
+    extend_way: ExtendWay | None = None        # an extend: how it ran
     graphed: bool = False                      # an extend replayed as a CUDA graph
     logits: torch.Tensor | None = None         # [V] fp32, CPU (worker 0)
     prompt_logprobs: list | None = None        # (worker 0, when asked)

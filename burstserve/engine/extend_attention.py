@@ -35,13 +35,12 @@ import torch
 import torch.distributed as dist
 
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.cache.page_pool import PagePool
 from burstserve.engine.chunk_sizer import MIN_CHUNK
 from burstserve.engine.decode_attention import all_gather_rows, merge_over_workers
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.pass_kv import PassKVAttention
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import ExtendWay, Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.device import num_sms
 from burstserve.kernels.merge import merge_partials
@@ -58,7 +57,6 @@ class ExtendAttention:
         over the workers (way "whole": all on one; "local" under tp: the strategy's one shard);
         pass_kv_cached (way "ring", bf16 pages): every worker's cached tokens of the sequence, by rank, to
         pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
-        way = ExtendWay(way)
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
         # FP8 attention: the new tokens' own K/V through it; over FP8 pages the cached keys too, gathered a segment at
         # a time as every chunk over FP8 pages gathers them (kernels.paged_attention); over bf16 pages the cached

@@ -79,17 +79,6 @@ def runs_for(rows: int, q_per_kv: int, num_kv_heads: int, sms: int) -> int:
     return runs_filling_waves(attention_ctas(rows, q_per_kv, num_kv_heads), sms, MAX_RUNS)
 
 
-def mixed_batch_limit(engine, graphs: "ExtendGraphs | None") -> int | None:
-    """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk: None;
-    0 with --no-mixed-batch), or by default the chunks that worker 0 replays with a decode step as one CUDA graph
-    (`graphs`, worker 0's; every worker decides alike), 0 where none: one graph of a late chunk and the decode
-    step beats the two graphs apart, while an eager mixed pass is bound by the host and slower than both
-    (docs/benchmarks.md, Chunked prefill and interference)."""
-    if engine.mixed_batch is not None:
-        return None if engine.mixed_batch else 0
-    return graphs.mixed_max_tokens if graphs is not None else 0
-
-
 class GraphedChunkAttention:
     """One replay's attention for every layer: see the module docstring. Built inside the captured forward,
     from the static inputs' views."""

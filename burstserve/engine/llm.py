@@ -28,10 +28,11 @@ from burstserve.engine.errors import (DeviceSpecError, EngineDeadError, InvalidR
                                       PromptTooLongError)
 from burstserve.engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from burstserve.engine.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
-                                        WorkerFailed, WorkerReady)
+                                        WorkerFacts, WorkerFailed, WorkerReady)
 from burstserve.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
 from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from burstserve.engine.parallel import STRATEGIES, get_strategy
+from burstserve.engine.placement import worker_share
 from burstserve.engine.sampling import SamplingParams
 from burstserve.engine.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
                                                  tokenizer_source)
@@ -41,7 +42,6 @@ from burstserve.kernels.kv_quant import kv_cache_refusal
 from burstserve.engine.weights import weight_files
 from burstserve.engine.control import close_parent_ends, make_pipes
 from burstserve.engine.worker import spawned_worker_main
-from burstserve.kernels.arith import ceil_div
 from burstserve.kernels.attention import backend_refusal
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class LLM:
         self._arrivals: dict[str, float] = {}
         self._dead: str | None = None
         self._closed = False
-        self.worker_info: list[dict] = []
+        self.worker_facts: list[WorkerFacts] = []                # by rank, as each reported at start
         self._start_workers()
         atexit.register(self.shutdown)
 
@@ -168,25 +168,21 @@ class LLM:
         largest share on one worker (a zigzag shard is at most one token over an even split, and decoded
         tokens go to the worker holding fewest) must fit in that worker's pages."""
         needed = min(prompt_tokens + max_tokens, self.max_model_len)
-        info = self.worker_info[0]
-        if pages_for(self._worker_share(needed), info["block_size"]) > info["kv_pages_per_worker"]:
+        facts = self.worker_facts[0]
+        if pages_for(self._worker_share(needed), facts.block_size) > facts.kv_pages_per_worker:
             raise InvalidRequestError(f"the request needs {needed} tokens of KV cache (a prompt of {prompt_tokens} "
                                       f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
                                       f"{self.kv_capacity_tokens} tokens", "max_tokens")
 
     def _worker_share(self, tokens: int) -> int:
-        """The most of a sequence's `tokens` one worker holds: a zigzag shard is at most one token over an
-        even split (decoded tokens go to the worker holding fewest); under tp every worker holds all."""
-        info = self.worker_info[0]
-        workers = info["kv_capacity_total"] // info["kv_capacity_tokens"]
-        return tokens if workers == 1 else ceil_div(tokens, workers) + 1
+        return worker_share(tokens, self.engine.world_size, self.worker_facts[0].replicated_kv)
 
     def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
         """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked
         prefill on flash-attn-4 the workers reserve activation memory for one chunk's tokens only
         (engine/cache/sizing.py prefill_rows_reserved), so a longer such prompt is refused, not run out of
         memory."""
-        rows = self.worker_info[0].get("prefill_rows_max")
+        rows = self.worker_facts[0].prefill_rows_max
         if params.prompt_logprobs is None or rows is None:
             return
         share = self._worker_share(prompt_tokens)
@@ -293,11 +289,11 @@ class LLM:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache the engine admits, summed over workers."""
-        return self.worker_info[0]["kv_capacity_total"]
+        return self.worker_facts[0].kv_capacity_total
 
     @property
     def kernel(self) -> str:
-        return self.worker_info[0]["kernel"] if self.worker_info else "?"
+        return self.worker_facts[0].kernel if self.worker_facts else "?"
 
     # ---- internals --------------------------------------------------------------------------
     @staticmethod
@@ -327,15 +323,15 @@ class LLM:
                 p.start()
         finally:
             close_parent_ends(writers, readers)
-        info = {}
-        while len(info) < len(self._procs):
+        facts = {}
+        while len(facts) < len(self._procs):
             msg = self._next_message()
             if isinstance(msg, WorkerReady):
-                info[msg.rank] = msg.info
+                facts[msg.rank] = msg.facts
             elif isinstance(msg, WorkerFailed):
                 self._fail(f"worker {msg.rank} failed to start: {msg.error}\n{msg.trace}")
                 raise EngineDeadError(self._dead)
-        self.worker_info = [info[r] for r in range(len(self._procs))]
+        self.worker_facts = [facts[r] for r in range(len(self._procs))]
         log.info("engine ready: %d worker(s) on %s, attention kernel %s", len(self._procs),
                  ",".join(self.engine.devices), self.kernel)
         self._router = threading.Thread(target=self._route_outputs, daemon=True, name="burstserve-outputs")

@@ -5,7 +5,7 @@ requests, the front (LLM) to worker 0's scheduler:
   AbortRequest      a request to stop; its KV cache is freed on every worker
   StopScheduler     the scheduler's loop ends (the workers shut down after it)
 outputs, the workers to the front:
-  WorkerReady       a worker started; its facts (ModelRunner.info)
+  WorkerReady       a worker started; its facts (WorkerFacts: ModelRunner.facts)
   WorkerFailed      a worker's exception, before it exits (never a silent hang)
   Tokens            sampled tokens: one, or a whole decode step's in one message (one pickle a step)
   EngineStats       the scheduler's gauges and counters (EngineFigures: LLM.stats, server/metrics.py)
@@ -31,9 +31,44 @@ class StopScheduler:
 
 
 @dataclass(frozen=True)
+class WorkerFacts:
+    """What a started worker reports of itself: the front's checks (engine/llm.py) and worker 0's scheduler
+    (its KV manager, chunk sizer and policy) are built from these and the engine's options, never from a
+    runner object. Every worker reports the same but for rank and device."""
+    rank: int
+    device: str                      # torch.device's name: "cuda:0", "cpu"
+    kernel: str                      # the attention backend's name
+    block_size: int                  # tokens a KV page holds
+    kv_pages_per_worker: int
+    kv_workers: int                  # workers one sequence's K/V is spread over (1: replicated, as under tp)
+    replicated_kv: bool              # every worker holds every token (tp)
+    max_pages_per_seq: int           # the pages one sequence may hold on a worker (the block table's width)
+    kv_cache_dtype: str              # "bfloat16", "float32", "fp8"
+    kv_host_pages: int               # the host tier's pages per worker (0: no tier)
+    cuda_graphs: bool                # decode steps replayed as CUDA graphs
+    mixed_graph_tokens: int          # the largest chunk replayed with a decode step as one CUDA graph (0: none)
+    zero_sliced_max_tokens: int | None = None   # burst-zero: the longest prompt run on the weight slices
+    prefill_rows_max: int | None = None         # activations reserved for this many prompt tokens (None: any)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens this worker's pages hold."""
+        return self.kv_pages_per_worker * self.block_size
+
+    @property
+    def kv_capacity_total(self) -> int:
+        """Tokens the engine's pages hold, one sequence's K/V spread over kv_workers."""
+        return self.kv_capacity_tokens * self.kv_workers
+
+    @property
+    def kv_host_capacity_tokens(self) -> int:
+        return self.kv_host_pages * self.block_size
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     rank: int
-    info: dict
+    facts: WorkerFacts
 
 
 @dataclass(frozen=True)

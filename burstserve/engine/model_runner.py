@@ -9,19 +9,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from burstserve.engine.decode_attention import DecodeAttention
 from burstserve.engine.decode_graphs import DecodeGraphs, release_graphs
 from burstserve.engine.extend_attention import ExtendAttention, warm_extend_kernels
 from burstserve.engine.extend_graphs import ExtendGraphs
 from burstserve.engine.devices import host_to_device, synchronize
+from burstserve.engine.messages import WorkerFacts
 from burstserve.engine.model import hf_weight_shapes
 from burstserve.engine.parallel import PrefillContext, PrefillStrategy, get_strategy, kv_view
 from burstserve.engine.parallel.exchange_time import ExchangeTime
 from burstserve.engine.parallel.pass_kv import PassKVChoice
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.parallel.sharding import Shard, owner_of_position
+from burstserve.engine.placement import ExtendWay, Shard, owner_of_position
 from burstserve.engine.prompt_logprobs import as_entries
 from burstserve.engine.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
 from burstserve.engine.step_tokens import FedTokens, PendingTokens, sampled_result
@@ -326,15 +326,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def info(self) -> dict:
-        per_worker = self.pool.num_pages * self.block_size
-        total = per_worker * self.strategy.kv_workers   # replicated K/V (tp): every worker holds every token
-        return {"rank": self.rank, "device": str(self.device), "kernel": self.backend.name,
-                "kv_capacity_tokens": per_worker, "kv_capacity_total": total, "block_size": self.block_size,
-                "kv_cache_dtype": "fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
-                "kv_pages_per_worker": self.pool.num_pages, "cuda_graphs": self.graphs is not None,
-                "zero_sliced_max_tokens": self.sliced_max_tokens, "prefill_rows_max": self.prefill_rows_max,
-                "kv_host_capacity_tokens": self.cache.host.num_pages * self.block_size if self.cache.host else 0}
+    def facts(self) -> WorkerFacts:
+        """What this worker reports of itself (engine/messages.py)."""
+        return WorkerFacts(
+            rank=self.rank, device=str(self.device), kernel=self.backend.name, block_size=self.block_size,
+            kv_pages_per_worker=self.pool.num_pages, kv_workers=self.strategy.kv_workers,
+            replicated_kv=self.strategy.replicated_kv,
+            max_pages_per_seq=self.pool.max_pages_per_seq,
+            kv_cache_dtype="fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
+            kv_host_pages=self.cache.host.num_pages if self.cache.host else 0, cuda_graphs=self.graphs is not None,
+            mixed_graph_tokens=self.extend_graphs.mixed_max_tokens if self.extend_graphs is not None else 0,
+            zero_sliced_max_tokens=self.sliced_max_tokens, prefill_rows_max=self.prefill_rows_max)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)

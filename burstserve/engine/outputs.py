@@ -1,6 +1,7 @@
 """Results in the shape vLLM users know, and the per-token message workers send back."""
 import array
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
@@ -8,6 +9,13 @@ from burstserve.engine.sampling import SamplingParams
 from burstserve.engine.structured_output import StructuredRequest
 
 PROMPT_TYPECODE = "i"   # int32 token ids (every vocabulary is far below 2**31): a prompt's form on the way to worker 0
+
+
+class FinishReason(StrEnum):
+    """Why a request ended; its value is OpenAI's `finish_reason` and the metrics' label."""
+    STOP = "stop"            # a stop token, EOS, a stop string, or the grammar's end
+    LENGTH = "length"        # max_tokens or the model's length
+    ABORT = "abort"          # the client went away, an error, or a token off its grammar
 
 
 @dataclass
@@ -69,7 +77,7 @@ class StepOutput:
     request_id: str
     token_id: int
     logprobs: dict[int, float] | None
-    finish_reason: str | None       # None while running, else "stop", "length" or "abort"
+    finish_reason: FinishReason | None   # None while running
     time: float                     # time.time() when the token existed
     prefill: PrefillStats | None = None   # on the first token
     logits: torch.Tensor | None = None
@@ -97,7 +105,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass

@@ -27,14 +27,16 @@ import time
 import torch
 
 from burstserve.engine import step_plan as plans
-from burstserve.engine.cache.kv_manager import KVManager
+from burstserve.engine.cache.kv_manager import HostCopies, KVManager
 from burstserve.engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from burstserve.engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
+from burstserve.engine.config import EngineConfig, ModelConfig
 from burstserve.engine.decode_steps import DecodeSteps
 from burstserve.engine.dispatch import Dispatch
-from burstserve.engine.extend_graphs import mixed_batch_limit
 from burstserve.engine.inbox import Inbox
-from burstserve.engine.outputs import PrefillStats, StepOutput
+from burstserve.engine.messages import WorkerFacts
+from burstserve.engine.outputs import FinishReason, PrefillStats, StepOutput
+from burstserve.engine.parallel import get_strategy
 from burstserve.engine.preemption import Preemptions
 from burstserve.engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.stats_publisher import StatsPublisher
@@ -45,21 +47,24 @@ IDLE_PUMP_SECONDS = 0.002     # idle with host-tier stores queued: a slice is is
 
 
 class Scheduler:
-    def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", runner,
-                 max_model_len: int, eos_token_ids: list[int]):
-        """call: runs a call on every worker (engine/dispatch.py); runner: worker 0's ModelRunner, read here
-        once: its engine options, model shapes, device, extend graphs and its cache's sizes (the KV manager's)."""
-        engine = runner.engine
+    def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", engine: EngineConfig,
+                 cfg: ModelConfig, facts: WorkerFacts, max_model_len: int, eos_token_ids: list[int],
+                 host_copies: HostCopies | None = None):
+        """call: runs a call on every worker (engine/dispatch.py); facts: worker 0's (engine/messages.py; its
+        device samples first tokens); host_copies: worker 0's host tier, asked whether its copies are done."""
         self.call, self.requests, self.outputs = call, requests, outputs
-        self.tokens = TokenOutputs(outputs, runner.device, eos_token_ids, max_model_len)
-        self.kv = KVManager.of_workers(runner, call, engine.enable_prefix_caching)   # the cache's one ledger
+        device = torch.device(facts.device)
+        self.tokens = TokenOutputs(outputs, device, eos_token_ids, max_model_len)
+        strategy = get_strategy(engine.sp_strategy, engine.world_size)             # for its shards
+        self.kv = KVManager.of_workers(engine, facts, strategy, call, engine.enable_prefix_caching,
+                                       host_copies)                                  # the cache's one ledger
         call.place = self.kv.place                                   # every work call placed before it runs
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
-        self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(runner.cfg),
-                                engine.page_size, min_chunk_tokens(runner.device.type)) if chunk else None
+        self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(cfg),
+                                engine.page_size, min_chunk_tokens(device.type)) if chunk else None
         self.policy = plans.Policy(self.kv, engine.max_num_seqs, max_model_len, chunk, self.sizer,
-                                   mixed_batch_limit(engine, runner.extend_graphs), engine.async_scheduling)
+                                   plans.mixed_batch_limit(engine, facts.mixed_graph_tokens), engine.async_scheduling)
         self.state = SchedulerState()
         self.inbox = Inbox(requests, self.state, self.kv)                  # engine/inbox.py
         self.preemptions = Preemptions(self.state, self.kv)     # engine/preemption.py
@@ -271,7 +276,7 @@ class Scheduler:
                                     logits=logits, prompt_logprobs=prompt_logprobs))
         if reason is None:
             self.state.running.append(seq)
-        elif self.kv.prefix_cache is not None and reason != "abort":
+        elif self.kv.prefix_cache is not None and reason != FinishReason.ABORT:
             computed = seq.generated if token_computed else seq.generated[:-1]                   # K/V computed
             self.kv.retire(seq.seq_id, seq.request.prompt_token_ids + computed)
         else:

@@ -91,7 +91,8 @@ class ChunkedPrefill:
         self.chunks += 1
         self.smallest, self.largest = min(self.smallest or n, n), max(self.largest, n)
         if result.extend_way is not None:
-            self.extend_ways[result.extend_way] = self.extend_ways.get(result.extend_way, 0) + 1
+            way = str(result.extend_way)                               # the figures name it
+            self.extend_ways[way] = self.extend_ways.get(way, 0) + 1
         self.graphed += int(result.graphed)
         self.mixed += int(mixed)
 

@@ -30,6 +30,17 @@ from burstserve.engine.outputs import Request
 from burstserve.engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState
 
 
+def mixed_batch_limit(engine, graph_tokens: int) -> int | None:
+    """The largest chunk that runs with a decode step in one forward pass: --mixed-batch as asked (any chunk: None;
+    0 with --no-mixed-batch), or by default the chunks the workers replay with a decode step as one CUDA graph
+    (`graph_tokens`: engine/extend_graphs.py ExtendGraphs.mixed_max_tokens, 0 where none): one graph of a late chunk
+    and the decode step beats the two graphs apart, while an eager mixed pass is bound by the host and slower than both
+    (docs/benchmarks.md, Chunked prefill and interference)."""
+    if engine.mixed_batch is not None:
+        return None if engine.mixed_batch else 0
+    return graph_tokens
+
+
 @dataclass(frozen=True)
 class CopyTwin:
     """The request starts as a copy of a running sequence's prompt K/V (the same prompt: one request's n

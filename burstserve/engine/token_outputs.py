@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from burstserve.engine.messages import Tokens
-from burstserve.engine.outputs import Request, StepOutput
+from burstserve.engine.outputs import FinishReason, Request, StepOutput
 from burstserve.engine.sampling import rows_logprobs, sample_rows
 from burstserve.engine.sequences import RunningSequence
 from burstserve.engine.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
@@ -49,20 +49,20 @@ class TokenOutputs:
         logprobs = rows_logprobs(logits[None], token.cpu(), [params.logprobs])[0] if params.logprobs is not None else None
         return int(token[0]), logprobs
 
-    def accept(self, seq: RunningSequence, token: int) -> str | None:
-        """Advances the sequence's grammar (if any) by its new token -> why the sequence ends ("stop", "length",
-        "abort"), or None: it runs on."""
+    def accept(self, seq: RunningSequence, token: int) -> FinishReason | None:
+        """Advances the sequence's grammar (if any) by its new token -> why the sequence ends, or None: it runs
+        on."""
         params = seq.request.params
         grammar_ended = False
         if seq.grammar is not None:
             if not seq.grammar.accept(token):   # cannot happen with a masked sample; never run on off-grammar
                 log.error("request %s: token %d does not match its response_format; ending it",
                           seq.request.request_id, token)
-                return "abort"
+                return FinishReason.ABORT
             grammar_ended = seq.grammar.terminated   # its stop token accepted: ends even with ignore_eos
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos) or grammar_ended:
-            return "stop"
-        return "length" if seq.ends_by_length(len(seq.generated), self.max_model_len) else None
+            return FinishReason.STOP
+        return FinishReason.LENGTH if seq.ends_by_length(len(seq.generated), self.max_model_len) else None
 
     def send(self, item: StepOutput) -> None:
         """One token out: with the step's others inside `one_message`, else at once."""

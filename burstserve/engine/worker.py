@@ -97,10 +97,11 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
             PipeControl(writers=pipes) if rank == 0 else PipeControl(reader=pipes))
         runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
         freeze_heap()
-        outputs.put(WorkerReady(rank, runner.info()))
+        outputs.put(WorkerReady(rank, runner.facts()))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
-            scheduler = Scheduler(call, requests, outputs, runner, max_model_len, cfg.eos_token_ids)
+            scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len,
+                                  cfg.eos_token_ids, runner.cache.host)
             profiled(scheduler.run, os.environ.get(PROFILE_ENV))
             call(Shutdown())
         else:
@@ -189,7 +190,8 @@ def runner_alone(runner: ModelRunner) -> KVManager:
     """A KV manager over this runner alone, for tools and tests that drive ModelRunners without a scheduler (on
     several workers each one makes its own and places alike): kv.call(message) places work and runs it here."""
     call = Dispatch(lambda message: run_call(runner, message), None)
-    kv = KVManager.of_workers(runner, call, prefix_caching=False)
+    kv = KVManager.of_workers(runner.engine, runner.facts(), runner.strategy, call, prefix_caching=False,
+                              host_copies=runner.cache.host)
     call.place = kv.place
     return kv
 

@@ -14,14 +14,13 @@ import torch.distributed as dist
 
 from burstserve.engine.cache.host_pool import STORE_IN_FLIGHT, HostPool
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.cache.page_pool import PagePool
 from burstserve.engine.cache.sizing import kv_bytes_per_token
 from burstserve.engine.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult,
                                      PumpStores, Reinstate, Restore, Retire, Truncate)
 from burstserve.engine.config import EngineConfig, ModelConfig
 from burstserve.engine.errors import ModelLoadError
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import ExtendWay, Shard
 from burstserve.engine.worker_memory import PoolSize, size_pool
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class WorkerCache:
     def place_extend(self, seq_id: int, num_tokens: int, placed: ExtendPlacement) -> PlacedExtend:
         """num_tokens new tokens of the sequence, placed over the workers by the KV manager: this worker's rows
         and pages."""
-        way, shards = ExtendWay(placed.way), placed.shards
+        way, shards = placed.way, placed.shards
         shard = self.strategy.shard_of(shards, self.rank)
         positions = torch.arange(num_tokens) if way == ExtendWay.WHOLE else shard.positions()   # [m], of the new tokens
         host_slots = self.pool.extend(seq_id, shard.length, placed.pages[self.rank])   # [n_w]: the K/V kept here

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.errors import EngineDeadError
-from burstserve.engine.outputs import StepOutput
+from burstserve.engine.outputs import FinishReason, StepOutput
 from burstserve.server.errors import APIError
 from burstserve.server.metrics import Metrics
 from burstserve.server.timeline import Timeline
@@ -78,7 +78,7 @@ class EngineRequest:
         self.first_token_time: float | None = None
         self._ttft_parts = ""         # the TTFT's parts for the log line (server/timeline.py)
         self.generated = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         timeline.submitted = time.time()
         engine.llm.submit(prompt_ids, params, request_id,
                           sink=lambda item: loop.call_soon_threadsafe(self._inbox.put_nowait, item))
@@ -104,7 +104,7 @@ class EngineRequest:
         """Ends the request with `error`, raised to its reader at its next read (none once it ended)."""
         self._inbox.put_nowait(error)
 
-    def close(self, reason: str = "abort") -> None:
+    def close(self, reason: FinishReason = FinishReason.ABORT) -> None:
         """Ends the request (aborting it in the engine) unless it already ended."""
         if self.finish_reason is None:
             self._end(reason, time.time(), abort=True)
@@ -125,7 +125,7 @@ class EngineRequest:
             m.next_token(item.time - self._last)
         self._last = item.time
 
-    def _end(self, reason: str, when: float, abort: bool) -> None:
+    def _end(self, reason: FinishReason, when: float, abort: bool) -> None:
         self.finish_reason = reason
         self.engine.live.discard(self)
         if self.first_token_time is None:

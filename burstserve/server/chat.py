@@ -2,6 +2,7 @@
 import time
 import uuid
 
+from burstserve.engine.outputs import FinishReason
 from burstserve.server.choices import ChoiceEvent, sampling_params, start_choices
 from burstserve.server.context import ServerContext
 from burstserve.server.logprobs import chat_logprob_entry
@@ -78,7 +79,7 @@ class ChatWriter:
                 "total_tokens": self.prompt_tokens + self.tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
-    def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: FinishReason | None = None) -> dict:
         return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
                                                          "finish_reason": finish_reason}])
 

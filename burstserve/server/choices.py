@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from burstserve.engine import SamplingParams
+from burstserve.engine.outputs import FinishReason
 from burstserve.server.context import ServerContext
 from burstserve.server.text import TextAssembler
 from burstserve.server.timeline import Timeline
@@ -18,7 +19,7 @@ class ChoiceEvent:
     text_offset: int               # where this token's text starts in the choice's generated text
     token_id: int
     logprobs: dict[int, float] | None
-    finish_reason: str | None      # "stop" or "length" on the last event
+    finish_reason: FinishReason | None      # on the last event
     prompt_logprobs: list | None = None   # on the first event, when asked for: one entry per prompt token
     cached_tokens: int | None = None      # on the first event: prompt tokens found in the prefix cache
 
@@ -54,18 +55,18 @@ async def run_choice(ctx: ServerContext, index: int, prompt_ids: Sequence[int], 
         async for step in request:
             offset = len(assembler.text)
             text = assembler.add(step.token_id)
-            reason = "stop" if assembler.stopped else step.finish_reason
+            reason = FinishReason.STOP if assembler.stopped else step.finish_reason
             if reason is not None and not assembler.stopped:
                 text += assembler.finish()
-                reason = "stop" if assembler.stopped else reason   # the last characters completed a stop
+                reason = FinishReason.STOP if assembler.stopped else reason   # the last characters completed a stop
             if assembler.stopped:
-                request.close("stop")
+                request.close(FinishReason.STOP)
             cached = (step.prefill.cached_tokens or 0) if step.prefill is not None else None
             yield ChoiceEvent(index, text, offset, step.token_id, step.logprobs, reason, step.prompt_logprobs, cached)
             if reason is not None:
                 return
     finally:
-        request.close("abort")   # the client went away, or an error: a no-op once the request ended
+        request.close(FinishReason.ABORT)   # the client went away, or an error: a no-op once the request ended
 
 
 async def merge_choices(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:

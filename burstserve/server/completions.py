@@ -3,6 +3,7 @@ import time
 import uuid
 from typing import Sequence
 
+from burstserve.engine.outputs import FinishReason
 from burstserve.server.choices import ChoiceEvent, sampling_params, start_choices
 from burstserve.server.context import ServerContext
 from burstserve.server.errors import APIError
@@ -77,7 +78,7 @@ class CompletionWriter:
             if prompt_entry is not None:
                 yield self._chunk(event.index, self.choices[event.index].prefix, prompt_entry, None)
             if self.score_only:
-                yield self._chunk(event.index, "", None, "length")
+                yield self._chunk(event.index, "", None, FinishReason.LENGTH)
             else:
                 yield self._chunk(event.index, event.text, entry, event.finish_reason)
         if self.req.stream_options and self.req.stream_options.include_usage:
@@ -90,7 +91,7 @@ class CompletionWriter:
         if req.echo and req.logprobs is not None and event.prompt_logprobs is not None:
             prompt_entry = choice.append(self._prompt_entry(choice.prompt_ids, event.prompt_logprobs))
         if self.score_only:   # max_tokens 0: the one token generated to end the prefill is not part of the answer
-            choice.finish_reason = "length"
+            choice.finish_reason = FinishReason.LENGTH
             return prompt_entry, None
         choice.text += event.text
         choice.tokens += 1
@@ -127,7 +128,7 @@ class CompletionWriter:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: FinishReason | None) -> dict:
         return self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def _envelope(self, choices: list, usage: dict | None = None) -> dict:

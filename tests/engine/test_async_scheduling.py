@@ -163,7 +163,7 @@ def test_sampled_and_greedy_requests_on_workers_get_the_tokens_of_sync_schedulin
         want = llm.generate(prompts, params)
     with LLM(path, **common) as llm:
         got = llm.generate(prompts, params)
-        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        pages = llm.worker_facts[0].kv_pages_per_worker
         deadline = time.time() + 10
         while llm.stats.kv_pages_free != [pages] * workers and time.time() < deadline:
             time.sleep(0.05)

@@ -8,7 +8,7 @@ import torch
 from dist_harness import run_on_ranks
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.parallel.sharding import zigzag_shards
+from burstserve.engine.placement import zigzag_shards
 from burstserve.kernels.attention import reference_attention
 
 

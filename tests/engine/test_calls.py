@@ -11,6 +11,7 @@ import torch
 import burstserve.engine.calls as calls
 from burstserve.engine.model_runner import ModelRunner
 from burstserve.engine.outputs import PrefillStats
+from burstserve.engine.placement import ExtendWay
 from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
 from burstserve.engine.worker_cache import WorkerCache
 
@@ -54,6 +55,6 @@ def test_a_call_reaches_the_handler_of_its_type_with_its_fields(monkeypatch):
 
 def test_a_prefill_result_reports_its_figures_only():
     seconds = random.random()
-    result = calls.PrefillResult(seconds, "burst", setup_seconds=0.01, cached_tokens=0, extend_way="ring",
+    result = calls.PrefillResult(seconds, "burst", setup_seconds=0.01, cached_tokens=0, extend_way=ExtendWay.RING,
                                  graphed=True, logits=torch.zeros(4), decode=calls.DecodeResult([1], torch.zeros(0, 4)))
     assert result.stats() == PrefillStats(prefill_seconds=seconds, strategy="burst", setup_seconds=0.01, cached_tokens=0)

@@ -150,7 +150,7 @@ def test_chunked_prefill_preempts_for_room_and_aborts_return_every_page(checkpoi
     long = [random.randrange(vocab) for _ in range(200)]     # admitted with 5 pages a worker to spare; its 25
     with LLM(path, devices="cpu", enable_prefix_caching=False, context_parallel_size=2, dtype="float32", block_size=4, kv_cache_tokens=160,
              max_num_batched_tokens=8) as llm:                  # chunks let the others grow by ~7 pages a worker
-        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        pages = llm.worker_facts[0].kv_pages_per_worker
         solo = [llm.generate(p, params)[0].outputs[0].token_ids for p in short + [long]]
         together = llm.generate(short + [long], params)
         assert [o.outputs[0].token_ids for o in together] == solo

@@ -70,7 +70,7 @@ def test_one_worker_rounds_as_fa3_does(checkpoint):
     vocab = model.config.vocab_size
     with LLM(path, devices="cpu", dtype="float32", attention_backend="fa3-fp8",
              enable_chunked_prefill=False) as llm:
-        assert llm.worker_info[0]["kernel"] == "fa3_fp8"
+        assert llm.worker_facts[0].kernel == "fa3_fp8"
         for n in (37, 700):
             prompt = [random.randrange(vocab) for _ in range(n)]
             logits = llm.next_token_logits(prompt)

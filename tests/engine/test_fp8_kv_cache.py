@@ -68,7 +68,7 @@ def test_fp8_pages_match_transformers_with_kv_rounded_alike(checkpoint, workers)
     prompts.append(list(prompts[1]))
     with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", kv_cache_dtype="fp8",
              enable_chunked_prefill=False) as llm:
-        assert llm.worker_info[0]["kv_cache_dtype"] == "fp8"
+        assert llm.worker_facts[0].kv_cache_dtype == "fp8"
         outputs = llm.generate(prompts, GREEDY)
         assert outputs[3].metrics.prefill_stats.shared_prefill, outputs[3].metrics.prefill_stats
         for prompt, out in zip(prompts, outputs):

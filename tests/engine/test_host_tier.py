@@ -69,7 +69,7 @@ def test_a_document_evicted_from_the_pool_comes_back_from_host_memory(checkpoint
     docs = [[random.randrange(vocab) for _ in range(DOC * workers)] for _ in range(5)]
     with LLM(path, devices="cpu", context_parallel_size=workers, dtype="float32", block_size=16,
              kv_cache_tokens=POOL, kv_offload_gb=TIER) as llm:
-        assert llm.worker_info[0]["kv_host_capacity_tokens"] > 10 * DOC
+        assert llm.worker_facts[0].kv_host_capacity_tokens > 10 * DOC
         _, out = _documents_then_questions(llm, model, docs, f"{workers} workers")
         stats = out.metrics.prefill_stats
         # the document, and a token more where the question's first equals the document's first answer token
@@ -129,7 +129,7 @@ def test_a_tier_smaller_than_a_document_keeps_and_restores_its_first_blocks(chec
     docs = [[random.randrange(vocab) for _ in range(2 * DOC)] for _ in range(2)]
     with LLM(path, devices="cpu", dtype="float32", block_size=16, kv_cache_tokens=320,
              kv_offload_gb=12 * page_bytes / 2**30) as llm:
-        assert llm.worker_info[0]["kv_host_capacity_tokens"] == 192
+        assert llm.worker_facts[0].kv_host_capacity_tokens == 192
         for doc in docs:
             llm.generate(doc, _params())
         assert llm.stats.kv_host_tokens_per_worker == [192], llm.stats
@@ -246,6 +246,6 @@ def test_a_tier_the_host_cannot_give_is_refused_with_the_figures(tmp_path, check
 def test_no_tier_by_default_on_cpu(checkpoint):
     path, model = checkpoint
     with LLM(path, devices="cpu", dtype="float32") as llm:
-        assert llm.worker_info[0]["kv_host_capacity_tokens"] == 0
+        assert llm.worker_facts[0].kv_host_capacity_tokens == 0
         llm.generate([1, 2, 3], _params())
         assert llm.stats.kv_host_capacity_per_worker == 0 and llm.stats.kv_offload_stored_bytes == 0

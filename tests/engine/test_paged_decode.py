@@ -56,7 +56,7 @@ def test_mixed_batch_gives_solo_tokens_and_logprobs_and_transformers_greedy(chec
             _assert_same(out.outputs[0], solo.outputs[0], f"{len(prompt)} tokens on {workers} workers")
             if p.greedy:
                 assert out.outputs[0].token_ids == hf_greedy(model, prompt, GEN), f"{len(prompt)} tokens"
-        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        pages = llm.worker_facts[0].kv_pages_per_worker
         assert _wait_stats(llm, "kv_pages_free", [pages] * workers) == [pages] * workers
 
 
@@ -74,7 +74,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(che
               for i in range(8)]
     with LLM(path, devices="cpu", enable_prefix_caching=caching, context_parallel_size=2, dtype="float32", block_size=4,
              kv_cache_tokens=64) as llm:
-        assert llm.worker_info[0]["kv_pages_per_worker"] == 16
+        assert llm.worker_facts[0].kv_pages_per_worker == 16
         together = llm.generate(prompts, params)
         preemptions = _wait_stats(llm, "running", 0) is not None and llm.stats.num_preemptions
         assert preemptions > 0, llm.stats
@@ -91,7 +91,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_request_completes_alike(che
 
 def test_aborted_requests_return_every_page():
     with LLM("tiny", devices="cpu", enable_prefix_caching=False, context_parallel_size=2, block_size=8, kv_cache_tokens=4096) as llm:
-        pages = llm.worker_info[0]["kv_pages_per_worker"]
+        pages = llm.worker_facts[0].kv_pages_per_worker
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         ids = [llm.submit([random.randrange(256) for _ in range(random.randrange(1, 300))], params)
                for _ in range(6)]

@@ -247,7 +247,7 @@ def test_cached_entries_count_as_free_in_the_usage_figures(checkpoint):
         assert _wait_stats(llm, "kv_tokens_per_worker", [0, 0]) == [0, 0]
         cached = llm.stats.kv_tokens_cached_per_worker
         assert sum(cached) == len(prompt) + GEN - 1, cached
-        assert all(free < llm.worker_info[0]["kv_pages_per_worker"] for free in llm.stats.kv_pages_free)
+        assert all(free < llm.worker_facts[0].kv_pages_per_worker for free in llm.stats.kv_pages_free)
 
 
 @pytest.mark.parametrize("max_runs,layerwise", [(0, 0), (64, 0), (64, 8)])

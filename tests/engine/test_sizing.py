@@ -2,6 +2,7 @@
 activations of a whole prompt's share are reserved; with --max-num-batched-tokens on flash-attn-4 only a
 chunk's; and a prompt_logprobs request (prefilled in one call) longer than that reserve is refused by
 name, while the same prompt without prompt_logprobs is served in chunks."""
+import dataclasses
 import random
 
 import pytest
@@ -87,11 +88,11 @@ def test_prompt_logprobs_longer_than_the_reserve_is_refused_and_served_without_t
     reports it, the engine refuses a prompt_logprobs prompt whose share on a worker exceeds it, before any
     work, and serves a shorter one with its prompt logprobs, and the long one without them."""
     with LLM("tiny", devices="cpu", context_parallel_size=workers, max_num_batched_tokens=64) as llm:
-        assert llm.worker_info[0]["prefill_rows_max"] is None
+        assert llm.worker_facts[0].prefill_rows_max is None
         long_prompt = [random.randrange(250) for _ in range(300)]
         params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
         assert len(llm.generate(long_prompt, params)[0].prompt_logprobs) == 300     # no reserve: served
-        llm.worker_info[0]["prefill_rows_max"] = 100
+        llm.worker_facts[0] = dataclasses.replace(llm.worker_facts[0], prefill_rows_max=100)
         share = 300 if workers == 1 else 151
         with pytest.raises(InvalidRequestError, match=f"prompt_logprobs needs the prompt prefilled in one call.*"
                                                       f"at most 100 tokens.*300 tokens would put {share} on one"):

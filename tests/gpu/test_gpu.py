@@ -41,7 +41,7 @@ def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):
     import torch.distributed as dist
     from burstserve.engine.parallel.burst_attention import BurstAttention
     from burstserve.engine.parallel.ring import RingCommunicator
-    from burstserve.engine.parallel.sharding import zigzag_shards
+    from burstserve.engine.placement import zigzag_shards
     from burstserve.kernels.attention import select_backend
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
@@ -204,7 +204,7 @@ def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_c
     with LLM(path, max_num_batched_tokens=2048, **options) as llm:
         chunked = llm.kv_capacity_tokens
         print(f"KV pool at gpu_memory_utilization {utilization:.4f}: {one_call} tokens in one call, {chunked} "
-              f"with chunks of 2048 (activations for {llm.worker_info[0]['prefill_rows_max']} tokens)")
+              f"with chunks of 2048 (activations for {llm.worker_facts[0].prefill_rows_max} tokens)")
         assert chunked > 4 * one_call
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
         logits = llm.next_token_logits(prompt)
@@ -341,10 +341,10 @@ def test_decode_in_cuda_graphs_matches_eager_decode_and_transformers(hf_bf16_che
     params = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True, logprobs=1)
     options = dict(devices="cuda:0", dtype="bfloat16", max_num_seqs=8, enable_chunked_prefill=False)
     with LLM(path, **options) as llm:
-        assert llm.worker_info[0]["cuda_graphs"]
+        assert llm.worker_facts[0].cuda_graphs
         graphed = [o.outputs[0] for o in llm.generate(prompts, params)]
     with LLM(path, cuda_graphs=False, **options) as llm:
-        assert not llm.worker_info[0]["cuda_graphs"]
+        assert not llm.worker_facts[0].cuda_graphs
         eager = [o.outputs[0] for o in llm.generate(prompts, params)]
     failures = []
     for prompt, g, e in zip(prompts, graphed, eager):
@@ -389,7 +389,7 @@ def test_async_scheduling_in_cuda_graphs_gives_the_tokens_of_sync_scheduling(hf_
         # chunked prefill off: chunk sizes follow timings, and the two runs must prefill alike
         with LLM(path, devices=devices, dtype="bfloat16", max_num_seqs=8, async_scheduling=asynchronous,
                  enable_prefix_caching=False, enable_chunked_prefill=False) as llm:
-            assert llm.worker_info[0]["cuda_graphs"]
+            assert llm.worker_facts[0].cuda_graphs
             runs[asynchronous] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
     assert runs[True] == runs[False]
     for prompt, p, (tokens, _) in zip(prompts, params, runs[True]):
@@ -471,7 +471,7 @@ def test_burst_zero_measures_which_prompts_run_on_the_slices(hf_bf16_checkpoint)
     path, model = hf_bf16_checkpoint
     with LLM(path, devices="cuda:0,1", dtype="bfloat16", sp_strategy="burst-zero",
              enable_chunked_prefill=False) as llm:                 # each prompt in one prefill, its strategy seen
-        limits = [info["zero_sliced_max_tokens"] for info in llm.worker_info]
+        limits = [info.zero_sliced_max_tokens for info in llm.worker_facts]
         print(f"burst-zero on 2 GPUs: prompts of up to {limits} tokens on the slices")
         assert limits[0] == limits[1] > 0
         lengths = (1, max(1, limits[0] // 2), min(limits[0] + 300, 12000))   # 1: worker 1 keeps no token;
@@ -504,7 +504,7 @@ def test_shutdown_after_cuda_graphs_on_one_gpu_and_two(hf_bf16_checkpoint, devic
     path, _ = hf_bf16_checkpoint
     llm = LLM(path, devices=devices, dtype="bfloat16")
     try:
-        assert all(info["cuda_graphs"] for info in llm.worker_info)
+        assert all(info.cuda_graphs for info in llm.worker_facts)
         prompt = [random.randrange(2000) for _ in range(600)]
         llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))            # decode graphs
         longer = prompt + [random.randrange(2000) for _ in range(40)]                     # an extend of the
@@ -767,11 +767,11 @@ def test_fp8_kv_cache_matches_transformers_with_kv_rounded(hf_bf16_checkpoint, s
     for kv, graphs in (("fp8", True), ("fp8", False), ("auto", True)):
         with LLM(path, **gpus, dtype="bfloat16", kv_cache_dtype=kv, cuda_graphs=graphs,
                  max_num_batched_tokens=1024, gpu_memory_utilization=0.5) as llm:
-            capacity[kv] = llm.worker_info[0]["kv_capacity_tokens"]
+            capacity[kv] = llm.worker_facts[0].kv_capacity_tokens
             if kv == "auto":
                 continue
-            assert llm.worker_info[0]["kv_cache_dtype"] == "fp8"
-            assert llm.worker_info[0]["cuda_graphs"] == graphs
+            assert llm.worker_facts[0].kv_cache_dtype == "fp8"
+            assert llm.worker_facts[0].cuda_graphs == graphs
             outs = [llm.generate(p, greedy)[0] for p in prompts]
             assert (outs[3].metrics.prefill_stats.cached_tokens or 0) >= 5000
             for prompt, out in zip(prompts, outs):

@@ -25,7 +25,9 @@ entries are evicted whole, least recently used first, and one that is a prefix o
 that one comes. A prompt whose longest prefix in the host tier is longer than in the pool by at least an
 eighth of it (RESTORE_GAIN) restores it from there (Restore), else copies it in the pool (Adopt).
 """
+from collections.abc import Sized
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from burstserve.engine.cache.ledger import KVLedger, pages_for
 from burstserve.engine.cache.page_planner import PagePlanner
@@ -51,23 +53,34 @@ class Hit:
     on_host: bool = False
 
 
+class HostCopies(Protocol):
+    """What the KV manager asks of worker 0's host tier (engine/cache/host_pool.py HostPool): whether its
+    copies are done. Every worker copies alike, so worker 0's answer is every worker's."""
+    queued: Sized                                 # stores not yet issued
+
+    def load_pending(self, seq_id: int) -> bool: ...
+
+    def store_pending(self, seq_id: int) -> bool: ...
+
+
 class KVManager:
     @classmethod
-    def of_workers(cls, runner, call, prefix_caching: bool) -> "KVManager":
-        """The KV manager of the workers whose worker 0 is `runner` (a ModelRunner: read here once, its strategy,
-        its pool's and host tier's sizes, the same on every worker, and its HostPool)."""
-        engine, pool, host = runner.engine, runner.pool, runner.cache.host
-        ledger = KVLedger(engine.world_size, engine.page_size, pool.num_pages, runner.strategy.replicated_kv)
-        pages = PagePlanner(runner.strategy, ledger, pool.max_pages_per_seq, engine.extend_ring_min_tokens)
-        host_ledger = (KVLedger(engine.world_size, engine.page_size, host.num_pages, runner.strategy.replicated_kv,
-                                first_page=0) if host is not None else None)
-        return cls(ledger, pages, call, prefix_caching, host_ledger, host)
+    def of_workers(cls, engine, facts, strategy, call, prefix_caching: bool,
+                   host_copies: HostCopies | None = None) -> "KVManager":
+        """The KV manager of workers that reported `facts` (engine/messages.py WorkerFacts: their pool's and host
+        tier's sizes, the same on every worker) under the engine's options (EngineConfig) and prefill strategy
+        (engine/parallel/, for its shards)."""
+        ledger = KVLedger(engine.world_size, engine.page_size, facts.kv_pages_per_worker, strategy.replicated_kv)
+        pages = PagePlanner(strategy, ledger, facts.max_pages_per_seq, engine.extend_ring_min_tokens)
+        host_ledger = (KVLedger(engine.world_size, engine.page_size, facts.kv_host_pages, strategy.replicated_kv,
+                                first_page=0) if facts.kv_host_pages else None)
+        return cls(ledger, pages, call, prefix_caching, host_ledger, host_copies if host_ledger else None)
 
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
-                 host_ledger: KVLedger | None = None, host_pool=None):
+                 host_ledger: KVLedger | None = None, host_pool: HostCopies | None = None):
         """ledger, pages: its own (no worker's); call(message): sends one engine/calls.py message to every
-        worker; host_ledger: the host tier's (None: no tier); host_pool: worker 0's HostPool, asked whether a
-        restore is still copying."""
+        worker; host_ledger: the host tier's (None: no tier); host_pool: worker 0's host tier, asked whether its
+        copies are done."""
         self.ledger, self.pages, self.call = ledger, pages, call
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.host = host_ledger if prefix_caching else None

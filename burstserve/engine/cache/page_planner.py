@@ -5,23 +5,10 @@ scheduler's KV manager (engine/cache/kv_manager.py) asks it what a call will tak
 call's tokens go (`place`, just before the call runs), over the same ledger, so a plan and the placement
 it predicts agree.
 
-An extend (a chunk of a prompt after its first, or a prompt beyond its cached prefix) runs in one of
-three ways (engine/extend_attention.py): "local" (one worker, or replicated K/V), "whole" (every worker
-runs the new tokens, the worker holding fewest of the sequence keeps their K/V) or "ring" (sharded over
-the workers, placed to level their totals).
+An extend's way and shards: engine/placement.py (ExtendWay).
 """
-from enum import StrEnum
-
 from burstserve.engine.cache.ledger import KVLedger, Ranges, pages_for
-from burstserve.engine.parallel.sharding import balanced_shards, whole_keeper, whole_shards
-
-
-class ExtendWay(StrEnum):
-    """How an extend runs over the workers (engine/extend_attention.py); its value is its name in the figures."""
-    LOCAL = "local"          # one worker, or replicated K/V
-    WHOLE = "whole"          # every worker runs the new tokens, one keeps their K/V
-    RING = "ring"            # sharded over the workers, the cache seen by passing the queries (pass-Q)
-    RING_KV = "ring-kv"      # the same, the cached K/V passed around the ring (pass-KV): reported, never planned
+from burstserve.engine.placement import ExtendWay, balanced_shards, whole_keeper, whole_shards
 
 
 class PagePlanner:

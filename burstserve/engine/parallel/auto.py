@@ -7,7 +7,7 @@ strategy's shards), so decoding does not care; each prefill reports the name of 
 """
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.parallel.burst_attention import BurstStrategy
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import Shard
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.engine.parallel.ulysses import UlyssesStrategy
 

@@ -18,10 +18,9 @@ import logging
 
 import torch
 
-from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator, RingPass
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import ExtendWay, Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.kv_quant import is_fp8
 from burstserve.kernels.merge import merge_into

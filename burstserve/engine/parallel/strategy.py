@@ -42,9 +42,8 @@ import torch
 
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.parallel.sharding import Shard, zigzag_shards
+from burstserve.engine.placement import Shard, worker_share, zigzag_shards
 from burstserve.engine.parallel.weight_layout import WeightLayout
-from burstserve.kernels.arith import ceil_div
 from burstserve.kernels.attention import AttentionBackend
 
 # (q [n, H, D], kv [n, 2, Hkv, D], between: () -> None) -> [n, H, D]
@@ -103,7 +102,7 @@ class PrefillStrategy:
 
     def kv_share(self, max_model_len: int) -> int:
         """The most tokens of one sequence a worker holds (zigzag shards differ by at most one token a chunk)."""
-        return max_model_len if self.replicated_kv else ceil_div(max_model_len, self.world_size) + 1
+        return worker_share(max_model_len, self.world_size, self.replicated_kv)
 
     @classmethod
     def option_refusal(cls, options: Mapping[str, object]) -> tuple[str, str] | None:

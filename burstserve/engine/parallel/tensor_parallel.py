@@ -14,7 +14,7 @@ import torch
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.moe import expert_slices
 from burstserve.engine.parallel.sequence_parallel import SequenceParallel
-from burstserve.engine.parallel.sharding import Shard, zigzag_shards
+from burstserve.engine.placement import Shard, zigzag_shards
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from burstserve.engine.config import ModelConfig
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import Shard
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.kernels.attention import AttentionBackend
 

@@ -31,17 +31,16 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.cache.page_planner import ExtendWay
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.decode_attention import stacked, start_all_gather
 from burstserve.engine.model import AttendFn, LayerWeights, LlamaModel
 from burstserve.engine.moe import ExpertWeights
 from burstserve.engine.parallel.burst_attention import BurstStrategy
-from burstserve.engine.parallel.sharding import Shard
 from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices, mlp_split_refusal, sliced_mlp_config
 from burstserve.engine.parallel.vocab import VocabShards, score_every_row
 from burstserve.engine.parallel.weight_layout import WeightLayout, global_rank
 from burstserve.engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
+from burstserve.engine.placement import ExtendWay, Shard
 
 
 class BurstZeroStrategy(BurstStrategy):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from burstserve.engine.moe import experts_mlp
-from burstserve.engine.parallel.sharding import Shard
+from burstserve.engine.placement import Shard
 
 log = logging.getLogger(__name__)
 SLICED = "burst-zero-sliced"    # the prefill stats' strategy of such a prompt

@@ -1,12 +1,31 @@
-"""Zigzag sharding of one prompt over G workers, for causal load balance.
+"""Where a sequence's tokens go over the workers: the placement vocabulary both sides of the wall speak.
 
-The prompt is cut into 2G chunks whose sizes differ by at most one; worker r holds chunks r and
-2G-1-r, so at every ring step every worker does the same amount of causal work. Any length works:
-with fewer than 2G tokens some chunks (and maybe whole workers) are empty.
+The scheduler's side (engine/cache/page_planner.py) decides it; the workers (the strategies in engine/parallel/,
+engine/extend_attention.py) run what it says. A leaf: it imports nothing of the engine.
+
+Zigzag shards: a prompt is cut into 2G chunks whose sizes differ by at most one; worker r holds chunks r and
+2G-1-r, so at every ring step every worker does the same amount of causal work. Any length works: with fewer
+than 2G tokens some chunks (and maybe whole workers) are empty.
+
+An extend (a chunk of a prompt after its first, or a prompt beyond its cached prefix) runs in one of three
+ways (ExtendWay): "local" (one worker, or replicated K/V), "whole" (every worker runs the new tokens, the
+worker holding fewest of the sequence keeps their K/V: whole_shards) or "ring" (sharded over the workers,
+placed to level their totals: balanced_shards).
 """
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
+
+from burstserve.kernels.arith import ceil_div
+
+
+class ExtendWay(StrEnum):
+    """How an extend runs over the workers (engine/extend_attention.py); its value is its name in the figures."""
+    LOCAL = "local"          # one worker, or replicated K/V
+    WHOLE = "whole"          # every worker runs the new tokens, one keeps their K/V
+    RING = "ring"            # sharded over the workers, the cache seen by passing the queries (pass-Q)
+    RING_KV = "ring-kv"      # the same, the cached K/V passed around the ring (pass-KV): reported, never planned
 
 
 @dataclass(frozen=True)
@@ -100,3 +119,10 @@ def whole_shards(num_tokens: int, held: list[int]) -> list[Shard]:
     and this one keeps their K/V."""
     owner = whole_keeper(held)
     return [Shard(r, (0, num_tokens if r == owner else 0), (num_tokens, num_tokens)) for r in range(len(held))]
+
+
+def worker_share(tokens: int, world_size: int, replicated_kv: bool) -> int:
+    """The most of one sequence's `tokens` one worker holds: all of them on one worker or under replicated K/V
+    (tp); else a zigzag shard's, at most one token over an even split (decoded tokens go to the worker holding
+    fewest)."""
+    return tokens if replicated_kv or world_size == 1 else ceil_div(tokens, world_size) + 1

@@ -64,12 +64,11 @@ class DecodeSteps:
         self._collected_at = now
         fed = {s.seq_id for s in self.state.inflight.batch} if self.state.inflight is not None else set()
         running = {s.seq_id for s in self.state.running}
-        stepped = {s.seq_id for s in step.batch}
-        self.state.running = [s for s in self.state.running if s.seq_id not in stepped]
-        with self.tokens.one_message():
-            for i, (seq, token) in enumerate(zip(step.batch, tokens)):
-                if seq.seq_id in running:
-                    self.commit(seq, token, logprobs[i] if logprobs else None, token_computed=seq.seq_id in fed)
+
+        def commit_row(i: int, seq: RunningSequence) -> None:
+            if seq.seq_id in running:
+                self.commit(seq, tokens[i], logprobs[i] if logprobs else None, token_computed=seq.seq_id in fed)
+        self._commit_step(step.batch, commit_row)
 
     @staticmethod
     def call_for(batch: list[RunningSequence]) -> Decode:
@@ -88,11 +87,19 @@ class DecodeSteps:
         if host_rows:   # a masked copy of those rows, in one call; logprobs still read the model's logits
             rows = mask_logits(logits.clone(), [batch[i].grammar for i in host_rows])
             masked = {i: (logits[j], rows[j]) for j, i in enumerate(host_rows)}
+
+        def commit_row(i: int, seq: RunningSequence) -> None:
+            if i in masked:
+                self.emit(seq, masked[i][0], sample_logits=masked[i][1])
+            else:
+                self.commit(seq, sampled[i], logprobs[i] if logprobs else None)
+        self._commit_step(batch, commit_row)
+
+    def _commit_step(self, batch: list[RunningSequence], commit_row: Callable) -> None:
+        """A step's rows committed in order, commit_row(i, seq), the step's tokens out as one message; the batch
+        leaves `running` first (a sequence that runs on is appended back by its commit)."""
         stepped = {s.seq_id for s in batch}
         self.state.running = [s for s in self.state.running if s.seq_id not in stepped]
         with self.tokens.one_message():
             for i, seq in enumerate(batch):
-                if i in masked:
-                    self.emit(seq, masked[i][0], sample_logits=masked[i][1])
-                else:
-                    self.commit(seq, sampled[i], logprobs[i] if logprobs else None)
+                commit_row(i, seq)

@@ -27,7 +27,7 @@ import time
 import torch
 
 from burstserve.engine import step_plan as plans
-from burstserve.engine.cache.kv_manager import HostCopies, KVManager
+from burstserve.engine.cache.kv_manager import Hit, HostCopies, KVManager
 from burstserve.engine.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
 from burstserve.engine.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from burstserve.engine.config import EngineConfig, ModelConfig
@@ -129,13 +129,11 @@ class Scheduler:
             return
         if request.params.prompt_logprobs is None:
             self.kv.count_query(request.prompt_token_ids)
-        hit = plan.start.hit if isinstance(plan.start, plans.FromPrefix) else None
-        if hit is None and not plan.chunked:
+        if plan.start is None and not plan.chunked:
             self._prefill_whole(seq, queued)
             return
         adopting = time.perf_counter()
-        if hit is not None:
-            self.kv.adopt(hit, seq.seq_id)
+        hit = self._copy_prefix(plan.start, seq)
         cached = hit.length if hit else 0
         job = ChunkedPrefill(seq, request.prompt_token_ids, done=cached, cached=cached,
                              host_cached=cached if hit and hit.on_host else 0,
@@ -144,6 +142,13 @@ class Scheduler:
             self._advance(job, job.remaining)
         else:
             self.state.prefilling = job
+
+    def _copy_prefix(self, start, seq: RunningSequence) -> Hit | None:
+        """A start FromPrefix: the cached prefix copied into the sequence's pages -> its Hit (else None)."""
+        if not isinstance(start, plans.FromPrefix):
+            return None
+        self.kv.adopt(start.hit, seq.seq_id)
+        return start.hit
 
     def _prefill_whole(self, seq: RunningSequence, queued: float) -> None:
         """The request's prompt prefilled in one call, its first token sampled."""
@@ -177,9 +182,7 @@ class Scheduler:
             if kept:                          # what its entry kept gives way to a longer copy, or to nothing
                 self.kv.drop(seq.seq_id)
             self.kv.count_query(ids)
-            hit = plan.start.hit if isinstance(plan.start, plans.FromPrefix) else None
-            if hit is not None:
-                self.kv.adopt(hit, seq.seq_id)
+            hit = self._copy_prefix(plan.start, seq)
             cached = hit.length if hit else 0
         self.preemptions.recomputed_tokens += len(ids) - cached
         log.info("request %s resumed: %d tokens to recompute, %d of them found in the prefix cache",

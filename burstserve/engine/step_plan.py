@@ -289,11 +289,9 @@ class Policy:
             evict = self._room(s, self._plus(need, keep), keep_entry=seq.seq_id)
             return None if evict is None else Resume(seq, evict, TakeBack())
         drop = [seq.seq_id] if kept else []            # its own entry goes first: a longer copy replaces it
-        for hit in self.kv.prefixes(ids, skip=seq.seq_id):
-            need = self.kv.hit_pages(hit, n - hit.length, self.chunk_tokens)
-            evict = self._room(s, self._plus(need, keep), None if hit.on_host else hit.entry, first=drop)
-            if evict is not None:
-                return Resume(seq, evict, FromPrefix(hit))
+        found = self._prefix_that_fits(s, ids, keep, first=drop, skip=seq.seq_id)
+        if found is not None:
+            return Resume(seq, found[1], FromPrefix(found[0]))
         chunked = self.chunk_long(n)
         evict = self._room(s, self._plus(self._prefill_pages(n, chunked), keep), prompt=ids, first=drop)
         return None if evict is None else Resume(seq, evict, None, chunked)
@@ -311,15 +309,26 @@ class Policy:
             evict = self._room(s, self._plus(self.kv.pages.fork_pages(twin.seq_id), keep, reserve))
             if evict is not None:
                 return Admit(request, False, evict, CopyTwin(twin))
+        found = None
         if request.params.prompt_logprobs is None:      # prompt logprobs come out of a whole prefill
-            for hit in self.kv.prefixes(ids):
-                need = self.kv.hit_pages(hit, len(ids) - hit.length, self.chunk_tokens)
-                evict = self._room(s, self._plus(need, keep, reserve), None if hit.on_host else hit.entry, ids)
-                if evict is not None:
-                    return Admit(request, True, evict, FromPrefix(hit))
+            found = self._prefix_that_fits(s, ids, keep, reserve, prompt=ids)
+        if found is not None:
+            return Admit(request, True, found[1], FromPrefix(found[0]))
         chunked = self.chunked(s, request)
         evict = self._room(s, self._plus(self._prefill_pages(len(ids), chunked), keep, reserve), prompt=ids)
         return None if evict is None else Admit(request, chunked, evict)
+
+    def _prefix_that_fits(self, s: SchedulerState, ids: list[int], keep: int, reserve: list[int] | None = None,
+                          prompt: list[int] | None = None, first: list[int] = (),
+                          skip: int | None = None) -> "tuple[Hit, list[Eviction]] | None":
+        """The best cached prefix of `ids` (kv.prefixes, `skip` not copied) whose copy and the rest's pages fit,
+        its own pool entry kept whole -> (it, the evictions that make room), or None."""
+        for hit in self.kv.prefixes(ids, skip=skip):
+            need = self.kv.hit_pages(hit, len(ids) - hit.length, self.chunk_tokens)
+            evict = self._room(s, self._plus(need, keep, reserve), None if hit.on_host else hit.entry, prompt, first)
+            if evict is not None:
+                return hit, evict
+        return None
 
     def _prefill_pages(self, n: int, chunked: bool) -> list[int]:
         """The pages of n tokens prefilled in one call or in chunks (as its chunks place them). Planned with

@@ -144,13 +144,10 @@ class KVManager:
             freed = self.ledger.pages_freed_by_truncating(seq_id, blocks * BLOCK)
             return all(f >= s for f, s in zip(freed, short))
 
-        lo, hi = 1, len(self.prefix_cache.entries[seq_id]) // BLOCK   # the most blocks kept that free enough
-        if hi < 1 or not enough(lo):
+        blocks = len(self.prefix_cache.entries[seq_id]) // BLOCK
+        if blocks < 1 or not enough(1):
             return Eviction(seq_id, 0)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if enough(mid) else (lo, mid - 1)
-        return Eviction(seq_id, lo * BLOCK)
+        return Eviction(seq_id, most_blocks(enough, 1, blocks) * BLOCK)     # the most blocks kept that free enough
 
     def kept(self, seq_id: int) -> int:
         """How many tokens the sequence's prefix-cache entry holds (0: no entry)."""
@@ -313,11 +310,7 @@ class KVManager:
 
         whole = [self.host.num_pages] * self.host.world_size
         if not fits(length, whole):
-            lo, hi = 0, length // BLOCK
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if fits(mid * BLOCK, whole) else (lo, mid - 1)
-            length = lo * BLOCK
+            length = most_blocks(lambda blocks: fits(blocks * BLOCK, whole), 0, length // BLOCK) * BLOCK
         for entry in list(self.host_cache.entries):
             if fits(length, self.host.free_pages()):
                 break
@@ -370,3 +363,12 @@ class KVManager:
     def _pages(ledger: KVLedger, seq_id: int) -> list[list[int]]:
         """The sequence's pages in that ledger, by rank (what a copy into them ships)."""
         return [ledger.page_ids(seq_id, r) for r in range(ledger.world_size)]
+
+
+def most_blocks(holds, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] for which holds(n), holds being true up to some n and false beyond (holds(lo)
+    is taken as true): a binary search."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid - 1)
+    return lo

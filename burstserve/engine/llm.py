@@ -175,7 +175,7 @@ class LLM:
                                       f"{self.kv_capacity_tokens} tokens", "max_tokens")
 
     def _worker_share(self, tokens: int) -> int:
-        return worker_share(tokens, self.engine.world_size, self.worker_facts[0].replicated_kv)
+        return worker_share(tokens, self.engine.world_size, self.worker_facts[0].placement.replicated_kv)
 
     def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
         """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked

@@ -13,6 +13,7 @@ outputs, the workers to the front:
 from dataclasses import dataclass, field
 
 from burstserve.engine.outputs import Request, StepOutput
+from burstserve.engine.placement import PromptPlacement
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class WorkerFacts:
     kernel: str                      # the attention backend's name
     block_size: int                  # tokens a KV page holds
     kv_pages_per_worker: int
+    placement: PromptPlacement       # how the strategy places a prompt's K/V over the workers
     kv_workers: int                  # workers one sequence's K/V is spread over (1: replicated, as under tp)
-    replicated_kv: bool              # every worker holds every token (tp)
     max_pages_per_seq: int           # the pages one sequence may hold on a worker (the block table's width)
     kv_cache_dtype: str              # "bfloat16", "float32", "fp8"
     kv_host_pages: int               # the host tier's pages per worker (0: no tier)

@@ -126,3 +126,42 @@ def worker_share(tokens: int, world_size: int, replicated_kv: bool) -> int:
     (tp); else a zigzag shard's, at most one token over an even split (decoded tokens go to the worker holding
     fewest)."""
     return tokens if replicated_kv or world_size == 1 else ceil_div(tokens, world_size) + 1
+
+
+def contiguous_shards(num_tokens: int, workers: int) -> list[Shard]:
+    """Worker w holds token group w (a Shard whose second chunk is empty)."""
+    return [Shard(w, (a, b), (b, b)) for w, (a, b) in enumerate(chunk_bounds(num_tokens, workers))]
+
+
+class ShardLayout(StrEnum):
+    """How a strategy cuts a prompt over the workers."""
+    ZIGZAG = "zigzag"            # chunks r and 2W-1-r on worker r (zigzag_shards)
+    CONTIGUOUS = "contiguous"    # token group w on worker w (contiguous_shards)
+    ONE = "one"                  # the whole prompt as one shard, in position order (replicated K/V: tp)
+
+
+@dataclass(frozen=True)
+class PromptPlacement:
+    """A prefill strategy's placement of a prompt's K/V, all the scheduler's side needs of it (engine/parallel/
+    strategy.py PrefillStrategy.placement)."""
+    layout: ShardLayout
+    world_size: int
+    replicated_kv: bool          # every worker holds every token's K/V (for its own heads)
+
+    def shards(self, num_tokens: int) -> list[Shard]:
+        """The prompt's positions cut into shards, one per rank (ONE: a single shard)."""
+        if self.layout == ShardLayout.ONE:
+            return zigzag_shards(num_tokens, 1)
+        if self.layout == ShardLayout.CONTIGUOUS:
+            return contiguous_shards(num_tokens, self.world_size)
+        return zigzag_shards(num_tokens, self.world_size)
+
+    def shard_of(self, shards: list[Shard], rank: int) -> Shard:
+        """The shard whose tokens this rank runs through the model (and keeps the K/V of)."""
+        return shards[0] if self.layout == ShardLayout.ONE else shards[rank]
+
+    def tokens_per_rank(self, shards: list[Shard]) -> list[int]:
+        """Prompt tokens each worker stores in its KV cache, by rank."""
+        if self.layout == ShardLayout.ONE:
+            return [shards[0].length] * self.world_size
+        return [s.length for s in shards]

@@ -36,7 +36,6 @@ from burstserve.engine.dispatch import Dispatch
 from burstserve.engine.inbox import Inbox
 from burstserve.engine.messages import WorkerFacts
 from burstserve.engine.outputs import FinishReason, PrefillStats, StepOutput
-from burstserve.engine.parallel import get_strategy
 from burstserve.engine.preemption import Preemptions
 from burstserve.engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.stats_publisher import StatsPublisher
@@ -55,8 +54,7 @@ class Scheduler:
         self.call, self.requests, self.outputs = call, requests, outputs
         device = torch.device(facts.device)
         self.tokens = TokenOutputs(outputs, device, eos_token_ids, max_model_len)
-        strategy = get_strategy(engine.sp_strategy, engine.world_size)             # for its shards
-        self.kv = KVManager.of_workers(engine, facts, strategy, call, engine.enable_prefix_caching,
+        self.kv = KVManager.of_workers(engine, facts, call, engine.enable_prefix_caching,
                                        host_copies)                                  # the cache's one ledger
         call.place = self.kv.place                                   # every work call placed before it runs
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call

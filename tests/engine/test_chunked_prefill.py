@@ -245,7 +245,7 @@ def test_a_chunk_runs_whole_only_where_its_keeper_has_the_pages():
     from burstserve.engine.cache.page_planner import PagePlanner
     from burstserve.engine.parallel import get_strategy
     ledger = KVLedger(2, 4, num_pages=10)
-    pages = PagePlanner(get_strategy("burst", 2), ledger, max_pages_per_seq=10, extend_ring_min_tokens=64)
+    pages = PagePlanner(get_strategy("burst", 2).placement, ledger, max_pages_per_seq=10, extend_ring_min_tokens=64)
     ledger.add(1, [8, 4], [[(0, 8)], [(8, 12)]])                 # 2 pages on worker 0, 1 on worker 1
     held = ledger.seqs[1].tokens
     assert pages.extend_way(64, held) == "ring"

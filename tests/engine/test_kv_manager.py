@@ -14,7 +14,7 @@ from burstserve.engine.parallel import get_strategy
 
 def _manager(rng: random.Random) -> KVManager:
     ledger = KVLedger(2, 4, num_pages=64)
-    kv = KVManager(ledger, PagePlanner(get_strategy("burst", 2), ledger, 64, 1 << 30), None, prefix_caching=True)
+    kv = KVManager(ledger, PagePlanner(get_strategy("burst", 2).placement, ledger, 64, 1 << 30), None, prefix_caching=True)
     for seq_id in range(rng.randrange(1, 6)):
         n = rng.randrange(1, 6) * BLOCK + rng.randrange(BLOCK)
         counts = [n // 2, n - n // 2]

@@ -65,14 +65,15 @@ class HostCopies(Protocol):
 
 class KVManager:
     @classmethod
-    def of_workers(cls, engine, facts, strategy, call, prefix_caching: bool,
+    def of_workers(cls, engine, facts, call, prefix_caching: bool,
                    host_copies: HostCopies | None = None) -> "KVManager":
-        """The KV manager of workers that reported `facts` (engine/messages.py WorkerFacts: their pool's and host
-        tier's sizes, the same on every worker) under the engine's options (EngineConfig) and prefill strategy
-        (engine/parallel/, for its shards)."""
-        ledger = KVLedger(engine.world_size, engine.page_size, facts.kv_pages_per_worker, strategy.replicated_kv)
-        pages = PagePlanner(strategy, ledger, facts.max_pages_per_seq, engine.extend_ring_min_tokens)
-        host_ledger = (KVLedger(engine.world_size, engine.page_size, facts.kv_host_pages, strategy.replicated_kv,
+        """The KV manager of workers that reported `facts` (engine/messages.py WorkerFacts: their strategy's
+        placement, their pool's and host tier's sizes, the same on every worker) under the engine's options
+        (EngineConfig)."""
+        placement = facts.placement
+        ledger = KVLedger(engine.world_size, engine.page_size, facts.kv_pages_per_worker, placement.replicated_kv)
+        pages = PagePlanner(placement, ledger, facts.max_pages_per_seq, engine.extend_ring_min_tokens)
+        host_ledger = (KVLedger(engine.world_size, engine.page_size, facts.kv_host_pages, placement.replicated_kv,
                                 first_page=0) if facts.kv_host_pages else None)
         return cls(ledger, pages, call, prefix_caching, host_ledger, host_copies if host_ledger else None)
 

@@ -8,14 +8,15 @@ it predicts agree.
 An extend's way and shards: engine/placement.py (ExtendWay).
 """
 from burstserve.engine.cache.ledger import KVLedger, Ranges, pages_for
-from burstserve.engine.placement import ExtendWay, balanced_shards, whole_keeper, whole_shards
+from burstserve.engine.placement import ExtendWay, PromptPlacement, balanced_shards, whole_keeper, whole_shards
 
 
 class PagePlanner:
-    def __init__(self, strategy, ledger: KVLedger, max_pages_per_seq: int, extend_ring_min_tokens: int):
-        """strategy: the prefill strategy (engine/parallel/), for its shards; max_pages_per_seq: the pages one
-        sequence may hold on a worker (the page pool's block table width)."""
-        self.strategy, self.ledger = strategy, ledger
+    def __init__(self, placement: PromptPlacement, ledger: KVLedger, max_pages_per_seq: int,
+                 extend_ring_min_tokens: int):
+        """placement: the prefill strategy's (engine/placement.py); max_pages_per_seq: the pages one sequence may
+        hold on a worker (the page pool's block table width)."""
+        self.placement, self.ledger = placement, ledger
         self.world_size, self.block_size = ledger.world_size, ledger.block_size
         self.max_pages_per_seq = max_pages_per_seq
         self.extend_ring_min_tokens = extend_ring_min_tokens
@@ -24,7 +25,7 @@ class PagePlanner:
 
     def prefill_shards(self, num_tokens: int):
         """A prompt of num_tokens over the workers (the strategy's shards)."""
-        return self.strategy.shards(num_tokens)
+        return self.placement.shards(num_tokens)
 
     def extend_way(self, num_tokens: int, held: list[int], reserved: list[int] | None = None) -> ExtendWay:
         """How an extend of num_tokens new tokens runs over workers holding `held` tokens of the sequence:
@@ -32,7 +33,7 @@ class PagePlanner:
         (the worker holding fewest) has the pages free (beyond `reserved` pages per worker: a decode step's
         in the same call) and stays within the pages one sequence may hold on a worker, so a whole chunk
         never takes a worker past its pages; else "ring" (level placement)."""
-        if self.world_size == 1 or self.strategy.replicated_kv:
+        if self.world_size == 1 or self.placement.replicated_kv:
             return ExtendWay.LOCAL
         if num_tokens >= self.extend_ring_min_tokens:
             return ExtendWay.RING
@@ -46,20 +47,20 @@ class PagePlanner:
         """Where an extend's new tokens go, over workers holding `held` tokens of the sequence, for its way
         (page plans pass "ring"): "whole": all on the worker holding fewest; "ring": in zigzag order, sized to
         level the workers' totals; under replicated K/V, the strategy's one shard."""
-        if self.strategy.replicated_kv:
-            return self.strategy.shards(num_tokens)
+        if self.placement.replicated_kv:
+            return self.placement.shards(num_tokens)
         return whole_shards(num_tokens, held) if way == ExtendWay.WHOLE else balanced_shards(num_tokens, held)
 
     def ranges(self, shards, offset: int) -> list[Ranges]:
         """By rank, the positions (offset + shard ranges) each worker stores of a prefill or a chunk."""
         def of(s) -> Ranges:
             return [(s.first[0] + offset, s.first[1] + offset), (s.second[0] + offset, s.second[1] + offset)]
-        if self.strategy.replicated_kv:
+        if self.placement.replicated_kv:
             return [of(shards[0]) for _ in range(self.world_size)]
         return [of(s) for s in shards]
 
     def tokens_per_rank(self, shards) -> list[int]:
-        return self.strategy.tokens_per_rank(shards)
+        return self.placement.tokens_per_rank(shards)
 
     # what a call will take (pages per worker)
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.placement import Shard, chunk_bounds
+from burstserve.engine.placement import Shard, ShardLayout
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.merge import merge_partials
@@ -43,11 +43,6 @@ def difference_cover(workers: int) -> tuple[int, ...]:
             if len({(a - b) % workers for a in cover for b in cover}) == workers:
                 return cover
     return tuple(range(workers))
-
-
-def contiguous_shards(num_tokens: int, workers: int) -> list[Shard]:
-    """Worker w holds token group w (a Shard whose second chunk is empty)."""
-    return [Shard(w, (a, b), (b, b)) for w, (a, b) in enumerate(chunk_bounds(num_tokens, workers))]
 
 
 class CQSPlan:
@@ -142,9 +137,7 @@ class CQSAttention:
 class CQSStrategy(PrefillStrategy):
     """cqs: CQSAttention over contiguous token groups (worker w keeps group w's K/V)."""
     name = "cqs"
-
-    def shards(self, num_tokens: int) -> list[Shard]:
-        return contiguous_shards(num_tokens, self.world_size)
+    shard_layout = ShardLayout.CONTIGUOUS
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         return CQSAttention(ctx.backend, shards, rank, ctx.scale, ctx.data_group)

@@ -42,7 +42,7 @@ import torch
 
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.placement import Shard, worker_share, zigzag_shards
+from burstserve.engine.placement import PromptPlacement, Shard, ShardLayout, worker_share
 from burstserve.engine.parallel.weight_layout import WeightLayout
 from burstserve.kernels.attention import AttentionBackend
 
@@ -77,23 +77,29 @@ class PrefillContext:
 class PrefillStrategy:
     name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
+    shard_layout = ShardLayout.ZIGZAG   # how its prompts are cut over the workers (engine/placement.py)
     times_exchanges = False    # its prefill runs the K/V ring, whose overlap is judged (engine/parallel/exchange_time.py)
     max_workers: int | None = None   # the most workers it runs on (LLM keeps that many devices); None: any number
 
     def __init__(self, world_size: int):
         self.world_size = world_size
 
+    @property
+    def placement(self) -> PromptPlacement:
+        """Where its prompts' K/V go: what the scheduler's side plans pages with (engine/placement.py)."""
+        return PromptPlacement(self.shard_layout, self.world_size, self.replicated_kv)
+
     def shards(self, num_tokens: int) -> list[Shard]:
-        """The prompt's positions cut into shards, one per rank (zigzag: chunks r and 2W-1-r)."""
-        return zigzag_shards(num_tokens, self.world_size)
+        """The prompt's positions cut into shards, one per rank (as shard_layout says)."""
+        return self.placement.shards(num_tokens)
 
     def shard_of(self, shards: list[Shard], rank: int) -> Shard:
         """The shard whose tokens this rank runs through the model (and keeps the K/V of)."""
-        return shards[rank]
+        return self.placement.shard_of(shards, rank)
 
     def tokens_per_rank(self, shards: list[Shard]) -> list[int]:
         """Prompt tokens each worker stores in its KV cache, by rank."""
-        return [s.length for s in shards]
+        return self.placement.tokens_per_rank(shards)
 
     @property
     def kv_workers(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from burstserve.engine.config import ModelConfig
 from burstserve.engine.moe import expert_slices
 from burstserve.engine.parallel.sequence_parallel import SequenceParallel
-from burstserve.engine.placement import Shard, zigzag_shards
+from burstserve.engine.placement import Shard, ShardLayout
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 
@@ -106,6 +106,7 @@ class TensorParallelStrategy(PrefillStrategy):
     """tp: every worker runs the whole prompt (one shard) for its own heads and keeps every token's K/V
     for them. On one worker there is nothing to split: the weights stay whole, its K/V is its own."""
     name = "tp"
+    shard_layout = ShardLayout.ONE             # the whole prompt, in position order
 
     def __init__(self, world_size: int):
         super().__init__(world_size)
@@ -113,15 +114,6 @@ class TensorParallelStrategy(PrefillStrategy):
 
     def model_refusal(self, cfg: ModelConfig) -> str | None:
         return tp_check(cfg, self.world_size)
-
-    def shards(self, num_tokens: int) -> list[Shard]:
-        return zigzag_shards(num_tokens, 1)                     # the whole prompt, in position order
-
-    def shard_of(self, shards: list[Shard], rank: int) -> Shard:
-        return shards[0]
-
-    def tokens_per_rank(self, shards: list[Shard]) -> list[int]:
-        return [shards[0].length] * self.world_size
 
     def attention(self, ctx: PrefillContext, shards: list[Shard], rank: int) -> Attention:
         def attend(q, kv, between):                                      # one causal kernel call

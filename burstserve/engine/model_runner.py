@@ -176,23 +176,7 @@ class ModelRunner:
         (one worker, or replicated K/V), "whole" (every worker runs the n tokens, one keeps their K/V) or
         "ring" (sharded over the workers, the K/V ring among them, their queries passed to the cache).
         Returns timings, and on worker 0 the logits [V] of the last token (CPU fp32)."""
-        seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
-        self._sync()
-        start_time = time.perf_counter()
-        waits = self.cache.restore_waits(seq_id)                          # a restore still copying
-        placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.placed)
-        if self._graphed_extend(placed):
-            self.cache.wait_restore(waits)
-            logits, _ = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
-                                               self.pool.rows[seq_id], placed.cached)   # [V], on every worker
-            result = self._extend_result(logits, start, start_time, "extend", placed.way, graphed=True)
-            return self.cache.with_restore(seq_id, result)
-        last, ids, positions, attend = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        attention, whole_layers = self.layout.extend_attention(attend)   # burst-zero: "whole" on the slices, as decode
-        hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m, hidden]
-        logits = self.layout.logits_of_row(hidden, *last)                          # [V], on every worker
-        result = self._extend_result(logits, start, start_time, "extend", attend.reported_way)
-        return self.cache.with_restore(seq_id, result)
+        return self._extend(call, None)
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
@@ -202,37 +186,49 @@ class ModelRunner:
         ExtendAttention and the decode rows through DecodeAttention: one CUDA graph replay where
         engine/extend_graphs.py has one for the chunk's size and way and the batch, else eagerly. Returns
         `extend`'s result, and on worker 0 in its `decode` what `decode` returns."""
-        seq_id, token_ids, start = call.extend.seq_id, call.extend.token_ids, call.extend.start
-        step = call.decode
-        seq_ids = step.seq_ids
+        return self._extend(call.extend, call.decode)
+
+    def _extend(self, call: Extend, step: Decode | None) -> PrefillResult:
+        """extend, with `step` (a decode step of other sequences) in the same forward pass when given."""
+        seq_id, token_ids, start = call.seq_id, call.token_ids, call.start
+        rows = len(step.seq_ids) if step is not None else 0
+        strategy = "extend+decode" if step is not None else "extend"
         self._sync()
         start_time = time.perf_counter()
         waits = self.cache.restore_waits(seq_id)                          # a restore still copying
-        placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.extend.placed)   # the step's after it
-        if self._graphed_extend(placed, len(seq_ids)):
+        placed = self.cache.place_extend(seq_id, token_ids.shape[0], call.placed)   # a step's tokens after it
+        if self._graphed_extend(placed, rows):
             self.cache.wait_restore(waits)
-            step_inputs = self.cache.place_decode_tokens(step)
+            step_inputs = self.cache.place_decode_tokens(step) if step is not None else None
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = self._extend_result(logits, start, start_time, "extend+decode", placed.way, graphed=True)
-            result = self.cache.with_restore(seq_id, result)
-            if self.rank == 0:
-                result.decode = sampled_result(decode_logits, step)
-            return result
+            result = self._extend_result(logits, start, start_time, strategy, placed.way, graphed=True)
+            return self._with_step(self.cache.with_restore(seq_id, result), decode_logits, step)
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        step_inputs = self.cache.place_decode_tokens(step).to(self.device)                         # [5, B]
-        self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in seq_ids))
-        m = ids.shape[0]
+        attend, decode_logits = chunk, None
+        if step is not None:
+            step_inputs = self.cache.place_decode_tokens(step).to(self.device)                     # [5, B]
+            self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in step.seq_ids))
+            m = ids.shape[0]
 
-        def attend(layer, q, k, v):                                     # rows: m of the chunk, then B decode
-            return torch.cat([chunk(layer, q[:m], k[:m], v[:m]), self.decode_attention(layer, q[m:], k[m:], v[m:])])
-
-        hidden = self.model.forward(torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]]), attend)
+            def attend(layer, q, k, v):                                 # rows: m of the chunk, then B decode
+                return torch.cat([chunk(layer, q[:m], k[:m], v[:m]),
+                                  self.decode_attention(layer, q[m:], k[m:], v[m:])])
+            ids, positions = torch.cat([ids, step_inputs[0]]), torch.cat([positions, step_inputs[1]])
+            attention, whole_layers = attend, None
+        else:
+            attention, whole_layers = self.layout.extend_attention(chunk)   # burst-zero: "whole" on the slices
+        hidden = self.model.forward(ids, positions, attention, whole_layers=whole_layers)   # [m (+ B), hidden]
+        m = hidden.shape[0] - rows
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
-        decode_logits = self.model.logits(hidden[m:])                               # [B, V]
-        result = self._extend_result(logits, start, start_time, "extend+decode", chunk.reported_way)
-        result = self.cache.with_restore(seq_id, result)
-        if self.rank == 0:
+        if step is not None:
+            decode_logits = self.model.logits(hidden[m:])                           # [B, V]
+        result = self._extend_result(logits, start, start_time, strategy, chunk.reported_way)
+        return self._with_step(self.cache.with_restore(seq_id, result), decode_logits, step)
+
+    def _with_step(self, result: PrefillResult, decode_logits: torch.Tensor | None, step: Decode | None):
+        """On worker 0, a mixed batch's decode step's sampled result in result.decode."""
+        if step is not None and self.rank == 0:
             result.decode = sampled_result(decode_logits, step)
         return result
 

@@ -2,7 +2,8 @@
 (`run`), or launched ahead (asynchronous scheduling, vLLM's; engine/step_tokens.py): the next step is
 launched while the one in flight runs, its input tokens taken on the device from the step in flight's, and
 only then is the step in flight read back, so the host's work between two steps (reading tokens, sending
-them out, scheduling, launching) no longer leaves the GPU idle. Each row's token goes to the scheduler's
+them out, scheduling, launching) no longer leaves the GPU idle. `run` and `ahead` return what is to be
+applied; the scheduler's `update` applies it here (`finish`, `collect`): each row's token to the scheduler's
 `commit` (a grammar row's through `emit`: sampled here from its masked logits), the step's tokens out as
 one message."""
 import time
@@ -11,6 +12,7 @@ from typing import Callable
 from burstserve.engine.calls import Decode, DecodeAhead, DecodeResult
 from burstserve.engine.sampling import row_sampling, step_rules
 from burstserve.engine.sequences import RunningSequence, SchedulerState, StepInFlight
+from burstserve.engine.step_result import DecodeWork
 from burstserve.engine.structured_output import mask_logits
 from burstserve.engine.token_outputs import TokenOutputs
 
@@ -22,21 +24,21 @@ class DecodeSteps:
         self.call, self.state, self.tokens, self.commit, self.emit = call, state, tokens, commit, emit
         self._collected_at = 0.0                                 # when the last step in flight was read back
 
-    def run(self, batch: list[RunningSequence]) -> None:
-        """One step of the batch, called and committed."""
+    def run(self, batch: list[RunningSequence]) -> DecodeWork:
+        """One step of the batch, called -> its tokens, for the scheduler's update to commit (`finish`)."""
         step = self.call_for(batch)
         called = time.perf_counter()
         decoded = self.call(step)
         self.state.step_seconds = time.perf_counter() - called
-        self.finish(batch, step.host_rows, decoded)
+        return DecodeWork(batch, step.host_rows, decoded)
 
-    def ahead(self, batch: list[RunningSequence], fed_from: list[int] | None) -> None:
+    def ahead(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
         """Launches the batch's step (if any; fed_from: its rows' input tokens are those rows of the step in
-        flight), then reads back the step in flight."""
+        flight) -> the step that was in flight, for the scheduler's update to read back (`collect`)."""
         prev, self.state.inflight = self.state.inflight, None
         if batch:
             self.state.inflight = self.launch(batch, fed_from)
-        self.collect(prev)
+        return prev
 
     def launch(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
         """Launches a decode step without waiting for its tokens. fed_from: per row, the row of the step in
@@ -48,11 +50,11 @@ class DecodeSteps:
         pending = self.call(DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from))
         return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
 
-    def drain(self) -> None:
-        """Reads back the step in flight, if any (before anything but another decode step)."""
-        if self.state.inflight is not None:
-            prev, self.state.inflight = self.state.inflight, None
-            self.collect(prev)
+    def drain(self) -> StepInFlight | None:
+        """The step in flight, if any, taken out of flight to be read back (before anything but another
+        decode step): the scheduler's update collects it."""
+        prev, self.state.inflight = self.state.inflight, None
+        return prev
 
     def collect(self, step: StepInFlight) -> None:
         """Waits for a launched step's tokens and commits them, as `finish` does. Its rows of sequences that

@@ -5,8 +5,9 @@ the head of the queue as a copy of a twin, of a cached prefix or a prefill; resu
 prefill a chunk; decode the running sequences; preempt; ...) with the prefix-cache entries to evict for its
 pages; `carry_out` does it, asking the policy nothing more: evicts through the KV manager
 (engine/cache/kv_manager.py), calls the workers (engine/calls.py; one message to the others a turn,
-engine/dispatch.py), and absorbs what comes back (tokens sampled, sequences ended, chunks done). The step
-diagram is in docs/design.md.
+engine/dispatch.py), and hands what comes back to `update` as a StepResult (engine/step_result.py): the one
+place results change the scheduler's state (tokens sampled and committed, sequences ended, chunks counted,
+the chunked prompt done). The step diagram is in docs/design.md.
 
 KV pages: a request is admitted when its prompt's pages fit on every worker (with a small watermark left
 for the running sequences to grow); nothing is reserved for the tokens it may generate. When a decode
@@ -39,6 +40,7 @@ from burstserve.engine.outputs import FinishReason, PrefillStats, StepOutput
 from burstserve.engine.preemption import Preemptions
 from burstserve.engine.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.stats_publisher import StatsPublisher
+from burstserve.engine.step_result import DecodeWork, PromptWork, StepResult
 from burstserve.engine.token_outputs import TokenOutputs
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class Scheduler:
                                   lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
-                           plans.ReadBack: lambda plan: self.decode.drain(),
+                           plans.ReadBack: lambda plan: self._read_back(),
                            plans.Preempt: lambda plan: self.preemptions.newest(plan.seq),
                            plans.GiveWay: lambda plan: self.preemptions.give_way(), plans.Stuck: self._refuse,
                            plans.Idle: lambda plan: None}
@@ -93,7 +95,7 @@ class Scheduler:
             if idle:
                 self.call.flush()       # the cache's changes out to the other workers before the wait
             if not self.inbox.take(block=idle):
-                self.decode.drain()
+                self._read_back()
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it
                 self.inbox.drop_aborted()
@@ -121,9 +123,7 @@ class Scheduler:
         if isinstance(plan.start, plans.CopyTwin):   # the same prompt is already in the cache: its K/V copied
             twin = plan.start.twin
             self.kv.fork(twin.seq_id, seq.seq_id)
-            seq.prompt_logits = twin.prompt_logits
-            self._emit(seq, twin.prompt_logits, prefill=PrefillStats(prefill_seconds=0.0, shared_prefill=True),
-                       keep_logits=request.return_logits)
+            self.update(StepResult(PromptWork(seq, 0, 0, twin_logits=twin.prompt_logits)))
             return
         if request.params.prompt_logprobs is None:
             self.kv.count_query(request.prompt_token_ids)
@@ -151,15 +151,9 @@ class Scheduler:
     def _prefill_whole(self, seq: RunningSequence, queued: float) -> None:
         """The request's prompt prefilled in one call, its first token sampled."""
         request = seq.request
-        called = time.perf_counter()
+        work = PromptWork(seq, len(request.prompt_token_ids), 0, queued=queued, called=time.perf_counter())
         result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
-        stats = result.stats()
-        stats.call_seconds = time.perf_counter() - called   # the prefill call as worker 0's scheduler saw it
-        stats.queued_seconds = queued
-        self._observe(len(request.prompt_token_ids), 0, result)
-        seq.prompt_logits = result.logits
-        self._emit(seq, result.logits, prefill=stats, keep_logits=request.return_logits,
-                   prompt_logprobs=result.prompt_logprobs)
+        self.update(StepResult(work, result))
 
     def _resume(self, plan: plans.Resume) -> None:
         """A preempted sequence decodes again as the plan says: on its kept pages (all of them: it decodes on;
@@ -188,9 +182,8 @@ class Scheduler:
         if cached or plan.chunked:            # in chunks, from the next turn
             self.state.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
             return
-        result = self.call(Prefill(seq.seq_id, token_tensor(ids)))
-        self._observe(len(ids), 0, result)
-        self._emit(seq, result.logits)
+        work = PromptWork(seq, len(ids), 0, resumed=True)
+        self.update(StepResult(work, self.call(Prefill(seq.seq_id, token_tensor(ids)))))
 
     # chunks
 
@@ -198,40 +191,75 @@ class Scheduler:
         """The prompt's next chunk (with plan.decode: and their decode step in the same call)."""
         self.state.short_went_first = False
         self.state.decode_owed = plan.decode is None
-        if self._advance(self.state.prefilling, plan.tokens, plan.decode):
-            self.state.prefilling = None
+        self._advance(self.state.prefilling, plan.tokens, plan.decode)
 
-    def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> bool:
+    def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> None:
         """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
         incremental prefill over the tokens before them (with `decode`: and a decode step of those running
-        sequences in the same call); after the last, samples its first token -> done?"""
+        sequences in the same call); update samples its first token after the last."""
         ids = job.tokens
         chunk = token_tensor(ids[job.done:job.done + n])
-        called = time.perf_counter()
+        work = PromptWork(job.seq, n, job.done, job=job, called=time.perf_counter())
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
-            result = self.call(Prefill(job.seq.seq_id, chunk))
+            self.update(StepResult(work, self.call(Prefill(job.seq.seq_id, chunk))))
         elif decode is None:
-            result = self.call(Extend(job.seq.seq_id, chunk, job.done))
+            self.update(StepResult(work, self.call(Extend(job.seq.seq_id, chunk, job.done))))
         else:
             step = self.decode.call_for(decode)
             result = self.call(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
-            self.decode.finish(decode, step.host_rows, result.decode)   # before the prompt joins the running
-        job.call_seconds += time.perf_counter() - called
-        if log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
-            log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms", n,
-                      job.done, result.extend_way or "prefill", result.prefill_seconds * 1e3,
-                      self.sizer.predict(n, job.done) * 1e3, self.state.step_seconds * 1e3)
-        self._observe(n, job.done, result)
-        job.count(n, result, mixed=decode is not None)
-        if job.done < len(ids):
-            return False
-        logits = result.logits
-        if job.resumed:                       # its cache is whole again: it samples on, no first-token stats
-            self._emit(job.seq, logits)
-            return True
-        job.seq.prompt_logits = logits
-        self._emit(job.seq, logits, prefill=job.prompt_stats(result), keep_logits=job.seq.request.return_logits)
-        return True
+            self.update(StepResult(work, result, DecodeWork(decode, step.host_rows, result.decode)))
+
+    # the one place a turn's results change the scheduler's state
+
+    def update(self, result: StepResult) -> None:
+        """Applies what a turn's work returned: a decode step's tokens (each committed: the sequence runs on or
+        ends), a step launched ahead read back, a prompt's call (a chunk counted; its first token sampled when
+        it is whole, the chunked prompt done)."""
+        if result.decode is not None:                # before a prompt in the same call joins the running
+            step = result.decode
+            self.decode.finish(step.batch, step.host_rows, step.result)
+        if result.read_back is not None:
+            self.decode.collect(result.read_back)
+        if result.prompt is not None:
+            self._prompt_done(result.prompt, result.prefill, mixed=result.decode is not None)
+
+    def _prompt_done(self, work: PromptWork, result: PrefillResult | None, mixed: bool) -> None:
+        """A prompt's call applied: timings for the chunk sizer, a chunk counted, and once the prompt is whole
+        its next token sampled (a request's first, with its figures; a resumed sequence's next, without)."""
+        seq, job = work.seq, work.job
+        if work.twin_logits is not None:            # a copy of a running twin's prompt: no call ran
+            seq.prompt_logits = work.twin_logits
+            self._emit(seq, work.twin_logits, prefill=PrefillStats(prefill_seconds=0.0, shared_prefill=True),
+                       keep_logits=seq.request.return_logits)
+            return
+        seconds = time.perf_counter() - work.called
+        self._log_chunk(work, result)
+        self._observe(work.new_tokens, work.context, result)
+        if job is not None:
+            job.call_seconds += seconds
+            job.count(work.new_tokens, result, mixed=mixed)
+            if job.done < len(job.tokens):
+                return
+            if self.state.prefilling is job:
+                self.state.prefilling = None
+        if work.resumed or (job is not None and job.resumed):   # its cache is whole again: it samples on
+            self._emit(seq, result.logits)
+            return
+        seq.prompt_logits = result.logits
+        if job is not None:
+            stats = job.prompt_stats(result)
+        else:
+            stats = result.stats()
+            stats.call_seconds = seconds           # the prefill call as worker 0's scheduler saw it
+            stats.queued_seconds = work.queued
+        self._emit(seq, result.logits, prefill=stats, keep_logits=seq.request.return_logits,
+                   prompt_logprobs=result.prompt_logprobs if job is None else None)
+
+    def _log_chunk(self, work: PromptWork, result: PrefillResult) -> None:
+        if work.job is not None and log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
+            log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms",
+                      work.new_tokens, work.context, result.extend_way or "prefill", result.prefill_seconds * 1e3,
+                      self.sizer.predict(work.new_tokens, work.context) * 1e3, self.state.step_seconds * 1e3)
 
     def _observe(self, new_tokens: int, context: int, result: PrefillResult) -> None:
         """A prefill or extend call's time, for the chunk sizer's cost model."""
@@ -245,11 +273,17 @@ class Scheduler:
         if plan.ahead:
             self.state.inflight = self.decode.launch(plan.batch, None)   # read back by the next StepAhead, or drain
         else:
-            self.decode.run(plan.batch)
+            self.update(StepResult(decode=self.decode.run(plan.batch)))
 
     def _decode_ahead(self, plan: plans.StepAhead) -> None:
         """Asynchronous scheduling: the next step launched, then the one in flight read back (DecodeSteps)."""
-        self.decode.ahead(plan.batch, plan.rows)
+        self.update(StepResult(read_back=self.decode.ahead(plan.batch, plan.rows)))
+
+    def _read_back(self) -> None:
+        """The step in flight, if any, read back (before anything but another decode step)."""
+        step = self.decode.drain()
+        if step is not None:
+            self.update(StepResult(read_back=step))
 
     @staticmethod
     def _refuse(plan: plans.Stuck) -> None:

@@ -10,8 +10,10 @@ import copy
 import inspect
 import random
 
+import pytest
+
 from burstserve.engine import step_plan as plans
-from burstserve.engine.calls import Offload, Shutdown
+from burstserve.engine.calls import Decode, DecodeAhead, ExtendAndDecode, Offload, Shutdown
 from burstserve.engine.config import EngineConfig
 from burstserve.engine.sampling import SamplingParams
 from scheduler_harness import serve_in_process
@@ -121,6 +123,42 @@ def test_a_turn_sends_the_other_workers_one_message_with_worker_0s_calls_in_orde
     assert relayed[:-1] == calls                   # the same objects, in the same order
     assert len(calls) > sum(sent_by_turn), "no turn carried the cache's changes with its work"
     assert scheduler.preemptions.count > 0 and any(isinstance(c, Offload) for c in calls)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_update_is_the_only_place_a_turns_results_change_the_schedulers_state(asynchronous):
+    """Every token committed (a sequence running on or ended, a request's first token with its figures) happens
+    inside Scheduler.update, over a run whose StepResults hold prompts and chunks, chunks mixed with a decode
+    step, and decode steps read back at once or (asynchronous scheduling) launched ahead; the run's tokens are
+    all there."""
+    batch, engine = _workload()
+    outside, kinds, updating = [], set(), [0]
+
+    def watch_update(scheduler, runner):
+        update, commit = scheduler.update, scheduler._commit
+
+        def watched_update(result):
+            kinds.update(name for name in ("prompt", "decode", "read_back") if getattr(result, name) is not None)
+            updating[0] += 1
+            try:
+                update(result)
+            finally:
+                updating[0] -= 1
+
+        def watched_commit(seq, *args, **kwargs):
+            if not updating[0]:
+                outside.append(seq.request.request_id)
+            return commit(seq, *args, **kwargs)
+
+        scheduler.update, scheduler._commit = watched_update, watched_commit
+
+    options = dict(engine, **SMALL_POOL, mixed_batch=True, async_scheduling=asynchronous)
+    got, calls, scheduler = serve_in_process(EngineConfig(**options), [batch], watch_update)
+    assert {rid: len(outs) for rid, outs in got.items()} == {rid: p.max_tokens for rid, _, p in batch}
+    assert not outside, outside
+    assert kinds == {"prompt", "decode", "read_back" if asynchronous else "decode"}, kinds
+    assert any(isinstance(c, DecodeAhead) == asynchronous for c in calls if isinstance(c, Decode))
+    assert any(isinstance(c, ExtendAndDecode) for c in calls), "no chunk was mixed with a decode step"
 
 
 def test_carrying_a_plan_out_asks_the_policy_nothing():

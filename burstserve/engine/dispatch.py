@@ -1,7 +1,7 @@
 """Worker 0's calls to the workers: run here at once, sent to the others one message a turn.
 
-Worker 0 runs every call when the scheduler makes it (engine/worker.py run_call), work placed first by the KV
-manager (`place`: engine/cache/kv_manager.py, where its new tokens go over the workers). The other workers get
+Worker 0 runs every call when the scheduler makes it (engine/worker.py run_call), work placed by the scheduler's
+KV manager before (`KVManager.place`: where its new tokens go over the workers, on which pages). The other workers get
 one Turn (engine/calls.py) a scheduler turn: the cache's changes worker 0 made since the last one (evictions,
 copies of prefixes, retirements, frees), then the turn's work (a prefill, an extend, a decode step), which
 they run in that order. No cache change is a collective, so worker 0 never waits on a worker that has not had
@@ -17,17 +17,15 @@ class Dispatch:
     def __init__(self, run_here: Callable, send: Callable | None):
         """run_here(call): runs it on worker 0 -> its result; send(Turn): to every other worker (None: none)."""
         self.run_here, self.send = run_here, send
-        self.place: Callable = lambda call: call   # the KV manager's, set by the scheduler that owns it
         self.changes: list = []            # the cache's changes run here, not yet sent
 
     def __call__(self, call):
-        """Runs the call here -> its result; work (anything but a cache change) is placed, then sent at once, with
-        the changes before it."""
+        """Runs the call here -> its result; work (anything but a cache change, placed already) is sent at once,
+        with the changes before it."""
         if isinstance(call, CACHE_CHANGES):
             if self.send is not None:
                 self.changes.append(call)
             return self.run_here(call)
-        call = self.place(call)
         self._send(call)
         return None if isinstance(call, Shutdown) else self.run_here(call)
 

@@ -58,7 +58,6 @@ class Scheduler:
         self.tokens = TokenOutputs(outputs, device, eos_token_ids, max_model_len)
         self.kv = KVManager.of_workers(engine, facts, call, engine.enable_prefix_caching,
                                        host_copies)                                  # the cache's one ledger
-        call.place = self.kv.place                                   # every work call placed before it runs
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(cfg),
@@ -71,7 +70,7 @@ class Scheduler:
         self.next_seq_id = 0
         self.stats = StatsPublisher(outputs, self.kv)
         # late-bound: what wraps the scheduler's call, _commit or _emit (tests, profiles) wraps the decode steps' too
-        self.decode = DecodeSteps(lambda message: self.call(message), self.state, self.tokens,
+        self.decode = DecodeSteps(lambda work: self._run(work), self.state, self.tokens,
                                   lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
@@ -79,6 +78,11 @@ class Scheduler:
                            plans.Preempt: lambda plan: self.preemptions.newest(plan.seq),
                            plans.GiveWay: lambda plan: self.preemptions.give_way(), plans.Stuck: self._refuse,
                            plans.Idle: lambda plan: None}
+
+    def _run(self, work):
+        """A work call (a prefill, an extend, a decode step) placed by the KV manager (its tokens' workers and
+        pages, recorded in the ledger), then run on every worker -> worker 0's result."""
+        return self.call(self.kv.place(work))
 
     @property
     def prefix_cache(self):
@@ -152,7 +156,7 @@ class Scheduler:
         """The request's prompt prefilled in one call, its first token sampled."""
         request = seq.request
         work = PromptWork(seq, len(request.prompt_token_ids), 0, queued=queued, called=time.perf_counter())
-        result = self.call(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
+        result = self._run(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
         self.update(StepResult(work, result))
 
     def _resume(self, plan: plans.Resume) -> None:
@@ -183,7 +187,7 @@ class Scheduler:
             self.state.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
             return
         work = PromptWork(seq, len(ids), 0, resumed=True)
-        self.update(StepResult(work, self.call(Prefill(seq.seq_id, token_tensor(ids)))))
+        self.update(StepResult(work, self._run(Prefill(seq.seq_id, token_tensor(ids)))))
 
     # chunks
 
@@ -201,12 +205,12 @@ class Scheduler:
         chunk = token_tensor(ids[job.done:job.done + n])
         work = PromptWork(job.seq, n, job.done, job=job, called=time.perf_counter())
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
-            self.update(StepResult(work, self.call(Prefill(job.seq.seq_id, chunk))))
+            self.update(StepResult(work, self._run(Prefill(job.seq.seq_id, chunk))))
         elif decode is None:
-            self.update(StepResult(work, self.call(Extend(job.seq.seq_id, chunk, job.done))))
+            self.update(StepResult(work, self._run(Extend(job.seq.seq_id, chunk, job.done))))
         else:
             step = self.decode.call_for(decode)
-            result = self.call(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
+            result = self._run(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
             self.update(StepResult(work, result, DecodeWork(decode, step.host_rows, result.decode)))
 
     # the one place a turn's results change the scheduler's state

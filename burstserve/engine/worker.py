@@ -189,10 +189,9 @@ def run_call(runner: ModelRunner, message):
 def runner_alone(runner: ModelRunner) -> KVManager:
     """A KV manager over this runner alone, for tools and tests that drive ModelRunners without a scheduler (on
     several workers each one makes its own and places alike): kv.call(message) places work and runs it here."""
-    call = Dispatch(lambda message: run_call(runner, message), None)
+    call = Dispatch(lambda message: run_call(runner, kv.place(message)), None)
     kv = KVManager.of_workers(runner.engine, runner.facts(), call, prefix_caching=False,
                               host_copies=runner.cache.host)
-    call.place = kv.place
     return kv
 
 

@@ -9,9 +9,9 @@ from paths import ROOT
 PACKAGE = pathlib.Path(ROOT) / "burstserve"
 
 # worker 0's scheduler and what it plans with: built from EngineConfig and WorkerFacts (docs/design.md, "The wall")
-SCHEDULER_SIDE = ["scheduler", "step_plan", "decode_steps", "preemption", "inbox", "sequences", "stats_publisher",
-                  "token_outputs", "dispatch", "chunk_sizer", "cache.kv_manager", "cache.ledger", "cache.page_planner",
-                  "cache.prefix_cache"]
+SCHEDULER_SIDE = ["scheduler", "step_plan", "step_result", "decode_steps", "preemption", "inbox", "sequences",
+                  "stats_publisher", "token_outputs", "dispatch", "chunk_sizer", "cache.kv_manager", "cache.ledger",
+                  "cache.page_planner", "cache.prefix_cache"]
 # what a worker runs: its runner, attention calls, graphs, its pages, the model and the strategies
 WORKER_SIDE = ["worker", "model_runner", "worker_cache", "worker_memory", "extend_attention", "extend_graphs",
                "decode_attention", "decode_graphs", "model", "moe", "weights", "cache.page_pool", "cache.host_pool",

@@ -20,22 +20,19 @@ import torch
 import torch.multiprocessing as mp
 
 from burstserve.engine.cache.host_memory import offload_gib
-from burstserve.engine.cache.ledger import pages_for
 from burstserve.engine.cluster import Head
 from burstserve.engine.config import context_limit, resolve_model
 from burstserve.engine.devices import resolve_devices
-from burstserve.engine.errors import (DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError,
-                                      PromptTooLongError)
+from burstserve.engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError
 from burstserve.engine.gguf import converted_checkpoint, gguf_file, packaged_model
 from burstserve.engine.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
                                         WorkerFacts, WorkerFailed, WorkerReady)
-from burstserve.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, StepOutput
+from burstserve.engine.outputs import Request, RequestOutput, StepOutput, request_output
 from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from burstserve.engine.parallel import STRATEGIES, get_strategy
-from burstserve.engine.placement import worker_share
+from burstserve.engine.request_checks import Prompt, RequestChecks, prompt_list
 from burstserve.engine.sampling import SamplingParams
-from burstserve.engine.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
-                                                 tokenizer_source)
+from burstserve.engine.structured_output import StructuredRequest
 from burstserve.engine.tokenizer import load_tokenizer
 from burstserve.kernels.fp8 import quantization_refusal
 from burstserve.kernels.kv_quant import kv_cache_refusal
@@ -45,7 +42,6 @@ from burstserve.engine.worker import spawned_worker_main
 from burstserve.kernels.attention import backend_refusal
 
 log = logging.getLogger(__name__)
-Prompt = str | list[int]
 
 
 class LLM:
@@ -77,7 +73,7 @@ class LLM:
         values = check_options(options)
         self.cluster = cluster_config(values)
         model = packaged_model(model) or model                            # a trained model's name: its GGUF file
-        self.engine = engine_config(model, self._devices(values), values)
+        self.engine = engine_config(model, _devices(values), values)
         if not self.engine.is_preset and gguf_file(model) is not None:   # engine/gguf.py: once, into a cache folder
             if self.cluster.nnodes > 1:
                 raise ModelLoadError(f"{model} is a GGUF file; an engine over several hosts needs a checkpoint in "
@@ -131,16 +127,16 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order; a prompt is a string or a list of token ids."""
-        prompts = self._as_prompt_list(prompts)
+        prompts = prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params", "sampling_params")
         encoded = [self.encode(p) for p in prompts]                       # validate all before any work
         for e, p in zip(encoded, params):
-            self.check_fits(len(e), p.max_tokens)
-            self.check_one_call(len(e), p)
-            self.structured_request(p)
+            self.checks.fits(len(e), p.max_tokens)
+            self.checks.one_call(len(e), p)
+            self.checks.structured(p)
         ids = [self.submit(e, p) for e, p in zip(encoded, params)]
         return [self._collect(rid, prompt, e) for rid, prompt, e in zip(ids, prompts, encoded)]
 
@@ -152,56 +148,20 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, checked against the vocabulary and max_model_len."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        return ids
+        return self.checks.encode(prompt)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raises InvalidRequestError when a request could never fit in the KV cache, even alone: its
-        largest share on one worker (a zigzag shard is at most one token over an even split, and decoded
-        tokens go to the worker holding fewest) must fit in that worker's pages."""
-        needed = min(prompt_tokens + max_tokens, self.max_model_len)
-        facts = self.worker_facts[0]
-        if pages_for(self._worker_share(needed), facts.block_size) > facts.kv_pages_per_worker:
-            raise InvalidRequestError(f"the request needs {needed} tokens of KV cache (a prompt of {prompt_tokens} "
-                                      f"tokens plus max_tokens {max_tokens}), more than the engine's capacity of "
-                                      f"{self.kv_capacity_tokens} tokens", "max_tokens")
-
-    def _worker_share(self, tokens: int) -> int:
-        return worker_share(tokens, self.engine.world_size, self.worker_facts[0].placement.replicated_kv)
-
-    def check_one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
-        """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked
-        prefill on flash-attn-4 the workers reserve activation memory for one chunk's tokens only
-        (engine/cache/sizing.py prefill_rows_reserved), so a longer such prompt is refused, not run out of
-        memory."""
-        rows = self.worker_facts[0].prefill_rows_max
-        if params.prompt_logprobs is None or rows is None:
-            return
-        share = self._worker_share(prompt_tokens)
-        if share > rows:
-            raise InvalidRequestError(
-                f"prompt_logprobs needs the prompt prefilled in one call, and with --max-num-batched-tokens "
-                f"{self.engine.max_num_batched_tokens} each worker holds activations for at most {rows} tokens at "
-                f"once; this prompt of {prompt_tokens} tokens would put {share} on one worker. Send it without "
-                f"prompt_logprobs (it is then prefilled in chunks), or serve with a larger --max-num-batched-tokens",
-                "prompt_logprobs")
+        """Raises InvalidRequestError when a request could never fit in the KV cache, even alone."""
+        self.checks.fits(prompt_tokens, max_tokens)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                return_logits: bool = False, sink: Callable[[object], None] | None = None) -> str:
         """Queues one encoded prompt. Its StepOutputs (or an EngineDeadError) are passed to `sink`
         from the engine's router thread; without a sink they are read with `results(request_id)`."""
         self._check_alive()
-        self.check_fits(len(prompt_token_ids), params.max_tokens)
-        self.check_one_call(len(prompt_token_ids), params)
-        structured = self.structured_request(params)          # raises before any work on a bad response_format
+        self.checks.fits(len(prompt_token_ids), params.max_tokens)
+        self.checks.one_call(len(prompt_token_ids), params)
+        structured = self.checks.structured(params)          # raises before any work on a bad response_format
         request_id = request_id or f"req-{next(self._ids)}"
         if sink is None:
             q = queue.Queue()
@@ -214,15 +174,8 @@ class LLM:
         return request_id
 
     def structured_request(self, params: SamplingParams) -> StructuredRequest | None:
-        """What worker 0 needs to constrain a request to its response_format (None: unconstrained);
-        raises InvalidRequestError (param "response_format") for a bad one or a model without a tokenizer."""
-        spec = parse_response_format(params.response_format)   # again: params may have changed since built
-        if spec is None:
-            return None
-        source = tokenizer_source(self.engine.model, self.engine.is_preset, self.model_config.vocab_size,
-                                  self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
-        check_tokenizer(source, self.tokenizer)
-        return StructuredRequest(spec, source)
+        """What worker 0 needs to constrain a request to its response_format (None: unconstrained)."""
+        return self.checks.structured(params)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV cache on every worker."""
@@ -296,16 +249,6 @@ class LLM:
         return self.worker_facts[0].kernel if self.worker_facts else "?"
 
     # ---- internals --------------------------------------------------------------------------
-    @staticmethod
-    def _devices(values: dict) -> list[str]:
-        """This host's worker devices from the checked options (DeviceSpecError: the machine cannot satisfy
-        them, or the attention backend cannot run on them); as many as the strategy runs on."""
-        devices = resolve_devices(values["devices"], values["context_parallel_size"])
-        refusal = backend_refusal(values["attention_backend"], devices)
-        if refusal:
-            raise DeviceSpecError(refusal)
-        return devices[:STRATEGIES[values["sp_strategy"]].max_workers]
-
     def _start_workers(self) -> None:
         """This host's workers: ranks 0 .. (the other hosts start theirs after the rendezvous)."""
         ctx = mp.get_context("spawn")
@@ -332,6 +275,8 @@ class LLM:
                 self._fail(f"worker {msg.rank} failed to start: {msg.error}\n{msg.trace}")
                 raise EngineDeadError(self._dead)
         self.worker_facts = [facts[r] for r in range(len(self._procs))]
+        self.checks = RequestChecks(self.engine, self.model_config, self.tokenizer, self.max_model_len,
+                                    self.worker_facts[0])
         log.info("engine ready: %d worker(s) on %s, attention kernel %s", len(self._procs),
                  ",".join(self.engine.devices), self.kernel)
         self._router = threading.Thread(target=self._route_outputs, daemon=True, name="burstserve-outputs")
@@ -408,38 +353,19 @@ class LLM:
             raise EngineDeadError("the engine was shut down")
 
     def _collect(self, request_id: str, prompt: Prompt | None, prompt_ids: list[int]) -> RequestOutput:
-        metrics = RequestMetrics(arrival_time=self._arrivals.pop(request_id, time.time()))
-        tokens, logprobs, reason, logits, last, prompt_logprobs = [], [], None, None, None, None
-        for step in self.results(request_id):
-            if step.prefill is not None:
-                metrics.first_token_time = step.time
-                metrics.prefill_seconds = step.prefill.prefill_seconds
-                metrics.prefill_stats = step.prefill
-                logits, prompt_logprobs = step.logits, step.prompt_logprobs
-            else:
-                metrics.decode_seconds.append(step.time - last)
-            last = step.time
-            tokens.append(step.token_id)
-            if step.logprobs is not None:
-                logprobs.append(step.logprobs)
-            reason = step.finish_reason
-        metrics.finished_time = last
-        cumulative = sum(lp[t] for lp, t in zip(logprobs, tokens)) if logprobs else None
-        completion = CompletionOutput(0, self.tokenizer.decode(tokens), tokens, cumulative,
-                                      logprobs if logprobs else None, reason)
-        return RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [completion],
-                             True, metrics, logits, prompt_logprobs)
+        arrival = self._arrivals.pop(request_id, time.time())
+        return request_output(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                              self.results(request_id), arrival, self.tokenizer.decode)
 
-    @staticmethod
-    def _as_prompt_list(prompts) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of those",
-                                      "prompts")
-        return prompts
+
+def _devices(values: dict) -> list[str]:
+    """This host's worker devices from the checked options (DeviceSpecError: the machine cannot satisfy
+    them, or the attention backend cannot run on them); as many as the strategy runs on."""
+    devices = resolve_devices(values["devices"], values["context_parallel_size"])
+    refusal = backend_refusal(values["attention_backend"], devices)
+    if refusal:
+        raise DeviceSpecError(refusal)
+    return devices[:STRATEGIES[values["sp_strategy"]].max_workers]
 
 
 def _free_port() -> int:

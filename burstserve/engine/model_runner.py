@@ -205,7 +205,7 @@ class ModelRunner:
             result = self._extend_result(logits, start, start_time, strategy, placed.way, graphed=True)
             return self._with_step(self.cache.with_restore(seq_id, result), decode_logits, step)
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
-        attend, decode_logits = chunk, None
+        decode_logits = None
         if step is not None:
             step_inputs = self.cache.place_decode_tokens(step).to(self.device)                     # [5, B]
             self.decode_attention.begin_step(step_inputs, max(len(self.pool.pages[s]) for s in step.seq_ids))

@@ -2,6 +2,7 @@
 import array
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Callable, Iterable
 
 import torch
 
@@ -118,3 +119,28 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logits: torch.Tensor | None = None   # only when asked for (LLM.next_token_logits)
     prompt_logprobs: list[dict[int, float] | None] | None = None   # SamplingParams.prompt_logprobs: per position
+
+
+def request_output(request_id: str, prompt: str | None, prompt_ids: list[int], steps: Iterable[StepOutput],
+                   arrival: float, decode: Callable[[list[int]], str]) -> RequestOutput:
+    """A finished request's RequestOutput, from its StepOutputs in order (decode: token ids -> text)."""
+    metrics = RequestMetrics(arrival_time=arrival)
+    tokens, logprobs, reason, logits, last, prompt_logprobs = [], [], None, None, None, None
+    for step in steps:
+        if step.prefill is not None:
+            metrics.first_token_time = step.time
+            metrics.prefill_seconds = step.prefill.prefill_seconds
+            metrics.prefill_stats = step.prefill
+            logits, prompt_logprobs = step.logits, step.prompt_logprobs
+        else:
+            metrics.decode_seconds.append(step.time - last)
+        last = step.time
+        tokens.append(step.token_id)
+        if step.logprobs is not None:
+            logprobs.append(step.logprobs)
+        reason = step.finish_reason
+    metrics.finished_time = last
+    cumulative = sum(lp[t] for lp, t in zip(logprobs, tokens)) if logprobs else None
+    completion = CompletionOutput(0, decode(tokens), tokens, cumulative,
+                                  logprobs if logprobs else None, reason)
+    return RequestOutput(request_id, prompt, prompt_ids, [completion], True, metrics, logits, prompt_logprobs)

@@ -92,7 +92,7 @@ def test_prompt_logprobs_longer_than_the_reserve_is_refused_and_served_without_t
         long_prompt = [random.randrange(250) for _ in range(300)]
         params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
         assert len(llm.generate(long_prompt, params)[0].prompt_logprobs) == 300     # no reserve: served
-        llm.worker_facts[0] = dataclasses.replace(llm.worker_facts[0], prefill_rows_max=100)
+        llm.checks.facts = dataclasses.replace(llm.checks.facts, prefill_rows_max=100)
         share = 300 if workers == 1 else 151
         with pytest.raises(InvalidRequestError, match=f"prompt_logprobs needs the prompt prefilled in one call.*"
                                                       f"at most 100 tokens.*300 tokens would put {share} on one"):

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from burstserve.engine.cache.host_memory import offload_gib
 from burstserve.engine.cluster import Head
-from burstserve.engine.config import context_limit, resolve_model
+from burstserve.engine.config import EngineConfig, context_limit, resolve_model
 from burstserve.engine.devices import resolve_devices
 from burstserve.engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError
 from burstserve.engine.gguf import converted_checkpoint, gguf_file, packaged_model
@@ -72,23 +72,7 @@ class LLM:
     def __init__(self, model: str = "tiny", **options):
         values = check_options(options)
         self.cluster = cluster_config(values)
-        model = packaged_model(model) or model                            # a trained model's name: its GGUF file
-        self.engine = engine_config(model, _devices(values), values)
-        if not self.engine.is_preset and gguf_file(model) is not None:   # engine/gguf.py: once, into a cache folder
-            if self.cluster.nnodes > 1:
-                raise ModelLoadError(f"{model} is a GGUF file; an engine over several hosts needs a checkpoint in "
-                                     "transformers' format on every host (the folder this host converts it to, "
-                                     "engine/gguf.py, copied to the same path there)")
-            self.engine = dataclasses.replace(self.engine, model=converted_checkpoint(model, self.engine.dtype))
-        refusal = (quantization_refusal(self.engine.quantization, self.engine.devices, self.engine.dtype)
-                   or kv_cache_refusal(self.engine.kv_cache_dtype, self.engine.devices))
-        if refusal:
-            raise DeviceSpecError(refusal)
-        self.engine = dataclasses.replace(self.engine, kv_offload_gb=offload_gib(
-            self.engine.kv_offload_gb, self.engine.devices, self.engine.world_size))
-        if self.engine.kv_offload_gb and values["kv_offload_gb"] is None:
-            log.info("KV host tier: %.1f GiB per worker (by default a quarter of what this host can pin; "
-                     "--kv-offload-gb sets it, 0 turns it off)", self.engine.kv_offload_gb)
+        self.engine = _engine_config(model, values, self.cluster.nnodes)
         self.model_config, self.max_model_len = resolve_model(self.engine)
         if not self.engine.is_preset:
             weight_files(self.engine.model)      # fails now, naming the file, rather than in every worker
@@ -356,6 +340,30 @@ class LLM:
         arrival = self._arrivals.pop(request_id, time.time())
         return request_output(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                               self.results(request_id), arrival, self.tokenizer.decode)
+
+
+def _engine_config(model: str, values: dict, nnodes: int) -> EngineConfig:
+    """The engine's configuration from the checked options: a packaged model's name read as its GGUF file, a
+    GGUF file converted once to transformers' format (engine/gguf.py, into a cache folder), what the devices
+    cannot run refused (DeviceSpecError), the KV host tier sized."""
+    model = packaged_model(model) or model
+    engine = engine_config(model, _devices(values), values)
+    if not engine.is_preset and gguf_file(model) is not None:
+        if nnodes > 1:
+            raise ModelLoadError(f"{model} is a GGUF file; an engine over several hosts needs a checkpoint in "
+                                 "transformers' format on every host (the folder this host converts it to, "
+                                 "engine/gguf.py, copied to the same path there)")
+        engine = dataclasses.replace(engine, model=converted_checkpoint(model, engine.dtype))
+    refusal = (quantization_refusal(engine.quantization, engine.devices, engine.dtype)
+               or kv_cache_refusal(engine.kv_cache_dtype, engine.devices))
+    if refusal:
+        raise DeviceSpecError(refusal)
+    engine = dataclasses.replace(engine, kv_offload_gb=offload_gib(engine.kv_offload_gb, engine.devices,
+                                                                   engine.world_size))
+    if engine.kv_offload_gb and values["kv_offload_gb"] is None:
+        log.info("KV host tier: %.1f GiB per worker (by default a quarter of what this host can pin; "
+                 "--kv-offload-gb sets it, 0 turns it off)", engine.kv_offload_gb)
+    return engine
 
 
 def _devices(values: dict) -> list[str]:

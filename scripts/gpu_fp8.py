@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from burstserve.engine.config import preset_config
-from burstserve.engine.model import LlamaModel, hf_weight_shapes
-from burstserve.engine.weights import random_weights
+from burstserve.engine.model.config import preset_config
+from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
+from burstserve.engine.model.weights import random_weights
 from burstserve.kernels.attention import select_backend
 
 

@@ -21,9 +21,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from burstserve.engine.config import preset_config
-from burstserve.engine.model import LlamaModel, hf_weight_shapes
-from burstserve.engine.weights import random_weights
+from burstserve.engine.model.config import preset_config
+from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
+from burstserve.engine.model.weights import random_weights
 
 VARIANTS = {"bf16": dict(kv_cache_dtype="auto"), "fp8 KV": dict(kv_cache_dtype="fp8"),
             "fp8 KV + -q fp8": dict(kv_cache_dtype="fp8", quantization="fp8")}

@@ -1,4 +1,4 @@
-"""The KV host tier on one GPU (--kv-offload-gb, engine/cache/host_pool.py): what its copies cost, and what
+"""The KV host tier on one GPU (--kv-offload-gb, engine/pages/host_pool.py): what its copies cost, and what
 decoding streams see while a document comes back from host memory.
 
     python scripts/gpu_host_tier.py copy                  host <-> GPU copies of llama3-8b pages through HostPool
@@ -36,8 +36,8 @@ def _median_seconds(fn) -> float:
 
 def copy_table(tokens_list: list[int]) -> list[dict]:
     """Store and load GB/s of an entry of each size, pages in one run and scattered, bf16 and FP8 pages."""
-    from burstserve.engine.cache.host_pool import HostPool
-    from burstserve.engine.cache.page_pool import PagePool
+    from burstserve.engine.pages.host_pool import HostPool
+    from burstserve.engine.pages.page_pool import PagePool
     rows = []
     for kv in ("auto", "fp8"):
         pages = max(tokens_list) // 128

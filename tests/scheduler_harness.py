@@ -7,19 +7,19 @@ import time
 
 import torch
 
-from burstserve.engine.calls import Shutdown
-from burstserve.engine.config import EngineConfig, resolve_model
-from burstserve.engine.dispatch import Dispatch
-from burstserve.engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
-from burstserve.engine.model_runner import ModelRunner
-from burstserve.engine.outputs import Request
-from burstserve.engine.scheduler import Scheduler
+from burstserve.engine.core.calls import Shutdown
+from burstserve.engine.model.config import EngineConfig, resolve_model
+from burstserve.engine.scheduler.dispatch import Dispatch
+from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
+from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.core.outputs import Request
+from burstserve.engine.scheduler.scheduler import Scheduler
 from burstserve.engine.worker import run_call
 
 
 def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None, sent: list | None = None):
     """Each batch of (request id, prompt, SamplingParams) is submitted when the one before has finished ->
-    (outputs by request id: lists of StepOutput, the scheduler's calls (engine/calls.py messages), the scheduler).
+    (outputs by request id: lists of StepOutput, the scheduler's calls (engine/core/calls.py messages), the scheduler).
     prepare(scheduler, runner): called before it runs (to wrap its methods). sent: a list that receives the
     Turns the other workers would be sent (with the Shutdown that ends them)."""
     cfg, max_model_len = resolve_model(engine)

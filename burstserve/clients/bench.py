@@ -220,7 +220,7 @@ def _default_lengths() -> list[int]:
 
 def run(args) -> None:
     """Runs the chosen mode; a BurstServeError (bad devices, model, request) is one line on stderr, exit 2."""
-    from burstserve.engine.errors import BurstServeError
+    from burstserve.engine.core.errors import BurstServeError
     try:
         _run(args)
     except BurstServeError as e:
@@ -326,8 +326,8 @@ def _device_args(args) -> list[str]:
 
 def _check_offline_devices(args) -> None:
     """Raises DeviceSpecError if --devices / --context-parallel-size cannot run on this machine."""
-    from burstserve.engine.devices import resolve_devices
-    from burstserve.engine.errors import InvalidRequestError
+    from burstserve.engine.core.devices import resolve_devices
+    from burstserve.engine.core.errors import InvalidRequestError
     if args.sp_strategy in BASELINES:
         if getattr(args, "quantization", "none") != "none":
             raise InvalidRequestError(f"--quantization is the engine's: --sp-strategy {args.sp_strategy} runs "
@@ -347,8 +347,8 @@ def _check_offline_devices(args) -> None:
 
 def _check_quantization(args, devices: list[str]) -> None:
     """--quantization that cannot run on these devices: refused before any file is written."""
-    from burstserve.engine.config import default_dtype
-    from burstserve.engine.errors import DeviceSpecError
+    from burstserve.engine.model.config import default_dtype
+    from burstserve.engine.core.errors import DeviceSpecError
     from burstserve.kernels.fp8 import quantization_refusal
     dtype = args.dtype or default_dtype(devices)
     refusal = quantization_refusal(getattr(args, "quantization", "none"), devices, dtype)
@@ -364,7 +364,7 @@ def _server(args):
         return
     if args.serve:
         from burstserve.clients.server_process import RemoteServer
-        from burstserve.engine.errors import BurstServeError
+        from burstserve.engine.core.errors import BurstServeError
         try:
             server = RemoteServer(shlex.split(args.serve) + _device_args(args), api_key=args.api_key)
         except RuntimeError as e:    # the server logged why (bad devices: one line)
@@ -382,7 +382,7 @@ def _server(args):
 def _check_reachable(url: str) -> None:
     """One GET /health first: a server that is not there is one line naming the URL, not a transport traceback."""
     import httpx
-    from burstserve.engine.errors import BurstServeError
+    from burstserve.engine.core.errors import BurstServeError
     try:
         httpx.get(f"{url}/health", timeout=10)
     except httpx.HTTPError as e:

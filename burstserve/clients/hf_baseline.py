@@ -22,15 +22,15 @@ import torch
 
 from burstserve.clients.stats import RequestTiming
 from burstserve.clients.sweep import check_generated, default_label, make_row, timed_requests
-from burstserve.engine.devices import synchronize
-from burstserve.engine.errors import DeviceSpecError
+from burstserve.engine.core.devices import synchronize
+from burstserve.engine.core.errors import DeviceSpecError
 
 
 def build_model(model: str, dtype: torch.dtype, device: torch.device):
     """transformers' model of a checkpoint or of a preset's shapes (random weights), sdpa attention; a mixture of
     experts with transformers' fastest experts implementation there (its grouped GEMM on CUDA)."""
     from transformers import AutoModelForCausalLM
-    from burstserve.engine.config import preset_config, preset_names
+    from burstserve.engine.model.config import preset_config, preset_names
     experts = "grouped_mm" if device.type == "cuda" else "eager"
     if model not in preset_names():
         return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa",
@@ -48,7 +48,7 @@ def build_model(model: str, dtype: torch.dtype, device: torch.device):
 
 
 def hf_config(c):
-    """transformers' config of a preset's shapes (engine/config.py ModelConfig): LLaMA, or the mixture of experts
+    """transformers' config of a preset's shapes (engine/model/config.py ModelConfig): LLaMA, or the mixture of experts
     whose names the preset's checkpoint would carry (Mixtral, Qwen3-MoE)."""
     from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
     common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -139,7 +139,7 @@ def decode_mode(model) -> str:
 
 def baseline_device(devices: str | None, context_parallel_size: int | None = None) -> torch.device:
     """The first device `devices` names (default: GPU 0, else cpu); transformers runs on one device only."""
-    from burstserve.engine.devices import check_context_parallel_size, resolve_devices
+    from burstserve.engine.core.devices import check_context_parallel_size, resolve_devices
     if (check_context_parallel_size(context_parallel_size) or 1) > 1:
         raise DeviceSpecError(f"--sp-strategy transformers runs on one device, not {context_parallel_size}: "
                               "drop --context-parallel-size (or use 1)")

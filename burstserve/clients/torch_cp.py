@@ -26,8 +26,8 @@ from burstserve.clients.hf_baseline import build_model
 from burstserve.clients.server_process import free_port
 from burstserve.clients.stats import RequestTiming
 from burstserve.clients.sweep import default_label, make_row
-from burstserve.engine.devices import resolve_devices
-from burstserve.engine.errors import DeviceSpecError, InvalidRequestError
+from burstserve.engine.core.devices import resolve_devices
+from burstserve.engine.core.errors import DeviceSpecError, InvalidRequestError
 
 
 def check_torch_cp(devices: str | None, context_parallel_size: int | None, output_len: int = 1,

@@ -1,6 +1,6 @@
 """How worker 0 tells the other workers what to run: the control plane (the data plane is NCCL / gloo).
 
-Every call is one message (engine/calls.py), pickled once by worker 0 and run by every worker in the same
+Every call is one message (engine/core/calls.py), pickled once by worker 0 and run by every worker in the same
 order. Two ways to carry it:
 - `PipeControl` (every worker on worker 0's host, started by `LLM`): one OS pipe to each other worker.
   Worker 0 writes and goes on at once (the pipe buffers; a message larger than the buffer is written while

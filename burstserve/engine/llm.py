@@ -19,24 +19,24 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
-from burstserve.engine.cache.host_memory import offload_gib
+from burstserve.engine.pages.host_memory import offload_gib
 from burstserve.engine.cluster import Head
-from burstserve.engine.config import EngineConfig, context_limit, resolve_model
-from burstserve.engine.devices import resolve_devices
-from burstserve.engine.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError
-from burstserve.engine.gguf import converted_checkpoint, gguf_file, packaged_model
-from burstserve.engine.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
+from burstserve.engine.model.config import EngineConfig, context_limit, resolve_model
+from burstserve.engine.core.devices import resolve_devices
+from burstserve.engine.core.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError
+from burstserve.engine.model.gguf import converted_checkpoint, gguf_file, packaged_model
+from burstserve.engine.core.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
                                         WorkerFacts, WorkerFailed, WorkerReady)
-from burstserve.engine.outputs import Request, RequestOutput, StepOutput, request_output
+from burstserve.engine.core.outputs import Request, RequestOutput, StepOutput, request_output
 from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from burstserve.engine.parallel import STRATEGIES, get_strategy
 from burstserve.engine.request_checks import Prompt, RequestChecks, prompt_list
-from burstserve.engine.sampling import SamplingParams
-from burstserve.engine.structured_output import StructuredRequest
-from burstserve.engine.tokenizer import load_tokenizer
+from burstserve.engine.core.sampling import SamplingParams
+from burstserve.engine.core.structured_output import StructuredRequest
+from burstserve.engine.core.tokenizer import load_tokenizer
 from burstserve.kernels.fp8 import quantization_refusal
 from burstserve.kernels.kv_quant import kv_cache_refusal
-from burstserve.engine.weights import weight_files
+from burstserve.engine.model.weights import weight_files
 from burstserve.engine.control import close_parent_ends, make_pipes
 from burstserve.engine.worker import spawned_worker_main
 from burstserve.kernels.attention import backend_refusal
@@ -57,7 +57,7 @@ class LLM:
     attention_backend: auto (flash-attn-4 on SM90+ when installed, then cuDNN, PyTorch's FA2), or one of
         flash-attn, cudnn, flash, reference.
     enable_chunked_prefill, max_num_batched_tokens: a prompt longer than max_num_batched_tokens (default
-        engine/config.py default_chunk_tokens: 65536, 131072 on two workers or more) is prefilled in chunks,
+        engine/model/config.py default_chunk_tokens: 65536, 131072 on two workers or more) is prefilled in chunks,
         the running sequences decoding between them,
         and a shorter one too while others decode when one call would hold them past itl_target_ms;
         enable_chunked_prefill=False prefills every prompt in one call.
@@ -344,7 +344,7 @@ class LLM:
 
 def _engine_config(model: str, values: dict, nnodes: int) -> EngineConfig:
     """The engine's configuration from the checked options: a packaged model's name read as its GGUF file, a
-    GGUF file converted once to transformers' format (engine/gguf.py, into a cache folder), what the devices
+    GGUF file converted once to transformers' format (engine/model/gguf.py, into a cache folder), what the devices
     cannot run refused (DeviceSpecError), the KV host tier sized."""
     model = packaged_model(model) or model
     engine = engine_config(model, _devices(values), values)
@@ -352,7 +352,7 @@ def _engine_config(model: str, values: dict, nnodes: int) -> EngineConfig:
         if nnodes > 1:
             raise ModelLoadError(f"{model} is a GGUF file; an engine over several hosts needs a checkpoint in "
                                  "transformers' format on every host (the folder this host converts it to, "
-                                 "engine/gguf.py, copied to the same path there)")
+                                 "engine/model/gguf.py, copied to the same path there)")
         engine = dataclasses.replace(engine, model=converted_checkpoint(model, engine.dtype))
     refusal = (quantization_refusal(engine.quantization, engine.devices, engine.dtype)
                or kv_cache_refusal(engine.kv_cache_dtype, engine.devices))

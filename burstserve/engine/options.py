@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from burstserve.engine.cluster import ClusterConfig
-from burstserve.engine.config import (DEFAULT_CHUNK_TOKENS_PER_WORKER, DEFAULT_CHUNK_WORKERS_MAX, DTYPES, EngineConfig,
+from burstserve.engine.model.config import (DEFAULT_CHUNK_TOKENS_PER_WORKER, DEFAULT_CHUNK_WORKERS_MAX, DTYPES, EngineConfig,
                                       default_chunk_tokens, default_dtype)
-from burstserve.engine.errors import InvalidRequestError
+from burstserve.engine.core.errors import InvalidRequestError
 from burstserve.engine.parallel import SP_STRATEGIES, STRATEGIES
 from burstserve.kernels.attention import ATTENTION_BACKENDS
 from burstserve.kernels.fp8 import QUANTIZATIONS
@@ -160,7 +160,7 @@ def _cluster_problem(name: str) -> Callable[[object], str | None]:
     return lambda value: ClusterConfig(**{name: value}).problem()
 
 
-DEVICES_CHECK = "engine/devices.py resolve_devices (DeviceSpecError, naming what is there)"
+DEVICES_CHECK = "engine/core/devices.py resolve_devices (DeviceSpecError, naming what is there)"
 
 OPTIONS: tuple[Option, ...] = (
     # every host names these (`serve` and `worker`): its devices, the settings the hosts must share

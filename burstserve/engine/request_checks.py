@@ -1,14 +1,14 @@
 """What the front checks of a request before it queues it (engine/llm.py LLM.submit, the server's routes): the
 prompt's tokens, whether it could ever fit in the KV cache, whether a prompt_logprobs prompt fits one call's
 activations, the response_format. Read from the engine's options, the model, and the facts the workers reported
-(engine/messages.py WorkerFacts); every refusal raises InvalidRequestError naming its parameter."""
+(engine/core/messages.py WorkerFacts); every refusal raises InvalidRequestError naming its parameter."""
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.config import EngineConfig, ModelConfig
-from burstserve.engine.errors import InvalidRequestError, PromptTooLongError
-from burstserve.engine.messages import WorkerFacts
-from burstserve.engine.placement import worker_share
-from burstserve.engine.sampling import SamplingParams
-from burstserve.engine.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
+from burstserve.engine.model.config import EngineConfig, ModelConfig
+from burstserve.engine.core.errors import InvalidRequestError, PromptTooLongError
+from burstserve.engine.core.messages import WorkerFacts
+from burstserve.engine.core.placement import worker_share
+from burstserve.engine.core.sampling import SamplingParams
+from burstserve.engine.core.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
                                                  tokenizer_source)
 
 Prompt = str | list[int]
@@ -58,13 +58,13 @@ class RequestChecks:
                                       f"{facts.kv_capacity_total} tokens", "max_tokens")
 
     def _share(self, tokens: int) -> int:
-        """The most of a sequence's tokens one worker holds (engine/placement.py)."""
+        """The most of a sequence's tokens one worker holds (engine/core/placement.py)."""
         return worker_share(tokens, self.engine.world_size, self.facts.placement.replicated_kv)
 
     def one_call(self, prompt_tokens: int, params: SamplingParams) -> None:
         """A prompt_logprobs request is prefilled in one call (its prompt is never chunked); with chunked
         prefill on flash-attn-4 the workers reserve activation memory for one chunk's tokens only
-        (engine/cache/sizing.py prefill_rows_reserved), so a longer such prompt is refused, not run out of
+        (engine/pages/sizing.py prefill_rows_reserved), so a longer such prompt is refused, not run out of
         memory."""
         rows = self.facts.prefill_rows_max
         if params.prompt_logprobs is None or rows is None:

@@ -2,7 +2,7 @@
 
 Started by `LLM` with torch.multiprocessing (spawn), or by `torchrun` (RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT in the environment; see `main`). There is exactly one way for worker 0
-to drive the rest: its scheduler's `call(message)` (engine/dispatch.py) runs the call locally and sends
+to drive the rest: its scheduler's `call(message)` (engine/scheduler/dispatch.py) runs the call locally and sends
 the same calls, one Turn message a scheduler turn, over the control plane (engine/control.py: pipes when
 every worker is on worker 0's host, a gloo group otherwise); every other worker loops receiving Turns and
 running their calls in order.
@@ -19,16 +19,16 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload,
+from burstserve.engine.core.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload,
                                      Prefill, PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
 from burstserve.engine.cache.kv_manager import KVManager
-from burstserve.engine.config import EngineConfig, default_dtype, resolve_model
+from burstserve.engine.model.config import EngineConfig, default_dtype, resolve_model
 from burstserve.engine.control import GlooControl, PipeControl
-from burstserve.engine.dispatch import Dispatch
-from burstserve.engine.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
-from burstserve.engine.model_runner import ModelRunner
-from burstserve.engine.worker_cache import WorkerCache
-from burstserve.engine.scheduler import Scheduler
+from burstserve.engine.scheduler.dispatch import Dispatch
+from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
+from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.runner.worker_cache import WorkerCache
+from burstserve.engine.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 # A thread holding the GIL hands it over within this many seconds when another asks: Python's default (5 ms)
@@ -170,8 +170,8 @@ def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_met
     return None, dist.new_group(backend="gloo") if gloo_control else None
 
 
-# One handler per call (engine/calls.py): what each worker runs for it; the cache's calls run on the runner's
-# WorkerCache (engine/worker_cache.py), the others on the runner.
+# One handler per call (engine/core/calls.py): what each worker runs for it; the cache's calls run on the runner's
+# WorkerCache (engine/runner/worker_cache.py), the others on the runner.
 CACHE_CALLS = {Fork: WorkerCache.fork, Adopt: WorkerCache.adopt, Truncate: WorkerCache.truncate,
                Retire: WorkerCache.retire, Reinstate: WorkerCache.reinstate, Free: WorkerCache.free,
                Offload: WorkerCache.offload, Restore: WorkerCache.restore, HostFree: WorkerCache.host_free,
@@ -181,7 +181,7 @@ HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndD
 
 
 def run_call(runner: ModelRunner, message):
-    """Runs one call on this worker's runner (or its cache) -> its result (engine/calls.py)."""
+    """Runs one call on this worker's runner (or its cache) -> its result (engine/core/calls.py)."""
     kind = type(message)
     return HANDLERS[kind](runner.cache if kind in CACHE_CALLS else runner, message)
 
@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     import queue
     import threading
 
-    from burstserve.engine.config import EngineConfig
-    from burstserve.engine.sampling import SamplingParams
-    from burstserve.engine.outputs import Request
+    from burstserve.engine.model.config import EngineConfig
+    from burstserve.engine.core.sampling import SamplingParams
+    from burstserve.engine.core.outputs import Request
 
     ap = argparse.ArgumentParser(prog="python -m burstserve.engine.worker")
     ap.add_argument("--model", default="tiny")

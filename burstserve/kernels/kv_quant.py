@@ -12,7 +12,7 @@ The scale keeps a mantissa; bf16, so 2 bytes a row. Rounding: the division in fp
 to nearest even. A dequantized value, 4 x 8 significant bits, is exact in fp32, so re-quantizing the
 values of an fp32 model gives back the same bytes and scale, and the kernels that apply the scale to
 scores (kernels/fp8_paged_attention.py) compute what attention over the dequantized values computes.
-The model rounds its K/V to exactly these values before any attention (engine/model.py), so that a prompt
+The model rounds its K/V to exactly these values before any attention (engine/model/model.py), so that a prompt
 attends the same values whether its keys come from this call, the ring or the pages.
 
 Bytes per (token, head): D + 2, against 2 D in bfloat16 (llama3-8b: 65 KiB a token against 128 KiB).

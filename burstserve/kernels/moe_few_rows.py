@@ -5,7 +5,7 @@ of the experts the rows chose, with no host read-back (a CUDA graph replays it).
                      gate_up_scale [E, 2 Im] | None, down_scale [E, hidden] | None)
         -> out [M, hidden] in x's dtype, out[m] = sum_j weights[m, j] down[e] (silu(gate[e] x_m) * up[e] x_m)
            with e = chosen[m, j] (gate[e]: gate_up[e]'s first Im rows, up[e] its last Im),
-           or None where these kernels do not apply (the caller runs engine/moe.py's grouped or dense path)
+           or None where these kernels do not apply (the caller runs engine/model/moe.py's grouped or dense path)
 
 Why: at a decode step's few rows the experts' MLP is the chosen experts' weights, read once. The grouped GEMM
 (engine/moe.grouped_experts) first sorts the choices by expert in a handful of small kernels, and its tiles are

@@ -14,8 +14,8 @@ import time
 from typing import Sequence
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.errors import EngineDeadError
-from burstserve.engine.outputs import FinishReason, StepOutput
+from burstserve.engine.core.errors import EngineDeadError
+from burstserve.engine.core.outputs import FinishReason, StepOutput
 from burstserve.server.errors import APIError
 from burstserve.server.metrics import Metrics
 from burstserve.server.timeline import Timeline

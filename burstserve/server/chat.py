@@ -2,7 +2,7 @@
 import time
 import uuid
 
-from burstserve.engine.outputs import FinishReason
+from burstserve.engine.core.outputs import FinishReason
 from burstserve.server.choices import ChoiceEvent, sampling_params, start_choices
 from burstserve.server.context import ServerContext
 from burstserve.server.logprobs import chat_logprob_entry

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from burstserve.engine import SamplingParams
-from burstserve.engine.outputs import FinishReason
+from burstserve.engine.core.outputs import FinishReason
 from burstserve.server.context import ServerContext
 from burstserve.server.text import TextAssembler
 from burstserve.server.timeline import Timeline

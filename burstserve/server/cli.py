@@ -11,8 +11,8 @@ import threading
 
 import uvicorn
 
-from burstserve.engine.config import preset_names
-from burstserve.engine.gguf import PACKAGED_MODELS
+from burstserve.engine.model.config import preset_names
+from burstserve.engine.model.gguf import PACKAGED_MODELS
 from burstserve.engine.options import OPTIONS, add_arguments, from_args
 from burstserve.server.vllm_flags import DEFAULT_MODEL, add_vllm_flags, apply_vllm_flags
 
@@ -73,10 +73,10 @@ def worker(args) -> None:
     engine shuts down (exit 0) or fails (exit 1); refused or unreachable: exit 2, saying why."""
     from burstserve.engine import BurstServeError
     from burstserve.engine.cluster import join, join_settings, run_joined_workers
-    from burstserve.engine.config import resolve_model
-    from burstserve.engine.devices import resolve_devices
+    from burstserve.engine.model.config import resolve_model
+    from burstserve.engine.core.devices import resolve_devices
     from burstserve.engine.options import check_options, cluster_config, engine_config
-    from burstserve.engine.weights import weight_files
+    from burstserve.engine.model.weights import weight_files
     _setup_logging(args)
     try:
         values = check_options(from_args(args))

@@ -3,7 +3,7 @@ import time
 import uuid
 from typing import Sequence
 
-from burstserve.engine.outputs import FinishReason
+from burstserve.engine.core.outputs import FinishReason
 from burstserve.server.choices import ChoiceEvent, sampling_params, start_choices
 from burstserve.server.context import ServerContext
 from burstserve.server.errors import APIError

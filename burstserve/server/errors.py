@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from burstserve.engine.errors import BurstServeError, EngineDeadError, InvalidRequestError, PromptTooLongError
+from burstserve.engine.core.errors import BurstServeError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

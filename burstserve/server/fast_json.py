@@ -19,7 +19,7 @@ import pydantic_core
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from burstserve.engine.outputs import PROMPT_TYPECODE
+from burstserve.engine.core.outputs import PROMPT_TYPECODE
 
 # route path -> the top-level field that may hold token ids (read by token_ids_body)
 TOKEN_ID_FIELDS = {"/v1/completions": "prompt"}

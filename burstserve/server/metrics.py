@@ -1,8 +1,8 @@
 """Prometheus metrics, named like vLLM's under a `burstserve:` prefix, label `model_name`."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from burstserve.engine.messages import EngineFigures
-from burstserve.engine.outputs import PrefillStats, StepOutput
+from burstserve.engine.core.messages import EngineFigures
+from burstserve.engine.core.outputs import PrefillStats, StepOutput
 
 disable_created_metrics()   # no `_created` series beside each counter and histogram (as vLLM)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -53,7 +53,7 @@ class Metrics:
                                    "(not prefilled again).", lab, registry=r)
         self.recomputed = Counter("burstserve:num_recomputed_tokens", "Tokens prefilled again to resume "
                                   "preempted sequences (those found in the prefix cache not counted).", lab, registry=r)
-        # the KV host tier (--kv-offload-gb, engine/cache/host_pool.py)
+        # the KV host tier (--kv-offload-gb, engine/pages/host_pool.py)
         self.host_hits = Counter("burstserve:prefix_cache_host_hits", "Prompt tokens restored from the KV host "
                                  "tier (also counted in prefix_cache_hits).", lab, registry=r)
         self.host_evicted = Counter("burstserve:kv_host_evicted_tokens", "Tokens evicted from the KV host tier.",

@@ -1,15 +1,15 @@
 """Prompts as token ids, checked against the model: the vocabulary, the context length, the KV
 capacity. Chat messages are rendered with the tokenizer's chat template, or a plain default.
 A checked prompt is an int32 array (array.array, engine.outputs.PROMPT_TYPECODE): checked in C, and it
-crosses to the engine's worker as bytes (engine/outputs.py Request)."""
+crosses to the engine's worker as bytes (engine/core/outputs.py Request)."""
 import array
 import asyncio
 import logging
 
 import torch
 
-from burstserve.engine.errors import InvalidRequestError
-from burstserve.engine.outputs import PROMPT_TYPECODE
+from burstserve.engine.core.errors import InvalidRequestError
+from burstserve.engine.core.outputs import PROMPT_TYPECODE
 from burstserve.server.context import ServerContext
 from burstserve.server.errors import APIError
 from burstserve.server.protocol import ChatCompletionRequest

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError,
                       field_validator)
 
-from burstserve.engine.sampling import MAX_LOGPROBS
+from burstserve.engine.core.sampling import MAX_LOGPROBS
 
 MAX_N = 64           # choices per prompt
 MAX_STOPS = 4        # stop strings a request, as OpenAI's API allows

@@ -4,14 +4,14 @@ import asyncio
 import logging
 import time
 
-from burstserve.engine.messages import EngineFigures
+from burstserve.engine.core.messages import EngineFigures
 from burstserve.server.async_engine import AsyncEngine
 
 log = logging.getLogger("burstserve.stats")
 
 
 def stats_line(engine: AsyncEngine, prompt_tps: float, generation_tps: float) -> str:
-    stats = engine.llm.stats                                  # engine/messages.py EngineFigures
+    stats = engine.llm.stats                                  # engine/core/messages.py EngineFigures
     capacity = stats.kv_capacity_per_worker
     usage = ", ".join(f"{100 * t / capacity:.1f}%" if capacity else "-" for t in stats.kv_tokens_per_worker)
     return (f"prompt throughput {prompt_tps:.1f} tokens/s, generation throughput {generation_tps:.1f} tokens/s, "

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from burstserve.engine.outputs import PrefillStats
+from burstserve.engine.core.outputs import PrefillStats
 
 RECEIVED = "burstserve_received"   # the ASGI scope's state key the ReceiveClock middleware sets
 # the request line's parts, as describe() writes them (ms); queued and prefill are there when the workers said

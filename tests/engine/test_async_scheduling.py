@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (engine/decode_steps.py DecodeSteps.ahead, engine/step_tokens.py): worker 0 launches
+"""Asynchronous scheduling (engine/scheduler/decode_steps.py DecodeSteps.ahead, engine/runner/step_tokens.py): worker 0 launches
 decode step k+1 before reading step k's tokens, whose values reach step k+1 on the device. A request
 must get exactly the tokens it gets with every step read back first (async_scheduling=False), and a
 sequence ended by a stop token while the next step was in flight keeps that step's K/V of the stop
@@ -12,8 +12,8 @@ import pytest
 
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.cache.prefix_cache import BLOCK
-from burstserve.engine.calls import Decode, Prefill
-from burstserve.engine.config import EngineConfig
+from burstserve.engine.core.calls import Decode, Prefill
+from burstserve.engine.model.config import EngineConfig
 from hf_reference import assert_same_greedy, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
 
@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
 def _serve(path: str, batches: list[list[tuple]], **kw):
     """Worker 0's scheduler in-process over one CPU ModelRunner (the checkpoint, fp32, pages of 4 tokens;
     tests/scheduler_harness.py): batches of (request id, prompt, SamplingParams) -> (outputs by request id,
-    the scheduler's calls (engine/calls.py), the scheduler)."""
+    the scheduler's calls (engine/core/calls.py), the scheduler)."""
     engine = EngineConfig(model=path, devices=["cpu"], dtype="float32", block_size=4, max_num_seqs=8, **kw)
     return serve_in_process(engine, batches)
 

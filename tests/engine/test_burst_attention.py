@@ -8,7 +8,7 @@ import torch
 from dist_harness import run_on_ranks
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.placement import zigzag_shards
+from burstserve.engine.core.placement import zigzag_shards
 from burstserve.kernels.attention import reference_attention
 
 
@@ -54,7 +54,7 @@ def test_ring_matches_single_device(world_size, seq_len, heads, kv_heads, causal
 
 
 def test_kv_view_is_the_stacked_message_without_a_copy():
-    """burstserve.engine.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
+    """burstserve.engine.runner.model_runner.kv_view: with no ring, K and V of a layer reach the attention as a view into
     the qkv projection's rows (v follows k there), and as a stack wherever they do not lie so."""
     from burstserve.engine.parallel import kv_view
     n, h, hkv, d = random.randint(1, 9), 4, 2, 8

@@ -1,4 +1,4 @@
-"""engine/calls.py: one message type per call worker 0 makes, each run by one handler that takes exactly that
+"""engine/core/calls.py: one message type per call worker 0 makes, each run by one handler that takes exactly that
 type (a ModelRunner method, or for the cache's calls a WorkerCache method on the runner's cache); results as
 their own types."""
 import dataclasses
@@ -8,12 +8,12 @@ import typing
 
 import torch
 
-import burstserve.engine.calls as calls
-from burstserve.engine.model_runner import ModelRunner
-from burstserve.engine.outputs import PrefillStats
-from burstserve.engine.placement import ExtendWay
+import burstserve.engine.core.calls as calls
+from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.core.outputs import PrefillStats
+from burstserve.engine.core.placement import ExtendWay
 from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
-from burstserve.engine.worker_cache import WorkerCache
+from burstserve.engine.runner.worker_cache import WorkerCache
 
 RESULTS = {calls.PrefillResult, calls.DecodeResult}
 PARTS = {calls.ExtendPlacement}              # a field of a call (Extend.placed), not a call

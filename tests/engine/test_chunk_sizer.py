@@ -1,11 +1,11 @@
-"""engine/chunk_sizer.py: the chunk of a long prompt sized to an inter-token-latency target from a cost
+"""engine/scheduler/chunk_sizer.py: the chunk of a long prompt sized to an inter-token-latency target from a cost
 model fitted to the engine's own prefill times (synthetic times here, drawn fresh each run)."""
 import random
 
 import pytest
 
-from burstserve.engine.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
-from burstserve.engine.config import preset_config
+from burstserve.engine.scheduler.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
+from burstserve.engine.model.config import preset_config
 
 
 def _cost(t0, a, b, n, c):

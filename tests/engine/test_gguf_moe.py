@@ -1,4 +1,4 @@
-"""GGUF mixtures of experts (engine/gguf.py): a small random Qwen3-MoE and Qwen2-MoE saved by transformers, written
+"""GGUF mixtures of experts (engine/model/gguf.py): a small random Qwen3-MoE and Qwen2-MoE saved by transformers, written
 again by the `gguf` package's GGUFWriter as llama.cpp's converter writes them (its tensor names, the experts stacked
 [E, Im, hidden], F32, the metadata, a byte-level BPE tokenizer of the model's 320 tokens), and served from the file:
 the conversion holds the twin's tensors bit for bit, and the engine's next-token logits and greedy tokens are
@@ -20,9 +20,9 @@ import torch
 import hf_reference
 from burstserve.clients.server_process import RemoteServer
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.config import load_model_config
-from burstserve.engine.errors import ModelLoadError
-from burstserve.engine.gguf import converted_checkpoint
+from burstserve.engine.model.config import load_model_config
+from burstserve.engine.core.errors import ModelLoadError
+from burstserve.engine.model.gguf import converted_checkpoint
 from hf_reference import hf_next_logits_and_greedy, save_tokenizer
 
 KINDS = {"qwen3-moe": "qwen3moe", "qwen2-moe": "qwen2moe"}      # test kind -> llama.cpp's architecture
@@ -31,7 +31,7 @@ NUM_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """engine/gguf.py's cache in a folder of this module's own."""
+    """engine/model/gguf.py's cache in a folder of this module's own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BURSTSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield os.environ["BURSTSERVE_CACHE"]

@@ -1,4 +1,4 @@
-"""The KV host tier (--kv-offload-gb, engine/cache/host_pool.py): a finished request's K/V is copied to host
+"""The KV host tier (--kv-offload-gb, engine/pages/host_pool.py): a finished request's K/V is copied to host
 memory when it retires, and a prompt whose cached prefix has left the GPU pool gets it back from there.
 
 With a GPU pool of a few documents, later documents evict the first from the pool; a question about it is
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.cache.host_memory import HOST_RESERVE, offload_gib, pinnable
-from burstserve.engine.cache.host_pool import HostPool
-from burstserve.engine.cache.page_pool import PagePool
-from burstserve.engine.calls import Extend, Prefill, Restore
-from burstserve.engine.config import EngineConfig
-from burstserve.engine.errors import DeviceSpecError
+from burstserve.engine.pages.host_memory import HOST_RESERVE, offload_gib, pinnable
+from burstserve.engine.pages.host_pool import HostPool
+from burstserve.engine.pages.page_pool import PagePool
+from burstserve.engine.core.calls import Extend, Prefill, Restore
+from burstserve.engine.model.config import EngineConfig
+from burstserve.engine.core.errors import DeviceSpecError
 from hf_reference import assert_same_greedy, assert_same_logprobs, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
 

@@ -1,6 +1,7 @@
-"""The engine's structure, read from its imports (the source parsed, nothing imported): the scheduler's side of the
-wall reaches no worker module, the packages import downward only, and the cache's ledger and the parallel
-strategies do not import each other (the placement vocabulary they share is engine/placement.py, a leaf)."""
+"""The package's structure, read from its imports (the source parsed, nothing imported): every folder imports
+only the folders below it (so no two import each other), the scheduler's side of the wall reaches no worker
+module, the placement vocabulary is a leaf, and no class of the engine is over 300 lines (docs/design.md,
+"Layout")."""
 import ast
 import pathlib
 
@@ -8,15 +9,14 @@ from paths import ROOT
 
 PACKAGE = pathlib.Path(ROOT) / "burstserve"
 
-# worker 0's scheduler and what it plans with: built from EngineConfig and WorkerFacts (docs/design.md, "The wall")
-SCHEDULER_SIDE = ["scheduler", "step_plan", "step_result", "decode_steps", "preemption", "inbox", "sequences",
-                  "stats_publisher", "token_outputs", "dispatch", "chunk_sizer", "cache.kv_manager", "cache.ledger",
-                  "cache.page_planner", "cache.prefix_cache"]
-# what a worker runs: its runner, attention calls, graphs, its pages, the model and the strategies
-WORKER_SIDE = ["worker", "model_runner", "worker_cache", "worker_memory", "extend_attention", "extend_graphs",
-               "decode_attention", "decode_graphs", "model", "moe", "weights", "cache.page_pool", "cache.host_pool",
-               "parallel"]
-LAYERS = ["kernels", "engine", "server", "clients"]          # each imports only those before it
+# the folders, lowest first: each imports only folders before it in this list
+LAYERS = ["kernels", "engine.core", "engine.model", "engine.cache", "engine.pages", "engine.parallel",
+          "engine.runner", "engine.scheduler", "engine", "server", "clients"]
+# worker 0's scheduler and its ledger of the cache: built from EngineConfig and WorkerFacts
+SCHEDULER_SIDE = ["engine.scheduler", "engine.cache"]
+# what a worker runs: its runner, pages, strategies, the model's layers and weights, its process
+WORKER_SIDE = ["engine.runner", "engine.pages", "engine.parallel", "engine.model.model", "engine.model.moe",
+               "engine.model.weights", "engine.model.rope", "engine.worker"]
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -55,53 +55,58 @@ def reached_from(modules: list[str]) -> set[str]:
     return seen
 
 
-def engine_module(name: str) -> str:
-    return f"burstserve.engine.{name}"
+def within(module: str, place: str) -> bool:
+    """Is the module `place` (a module or a folder, dotted under burstserve) or inside it?"""
+    full = f"burstserve.{place}"
+    return module == full or module.startswith(full + ".")
 
 
-def is_worker_module(module: str) -> bool:
-    return any(module == engine_module(w) or module.startswith(engine_module(w) + ".") for w in WORKER_SIDE)
+def folder_of(module: str) -> str | None:
+    """The deepest of LAYERS the module is in (None: the package's face, burstserve/__init__)."""
+    return max((layer for layer in LAYERS if within(module, layer)), key=len, default=None)
 
 
 def test_the_lists_name_modules_that_exist():
-    for name in SCHEDULER_SIDE + WORKER_SIDE:
-        assert engine_module(name) in MODULES, name
+    for place in LAYERS + SCHEDULER_SIDE + WORKER_SIDE:
+        assert any(within(m, place) for m in MODULES), place
+    assert all(folder_of(m) is not None for m in MODULES if m != "burstserve"), \
+        sorted(m for m in MODULES if m != "burstserve" and folder_of(m) is None)
+
+
+def test_every_folder_imports_only_folders_below_it():
+    upward = []
+    for module in MODULES:
+        here = folder_of(module)
+        if here is None:
+            continue
+        for target in imports_of(module):
+            there = folder_of(target)
+            if there is not None and LAYERS.index(there) > LAYERS.index(here):
+                upward.append((module, target))
+    assert not upward, sorted(upward)
 
 
 def test_the_scheduler_side_never_imports_a_worker_module():
-    reached = reached_from([engine_module(m) for m in SCHEDULER_SIDE])
-    assert not {m for m in reached if is_worker_module(m)}, sorted(m for m in reached if is_worker_module(m))
-    assert not {m for m in reached if m.startswith("burstserve.kernels.") and m != "burstserve.kernels.arith"}
+    side = [m for m in MODULES if any(within(m, s) for s in SCHEDULER_SIDE)]
+    reached = reached_from(side)
+    bad = {m for m in reached if any(within(m, w) for w in WORKER_SIDE)}
+    assert not bad, sorted(bad)
+    assert not {m for m in reached if within(m, "kernels") and m != "burstserve.kernels.arith"}
 
 
 def test_the_import_reader_sees_a_worker_import():
     """The reader is not blind: the worker's entry point reaches the runner, and the runner the strategies."""
-    reached = reached_from([engine_module("worker")])
-    assert engine_module("model_runner") in reached and engine_module("parallel.ring") in reached
+    reached = reached_from(["burstserve.engine.worker"])
+    assert "burstserve.engine.runner.model_runner" in reached and "burstserve.engine.parallel.ring" in reached
 
 
-def test_the_packages_import_downward_only():
-    for module in MODULES:
-        layer = module.split(".")[1] if module.count(".") else None
-        if layer not in LAYERS:
-            continue
-        above = set(LAYERS[LAYERS.index(layer) + 1:])
-        bad = {m for m in imports_of(module) if m.split(".")[1] in above}
-        assert not bad, (module, sorted(bad))
-
-
-def test_the_cache_and_the_strategies_do_not_import_each_other():
-    for a, b in (("cache", "parallel"), ("parallel", "cache")):
-        bad = {(m, t) for m in MODULES if m.startswith(engine_module(a) + ".")
-               for t in imports_of(m) if t.startswith(engine_module(b))}
-        assert not bad, sorted(bad)
-    placement = imports_of(engine_module("placement"))
-    assert placement <= {"burstserve.kernels.arith"}, placement          # a leaf
+def test_the_placement_vocabulary_is_a_leaf():
+    assert imports_of("burstserve.engine.core.placement") <= {"burstserve.kernels.arith"}
 
 
 def test_no_class_of_the_engine_is_over_300_lines():
     long = [(name, node.name, node.end_lineno - node.lineno + 1)
-            for name, path in MODULES.items() if name.startswith("burstserve.engine")
+            for name, path in MODULES.items() if within(name, "engine")
             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
             and node.end_lineno - node.lineno + 1 > 300]
     assert not long, long

@@ -176,7 +176,7 @@ def test_a_dead_worker_makes_the_engine_raise():
 def test_shutdown_ends_every_worker_cleanly(monkeypatch):
     """Every worker leaves on its own (exit code 0, not terminated after the 10 s grace), the graphs'
     release before the process group included (here the extend graphs' CPU stand-in)."""
-    from burstserve.engine.extend_graphs import ON_CPU_ENV
+    from burstserve.engine.runner.extend_graphs import ON_CPU_ENV
     monkeypatch.setenv(ON_CPU_ENV, "1")
     llm = LLM("tiny", devices="cpu", context_parallel_size=2)
     try:
@@ -192,7 +192,7 @@ def test_release_graphs_resets_every_graph_and_drops_them():
     """ModelRunner.release_graphs: every captured graph reset (which drops its hold on the NCCL
     communicator), both holders emptied and gone, before the worker destroys its process group."""
     from types import SimpleNamespace
-    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.runner.model_runner import ModelRunner
 
     class Graph:
         was_reset = False
@@ -214,7 +214,7 @@ def test_workers_that_differ_in_flash_attn_4_are_refused_by_name():
     """One worker with flash-attn-4 and one without would make different collectives at the first small
     extend (graphs against the eager path) and wait on each other for ever: refused at start, each worker
     saying which side it is on. Workers that agree (all with, all without) start."""
-    from burstserve.engine.worker_memory import check_same_kernels
+    from burstserve.engine.runner.worker_memory import check_same_kernels
     check_same_kernels(0, torch.device("cpu"), False, False, False)
     check_same_kernels(1, torch.device("cuda:1"), True, True, True)
     with pytest.raises(ModelLoadError, match=r"worker 1 \(cuda:1\): flash-attn-4 runs here but not on every worker"):
@@ -274,8 +274,8 @@ def test_a_near_miss_model_name_gets_the_name_it_may_mean(tmp_path):
 
 
 def test_a_model_directory_without_tokenizer_files_is_said_at_start(tmp_path, caplog):
-    from burstserve.engine.tokenizer import NoTokenizer, load_tokenizer
-    with caplog.at_level("WARNING", logger="burstserve.engine.tokenizer"):
+    from burstserve.engine.core.tokenizer import NoTokenizer, load_tokenizer
+    with caplog.at_level("WARNING", logger="burstserve.engine.core.tokenizer"):
         tok = load_tokenizer(str(tmp_path), is_preset=False)
     assert isinstance(tok, NoTokenizer)
     assert "no tokenizer files" in caplog.text and "token ids" in caplog.text

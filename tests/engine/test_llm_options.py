@@ -10,7 +10,7 @@ import re
 import pytest
 
 from burstserve.engine import LLM, InvalidRequestError
-from burstserve.engine.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, EngineConfig, preset_config
+from burstserve.engine.model.config import DEFAULT_CHUNK_TOKENS_PER_WORKER, EngineConfig, preset_config
 from burstserve.engine.options import BY_NAME, OPTIONS, check_options, cluster_config, engine_config, from_args
 from burstserve.engine.parallel import SP_STRATEGIES, STRATEGIES, get_strategy
 from burstserve.server.cli import build_parser

@@ -1,5 +1,5 @@
-"""A prefill's MLP runs MLP_PIECE_ROWS rows at a time (engine/model.py, LlamaModel.mlp), so the KV pool is
-sized for one piece of its intermediates (engine/cache/sizing.py). With pieces of a few rows the model's
+"""A prefill's MLP runs MLP_PIECE_ROWS rows at a time (engine/model/model.py, LlamaModel.mlp), so the KV pool is
+sized for one piece of its intermediates (engine/pages/sizing.py). With pieces of a few rows the model's
 logits equal transformers' (fp32) and the unpieced model's, in bf16 and with FP8 linears (rows quantized per
 token either way).
 
@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-import burstserve.engine.model
-from burstserve.engine.config import load_model_config
-from burstserve.engine.model import LlamaModel
+import burstserve.engine.model.model
+from burstserve.engine.model.config import load_model_config
+from burstserve.engine.model.model import LlamaModel
 from burstserve.kernels import fp8
 from hf_reference import dense_causal_attend
 
@@ -43,7 +43,7 @@ def test_the_mlp_in_row_pieces_gives_the_same_logits(checkpoint, monkeypatch, dt
         monkeypatch.setattr(fp8, "scaled_mm", rowwise_scaled_mm)
     logits = {}
     for piece in (1 << 20, random.choice([1, 7, 16])):
-        monkeypatch.setattr(burstserve.engine.model, "MLP_PIECE_ROWS", piece)
+        monkeypatch.setattr(burstserve.engine.model.model, "MLP_PIECE_ROWS", piece)
         weights = {name: t.to(dtype) for name, t in hf.state_dict().items()}
         model = LlamaModel(cfg, weights, torch.device("cpu"), quantization=quantization)
         logits[piece > n] = model.logits(model.forward(ids, torch.arange(n), dense_causal_attend))

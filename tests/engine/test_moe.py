@@ -1,4 +1,4 @@
-"""Mixtures of experts (engine/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on the same saved
+"""Mixtures of experts (engine/model/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers on the same saved
 random checkpoints, in fp32 on CPU workers. The sparse block alone on fresh rows (its routing ties too); the engine
 at 1-3 workers under every strategy (those that keep the experts whole on each worker, and tp, tp-v3 and burst-zero,
 which cut every expert by width); chunked prefill and a prefix hit; widths the workers do not divide refused by name;
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, EngineDeadError, SamplingParams
-from burstserve.engine.config import load_model_config, preset_config
-from burstserve.engine.model import hf_weight_shapes
-from burstserve.engine.moe import (every_expert, expert_slices, expert_weight_shapes, experts_mlp, grouped_experts,
+from burstserve.engine.model.config import load_model_config, preset_config
+from burstserve.engine.model.model import hf_weight_shapes
+from burstserve.engine.model.moe import (every_expert, expert_slices, expert_weight_shapes, experts_mlp, grouped_experts,
                                   route, routed_experts, take_expert_weights)
 from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, sliced_mlp_config, tp_check
 from burstserve.engine.parallel.zero import LayerGather, zero_check
-from burstserve.engine.weights import load_weights
+from burstserve.engine.model.weights import load_weights
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 KINDS = ["qwen3-moe", "mixtral", "qwen2-moe"]

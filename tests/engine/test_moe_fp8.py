@@ -1,4 +1,4 @@
-"""`--quantization fp8` for a mixture of experts (engine/moe.py): each expert's gate_up and down quantized per expert
+"""`--quantization fp8` for a mixture of experts (engine/model/moe.py): each expert's gate_up and down quantized per expert
 per output row (kernels/fp8.quantize_weight's rule), the router never; the experts' MLP on fresh rows against its
 FP8 arithmetic written out in fp64 (x and each silu*up row quantized per token, the dequantized weights) and against
 the unquantized experts; the engine with FP8 experts on saved random Qwen3-MoE, Mixtral and Qwen2-MoE checkpoints at
@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 import burstserve.engine.llm
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.config import load_model_config
-from burstserve.engine.errors import DeviceSpecError
-from burstserve.engine.model import LlamaModel, hf_weight_shapes
-from burstserve.engine.moe import (ExpertWeights, Fp8Experts, experts_mlp, grouped_fp8_experts, quantize_experts, route,
+from burstserve.engine.model.config import load_model_config
+from burstserve.engine.core.errors import DeviceSpecError
+from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
+from burstserve.engine.model.moe import (ExpertWeights, Fp8Experts, experts_mlp, grouped_fp8_experts, quantize_experts, route,
                                    routed_experts, scaled_grouped_gemm_runs, take_expert_weights)
-from burstserve.engine.weights import load_weights
+from burstserve.engine.model.weights import load_weights
 from burstserve.kernels import fp8
 from burstserve.kernels.fp8 import Fp8Weight
 from burstserve.kernels.moe_few_rows import experts_few_rows

@@ -1,11 +1,11 @@
-"""A Request crosses to worker 0 pickled with its prompt packed as int32 (engine/outputs.py) and arrives
+"""A Request crosses to worker 0 pickled with its prompt packed as int32 (engine/core/outputs.py) and arrives
 with the same ids as a list, whichever form it was given in."""
 import array
 import pickle
 import random
 
-from burstserve.engine.outputs import PROMPT_TYPECODE, Request
-from burstserve.engine.sampling import SamplingParams
+from burstserve.engine.core.outputs import PROMPT_TYPECODE, Request
+from burstserve.engine.core.sampling import SamplingParams
 
 
 def test_a_request_arrives_with_its_prompt_as_the_same_list():

@@ -1,5 +1,5 @@
 """The KV manager places every call (engine/cache/kv_manager.py `place`) and the workers store what they are
-told (engine/worker_cache.py): on two CPU workers (gloo), each driving its runner through its own KV manager
+told (engine/runner/worker_cache.py): on two CPU workers (gloo), each driving its runner through its own KV manager
 as every worker follows worker 0's (engine/worker.py `runner_alone`), after every call of a random run
 (prompts, extends run "whole" and "ring", decode steps, a chunk with a decode step, copies of a prompt and of a
 prefix, a truncated entry, frees) each worker's pool holds exactly the tokens, on exactly the page ids, the
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
-from burstserve.engine.calls import Adopt, Decode, Extend, ExtendAndDecode, Prefill, Truncate
-from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.core.calls import Adopt, Decode, Extend, ExtendAndDecode, Prefill, Truncate
+from burstserve.engine.model.config import EngineConfig, resolve_model
 
 
 def _placed_run(rank: int, world_size: int, strategy: str, seed: int) -> tuple[list, set]:
     """-> (the mismatches between the ledger's rank and this worker's pool, after which call; the extend ways)."""
-    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.runner.model_runner import ModelRunner
     from burstserve.engine.worker import runner_alone
     engine = EngineConfig(model="tiny", devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32",
                           block_size=4, max_num_seqs=8, extend_ring_min_tokens=24, kv_cache_tokens=2048)

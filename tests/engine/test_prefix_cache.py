@@ -12,7 +12,7 @@ import torch
 
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.cache import prefix_cache
-from burstserve.engine.cache.page_pool import PagePool
+from burstserve.engine.pages.page_pool import PagePool
 from burstserve.engine.cache.prefix_cache import BLOCK, PrefixCache
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
@@ -109,7 +109,7 @@ def test_ledger_and_pool_truncate_a_sequence_to_its_first_positions():
     them; what is left is what a copy from the entry would take (held_before)."""
     import torch
     from burstserve.engine.cache.ledger import KVLedger
-    from burstserve.engine.cache.page_pool import PagePool
+    from burstserve.engine.pages.page_pool import PagePool
     ledger = KVLedger(world_size=2, block_size=4, num_pages=20)
     ledger.add(7, [10, 10], [[(0, 5), (15, 20)], [(5, 15)]])       # a zigzag prefill of 20 tokens
     for _ in range(7):
@@ -138,7 +138,7 @@ def test_the_ledger_picks_each_workers_pages_and_a_placed_pool_takes_only_those(
     import random
     import torch
     from burstserve.engine.cache.ledger import KVLedger
-    from burstserve.engine.cache.page_pool import OutOfPagesError, PagePool
+    from burstserve.engine.pages.page_pool import OutOfPagesError, PagePool
     rng = random.Random()
     ledger = KVLedger(world_size=2, block_size=4, num_pages=30)
     pools = [PagePool(1, 30, 4, 1, 2, torch.float32, torch.device("cpu"), max_seqs=80, max_pages_per_seq=30,
@@ -256,7 +256,7 @@ def test_a_prefix_copy_copies_every_page(monkeypatch, max_runs, layerwise):
     COPY_BYTES at a time (here 3 pages a batch): a 10-page prefix whose source pages are scattered in 4 runs
     (the last page partly used) is copied exactly, every layer, K and V."""
     import torch
-    from burstserve.engine.cache import page_pool
+    from burstserve.engine.pages import page_pool
     pool = page_pool.PagePool(num_layers=3, num_pages=40, block_size=4, num_kv_heads=2, head_dim=8,
                               dtype=torch.float32, device=torch.device("cpu"), max_seqs=4, max_pages_per_seq=16,
                               placed=True)                                # the pages named, as the KV manager does

@@ -1,13 +1,13 @@
-"""A preempted sequence is recomputed as a prompt is prefilled (engine/scheduler.py): in chunks of
+"""A preempted sequence is recomputed as a prompt is prefilled (engine/scheduler/scheduler.py): in chunks of
 --max-num-batched-tokens when it is longer than one, so the other sequences' decode steps run between
 the chunks instead of waiting for one long prefill, and from the longest prefix the prefix cache holds.
 Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset, fp32) so that every
 call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
 import random
 
-from burstserve.engine.calls import Adopt, Extend, Prefill, Reinstate, Truncate
-from burstserve.engine.config import EngineConfig
-from burstserve.engine.sampling import SamplingParams
+from burstserve.engine.core.calls import Adopt, Extend, Prefill, Reinstate, Truncate
+from burstserve.engine.model.config import EngineConfig
+from burstserve.engine.core.sampling import SamplingParams
 from scheduler_harness import serve_in_process
 
 CHUNK = 16
@@ -17,7 +17,7 @@ GEN = 24
 def _serve(engine: EngineConfig, batches: list[list[tuple]]):
     """Runs worker 0's scheduler over one ModelRunner (tests/scheduler_harness.py); each batch of
     (request id, prompt[, max_tokens]) is submitted when the one before has finished (greedy, GEN tokens
-    unless given) -> (tokens by request id, the scheduler's calls (engine/calls.py), the ids of the
+    unless given) -> (tokens by request id, the scheduler's calls (engine/core/calls.py), the ids of the
     sequences it preempted, the scheduler)."""
     preempted = []
 

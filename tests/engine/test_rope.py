@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from burstserve.engine import ModelLoadError
-from burstserve.engine.config import config_from_hf_dict, context_limit
-from burstserve.engine.rope import attention_scaling, inverse_frequencies
+from burstserve.engine.model.config import config_from_hf_dict, context_limit
+from burstserve.engine.model.rope import attention_scaling, inverse_frequencies
 
 SHAPE = dict(vocab_size=320, hidden_size=512, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32768)     # head_dim 128, as the real models

@@ -1,10 +1,10 @@
-"""engine/sampling.py's batched sampler: the distribution it draws from (against softmax with the
+"""engine/core/sampling.py's batched sampler: the distribution it draws from (against softmax with the
 filters written out here), seeded determinism independent of the batch, and the logprobs."""
 import random
 
 import torch
 
-from burstserve.engine.sampling import RowSampling, SamplingParams, noise_seed, row_sampling, rows_logprobs, sample_rows
+from burstserve.engine.core.sampling import RowSampling, SamplingParams, noise_seed, row_sampling, rows_logprobs, sample_rows
 
 
 def _filtered_probs(logits, temperature, top_k, top_p):

@@ -1,7 +1,7 @@
 """Zigzag shards cover every position once and give every worker equal causal work at every step."""
 import pytest
 
-from burstserve.engine.placement import chunk_bounds, owner_of_position, whole_shards, zigzag_shards
+from burstserve.engine.core.placement import chunk_bounds, owner_of_position, whole_shards, zigzag_shards
 
 
 @pytest.mark.parametrize("n,g", [(1, 1), (1, 4), (3, 2), (7, 4), (37, 3), (1000, 4), (4096, 8)])

@@ -1,4 +1,4 @@
-"""How a GPU worker's KV pool is sized (engine/cache/sizing.py), in numbers: without chunked prefill the
+"""How a GPU worker's KV pool is sized (engine/pages/sizing.py), in numbers: without chunked prefill the
 activations of a whole prompt's share are reserved; with --max-num-batched-tokens on flash-attn-4 only a
 chunk's; and a prompt_logprobs request (prefilled in one call) longer than that reserve is refused by
 name, while the same prompt without prompt_logprobs is served in chunks."""
@@ -8,9 +8,9 @@ import random
 import pytest
 
 from burstserve.engine import LLM, InvalidRequestError, SamplingParams
-from burstserve.engine.cache.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
+from burstserve.engine.pages.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
                                             mlp_piece_bytes, pass_q_bytes, pool_tokens_on_gpu, prefill_rows_reserved)
-from burstserve.engine.config import default_chunk_tokens, preset_config
+from burstserve.engine.model.config import default_chunk_tokens, preset_config
 from burstserve.engine.parallel import get_strategy
 
 GiB = 1 << 30

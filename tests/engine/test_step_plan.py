@@ -1,10 +1,10 @@
-"""The scheduler's plan (engine/step_plan.py) is a question, not an action: every plan computed over a run
+"""The scheduler's plan (engine/scheduler/step_plan.py) is a question, not an action: every plan computed over a run
 that admits, chunks, preempts, resumes, evicts prefix-cache entries, restores from the KV host tier and
 decodes ahead leaves the KV manager, the worker's pages, the prefix cache, the host tier and the scheduler's
 state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every
 request (the plans carried out do what the scheduler did before plans existed: tests/engine/test_recompute.py
 and test_async_scheduling.py). A plan is complete: carrying it out asks the policy nothing more. Carrying it
-out sends the other workers at most one message (engine/dispatch.py), and those messages hold worker 0's
+out sends the other workers at most one message (engine/scheduler/dispatch.py), and those messages hold worker 0's
 calls, all of them, in worker 0's order."""
 import copy
 import inspect
@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from burstserve.engine import step_plan as plans
-from burstserve.engine.calls import Decode, DecodeAhead, ExtendAndDecode, Offload, Shutdown
-from burstserve.engine.config import EngineConfig
-from burstserve.engine.sampling import SamplingParams
+from burstserve.engine.scheduler import step_plan as plans
+from burstserve.engine.core.calls import Decode, DecodeAhead, ExtendAndDecode, Offload, Shutdown
+from burstserve.engine.model.config import EngineConfig
+from burstserve.engine.core.sampling import SamplingParams
 from scheduler_harness import serve_in_process
 
 

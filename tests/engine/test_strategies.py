@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, InvalidRequestError, SamplingParams
-from burstserve.engine.config import EngineConfig, resolve_model
+from burstserve.engine.model.config import EngineConfig, resolve_model
 from burstserve.engine.parallel import SP_STRATEGIES, get_strategy
 from burstserve.engine.parallel.zero import ZeroLayout
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, InvalidRequestError, SamplingParams
-from burstserve.engine.structured_output import (GrammarBackend, check_tokenizer, parse_response_format,
+from burstserve.engine.core.structured_output import (GrammarBackend, check_tokenizer, parse_response_format,
                                                  tokenizer_source)
-from burstserve.engine.tokenizer import NoTokenizer
+from burstserve.engine.core.tokenizer import NoTokenizer
 from hf_reference import save_checkpoint, save_tokenizer
 
 NAMES = ["ada", "bob", "cy"]

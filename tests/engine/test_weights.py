@@ -9,12 +9,12 @@ import torch
 
 from dist_harness import run_on_ranks
 from burstserve.engine import LLM, EngineDeadError
-from burstserve.engine.calls import Prefill
-from burstserve.engine.config import EngineConfig, resolve_model
-from burstserve.engine.model import hf_weight_shapes
+from burstserve.engine.core.calls import Prefill
+from burstserve.engine.model.config import EngineConfig, resolve_model
+from burstserve.engine.model.model import hf_weight_shapes
 from burstserve.engine.parallel import get_strategy
 from burstserve.engine.parallel.tensor_parallel import tp_slices
-from burstserve.engine.weights import load_weights, random_weights, take_slice, weight_bytes
+from burstserve.engine.model.weights import load_weights, random_weights, take_slice, weight_bytes
 from burstserve.engine.worker import runner_alone
 from hf_reference import save_checkpoint
 
@@ -57,7 +57,7 @@ def _tensor_bytes(tensors) -> int:
 def _worker_weight_bytes(rank, world_size, path, strategy):
     """-> (bytes of the weights this worker holds, and under burst-zero for each layer of one prefill: (bytes
     of gathers in flight, bytes of the whole layer in use), and the gathers left over after it)."""
-    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.runner.model_runner import ModelRunner
     engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32")
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)
@@ -122,8 +122,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast"
 def _collectives_of_a_decode_step(rank, world_size, path, strategy):
     """-> {collective: calls} of one decode step of one sequence, after its prompt's prefill, on this worker."""
     import torch.distributed as dist
-    from burstserve.engine.calls import Decode
-    from burstserve.engine.model_runner import ModelRunner
+    from burstserve.engine.core.calls import Decode
+    from burstserve.engine.runner.model_runner import ModelRunner
     engine = EngineConfig(model=path, devices=["cpu"] * world_size, sp_strategy=strategy, dtype="float32")
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, rank, torch.device("cpu"), None, max_model_len)

@@ -41,7 +41,7 @@ def _nccl_ring_rank(rank, world, port, seq_len, seed, out_q):
     import torch.distributed as dist
     from burstserve.engine.parallel.burst_attention import BurstAttention
     from burstserve.engine.parallel.ring import RingCommunicator
-    from burstserve.engine.placement import zigzag_shards
+    from burstserve.engine.core.placement import zigzag_shards
     from burstserve.kernels.attention import select_backend
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
@@ -182,7 +182,7 @@ def test_chunks_and_prefix_extensions_match_transformers(hf_bf16_checkpoint, dev
 
 
 def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_checkpoint):
-    """Pool sizing with chunked prefill on flash-attn-4 (engine/cache/sizing.py): at the same
+    """Pool sizing with chunked prefill on flash-attn-4 (engine/pages/sizing.py): at the same
     --gpu-memory-utilization (set here so that ~1 GB is left after the worker's weights and context) and a
     long max_model_len, the one-call engine reserves a whole prompt's activations and the chunked one a
     chunk's, so its pool is several times larger; a prompt past the first pool's capacity is refused there
@@ -222,7 +222,7 @@ def test_chunked_prefill_pool_holds_a_prompt_the_one_call_pool_refuses(hf_bf16_c
 
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
 def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_checkpoint, devices):
-    """engine/extend_graphs.py: a 3000-token prompt in chunks of 256 and 384 (each chunk after the first
+    """engine/runner/extend_graphs.py: a 3000-token prompt in chunks of 256 and 384 (each chunk after the first
     replays a graph: one GPU "local", two "whole") and a 300-token question after it (the prefix cache's
     extend, padded to the 384-row graph) give transformers' next-token logits (bf16 noise) and the eager
     extend's (cuda_graphs=False) within bf16 noise."""
@@ -260,7 +260,7 @@ def test_small_extends_in_cuda_graphs_match_eager_and_transformers(hf_bf16_check
 
 def test_mixed_batch_in_cuda_graphs_matches_eager_and_transformers(hf_bf16_checkpoint):
     """--mixed-batch with CUDA graphs: a 3000-token prompt in chunks of 256 while 3 requests decode, each
-    chunk and their decode step one graph replay (engine/extend_graphs.py); every request's tokens and
+    chunk and their decode step one graph replay (engine/runner/extend_graphs.py); every request's tokens and
     logprobs are the eager mixed batch's (bf16 noise) up to a near-tie, and transformers' greedy tokens."""
     from burstserve.engine import LLM, SamplingParams
     from burstserve.kernels.paged_attention import fa4_available
@@ -295,11 +295,11 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     """ModelRunner.extend on one GPU, in this process: a 100-token chunk after 4000 cached tokens with the
     prefix cut into runs (MIN_RUN_KEYS lowered from 32768 so that a short prompt takes the path) gives
     transformers' next-token logits (bf16 noise), and the split path was taken at every layer."""
-    import burstserve.engine.extend_attention as ea
+    import burstserve.engine.runner.extend_attention as ea
     import burstserve.kernels.paged_attention as pa
-    from burstserve.engine.config import EngineConfig, resolve_model
-    from burstserve.engine.model_runner import ModelRunner
-    from burstserve.engine.calls import Extend, Prefill
+    from burstserve.engine.model.config import EngineConfig, resolve_model
+    from burstserve.engine.runner.model_runner import ModelRunner
+    from burstserve.engine.core.calls import Extend, Prefill
     from burstserve.engine.worker import runner_alone
     if not pa.fa4_available(torch.device("cuda:0")):
         pytest.skip("the prefix runs need flash-attn-4")
@@ -310,7 +310,7 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     monkeypatch.setattr(ea, "split_prefix_attention", lambda *a: taken.append(a[5].used.shape[0]) or real(*a))
     # a pool for this prompt only: the runner lives in this process, and a pool sized from free memory
     # (0.9 of the GPU) would leave the next test's engine no room until the collector found the runner
-    # eager extends: with CUDA graphs a chunk this small replays engine/extend_graphs.py's graph instead
+    # eager extends: with CUDA graphs a chunk this small replays engine/runner/extend_graphs.py's graph instead
     engine = EngineConfig(model=path, devices=["cuda:0"], dtype="bfloat16", kv_cache_tokens=8192, cuda_graphs=False)
     cfg, max_model_len = resolve_model(engine)
     runner = ModelRunner(engine, cfg, 0, torch.device("cuda:0"), None, max_model_len)
@@ -576,9 +576,9 @@ def test_fp8_engine_on_one_gpu_matches_its_model_and_decodes_in_graphs(hf_bf16_c
     centered: this random 4-layer model amplifies FP8's 2^-4 rounding 10-16x more than bf16's 2^-8);
     decode from CUDA graphs gives the eager FP8 decode's tokens and logprobs up to near-ties."""
     from burstserve.engine import LLM, SamplingParams
-    from burstserve.engine.config import load_model_config
-    from burstserve.engine.model import LlamaModel, hf_weight_shapes
-    from burstserve.engine.weights import load_weights
+    from burstserve.engine.model.config import load_model_config
+    from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
+    from burstserve.engine.model.weights import load_weights
     from burstserve.kernels.attention import select_backend
     path, model = hf_bf16_checkpoint
     cfg = load_model_config(path)
@@ -649,9 +649,9 @@ def test_fp8_rows_made_by_the_norm_and_silu_kernels_are_the_two_steps_bits(hf_bf
     quantization in one Triton kernel) give the bits of the bf16 kernel then quantize_fp8_rows, at
     llama3-8b's widths; so a whole FP8 model's logits are the same bits with them (fp8_rows, the
     default) as with the two steps (the path tp-v3's gathered rows take)."""
-    from burstserve.engine.config import load_model_config
-    from burstserve.engine.model import LlamaModel, hf_weight_shapes
-    from burstserve.engine.weights import load_weights
+    from burstserve.engine.model.config import load_model_config
+    from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
+    from burstserve.engine.model.weights import load_weights
     from burstserve.kernels import fp8, fused
     from burstserve.kernels.attention import select_backend
     dev = torch.device("cuda:0")
@@ -870,7 +870,7 @@ def hf_moe_bf16_checkpoint(tmp_path_factory):
 
 
 def test_a_mixture_of_experts_on_one_gpu_matches_transformers(hf_moe_bf16_checkpoint):
-    """engine/moe.py's grouped GEMMs (prefill and the decode steps' CUDA graphs) against transformers' eager experts
+    """engine/model/moe.py's grouped GEMMs (prefill and the decode steps' CUDA graphs) against transformers' eager experts
     in bf16: next-token logits within bf16 noise, greedy tokens the same until a near-tie."""
     from burstserve.engine import LLM, SamplingParams
     path, model = hf_moe_bf16_checkpoint

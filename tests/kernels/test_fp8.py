@@ -70,8 +70,8 @@ def checkpoint(tmp_path_factory):
 def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
     """The tiny GQA model (hidden 64: few terms per dot product, so a coarse bound) in bf16 and with FP8
     linears, against transformers in fp32 over 96 positions: FP8 is further off than bf16 but close."""
-    from burstserve.engine.config import load_model_config
-    from burstserve.engine.model import LlamaModel
+    from burstserve.engine.model.config import load_model_config
+    from burstserve.engine.model.model import LlamaModel
     path, hf = checkpoint
     cfg = load_model_config(path)
     ids = torch.randint(0, cfg.vocab_size, (96,))
@@ -92,7 +92,7 @@ def test_a_model_with_fp8_linears_stays_close_to_transformers(checkpoint):
 
 def test_fp8_is_refused_without_cuda_and_an_unknown_quantization_by_name():
     from burstserve.engine import LLM
-    from burstserve.engine.errors import DeviceSpecError, InvalidRequestError
+    from burstserve.engine.core.errors import DeviceSpecError, InvalidRequestError
     with pytest.raises(DeviceSpecError, match="CUDA GPUs with FP8 tensor cores"):
         LLM("tiny", devices="cpu", quantization="fp8")
     with pytest.raises(InvalidRequestError, match="not one of none, fp8"):

@@ -22,8 +22,8 @@ def test_rms_norm_matches_transformers_with_and_without_residual():
 
 def test_rope_in_place_matches_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    from burstserve.engine.config import ModelConfig
-    from burstserve.engine.rope import inverse_frequencies, rope_cos_sin
+    from burstserve.engine.model.config import ModelConfig
+    from burstserve.engine.model.rope import inverse_frequencies, rope_cos_sin
     h, hkv, d, s = 6, 2, 16, 9
     cfg = ModelConfig(vocab_size=10, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
                       num_kv_heads=hkv, head_dim=d, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64)

@@ -1,15 +1,15 @@
-"""kernels/moe_few_rows.py: the few-rows experts' MLP, run by Triton's interpreter on the CPU, equals engine/moe.py's
+"""kernels/moe_few_rows.py: the few-rows experts' MLP, run by Triton's interpreter on the CPU, equals engine/model/moe.py's
 routed experts (fp32) for random experts, routings and row counts, by expert and by choice slot, with every row on
 one expert and an expert on one row; the experts no row chose are never read into an output (NaN weights there);
 the block chooser fills the SMs; shapes it does not take go back to the caller. FP8 experts (--quantization fp8):
 the kernels against the same arithmetic written out in fp64 (x and each silu*up row quantized per row, FP8
-products, both scales) and against engine/moe.py's CPU path (per-expert kernels/fp8.linear)."""
+products, both scales) and against engine/model/moe.py's CPU path (per-expert kernels/fp8.linear)."""
 import random
 
 import torch
 import torch.nn.functional as F
 
-from burstserve.engine.moe import ExpertWeights, quantize_experts, routed_experts
+from burstserve.engine.model.moe import ExpertWeights, quantize_experts, routed_experts
 from burstserve.kernels import fp8
 from burstserve.kernels import moe_few_rows as mf
 from triton_interpreter import run_interpreted

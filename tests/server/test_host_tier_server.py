@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from burstserve.clients.server_process import RemoteServer
-from burstserve.engine.messages import EngineFigures
+from burstserve.engine.core.messages import EngineFigures
 from hf_reference import save_checkpoint, save_tokenizer
 from live import metrics
 from burstserve.server.stats_log import stats_line

@@ -1,7 +1,7 @@
 """Logprob names: unique per position, the sampled token always present, bytes for partial UTF-8."""
 import random
 
-from burstserve.engine.tokenizer import ByteTokenizer
+from burstserve.engine.core.tokenizer import ByteTokenizer
 from burstserve.server.logprobs import chat_logprob_entry, completion_logprob_entry, token_name
 
 

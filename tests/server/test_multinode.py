@@ -152,6 +152,6 @@ def test_a_mismatched_host_is_refused_and_a_missing_one_fails_the_head(checkpoin
 def test_single_cannot_span_hosts():
     """`single` runs on one device: asked for with --nnodes 2 it is refused before anything starts."""
     from burstserve.engine import LLM
-    from burstserve.engine.errors import InvalidRequestError
+    from burstserve.engine.core.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="cannot span hosts"):
         LLM("tiny", devices="cpu", sp_strategy="single", nnodes=2, master_port=free_port())

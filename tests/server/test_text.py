@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from burstserve.engine.tokenizer import ByteTokenizer, HFTokenizer
+from burstserve.engine.core.tokenizer import ByteTokenizer, HFTokenizer
 from hf_reference import save_tokenizer
 from burstserve.server.text import TextAssembler
 

@@ -17,7 +17,7 @@ others (freeing their pages would wait for the copy); preempted sequences' entri
 will be resumed), and the entry holding the longest prefix of the prompt being admitted last of all (it
 is about to be copied).
 
-The host tier (--kv-offload-gb, engine/cache/host_pool.py), when there is one, is a second prefix cache
+The host tier (--kv-offload-gb, engine/pages/host_pool.py), when there is one, is a second prefix cache
 with its own ledger, kept here as the pool's. A sequence retiring into an entry is
 copied there at once (write-through: the copy runs beside compute, so evicting the GPU entry later costs
 nothing), unless the tier already holds all but a little of it (less than an eighth, OFFLOAD_GAIN); host
@@ -32,7 +32,7 @@ from typing import Protocol
 from burstserve.engine.cache.ledger import KVLedger, pages_for
 from burstserve.engine.cache.page_planner import PagePlanner
 from burstserve.engine.cache.prefix_cache import BLOCK, Chain, PrefixCache
-from burstserve.engine.calls import (Adopt, Decode, Extend, ExtendAndDecode, ExtendPlacement, Fork, Free, HostFree,
+from burstserve.engine.core.calls import (Adopt, Decode, Extend, ExtendAndDecode, ExtendPlacement, Fork, Free, HostFree,
                                      Offload, Prefill, Reinstate, Restore, Retire, Truncate)
 
 OFFLOAD_GAIN = 8     # a retiring entry is copied to the host tier when at least 1/8 of it is not there yet
@@ -60,7 +60,7 @@ def worth_restoring(host: Hit, in_pool: int) -> bool:
 
 
 class HostCopies(Protocol):
-    """What the KV manager asks of worker 0's host tier (engine/cache/host_pool.py HostPool): whether its
+    """What the KV manager asks of worker 0's host tier (engine/pages/host_pool.py HostPool): whether its
     copies are done. Every worker copies alike, so worker 0's answer is every worker's."""
     queued: Sized                                 # stores not yet issued
 
@@ -73,7 +73,7 @@ class KVManager:
     @classmethod
     def of_workers(cls, engine, facts, call, prefix_caching: bool,
                    host_copies: HostCopies | None = None) -> "KVManager":
-        """The KV manager of workers that reported `facts` (engine/messages.py WorkerFacts: their strategy's
+        """The KV manager of workers that reported `facts` (engine/core/messages.py WorkerFacts: their strategy's
         placement, their pool's and host tier's sizes, the same on every worker) under the engine's options
         (EngineConfig)."""
         placement = facts.placement
@@ -85,7 +85,7 @@ class KVManager:
 
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
                  host_ledger: KVLedger | None = None, host_pool: HostCopies | None = None):
-        """ledger, pages: its own (no worker's); call(message): sends one engine/calls.py message to every
+        """ledger, pages: its own (no worker's); call(message): sends one engine/core/calls.py message to every
         worker; host_ledger: the host tier's (None: no tier); host_pool: worker 0's host tier, asked whether its
         copies are done."""
         self.ledger, self.pages, self.call = ledger, pages, call

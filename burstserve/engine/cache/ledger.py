@@ -91,7 +91,7 @@ class KVLedger:
     def add_prefix_of(self, source_id: int, seq_id: int, position: int, tier: "KVLedger | None" = None) -> list[int]:
         """A new sequence holding, on every rank, the copy of the source's tokens before `position`
         (its first slots there) -> those counts by rank. tier: the ledger the source is in (the host
-        tier's, engine/cache/host_pool.py), if not this one."""
+        tier's, engine/pages/host_pool.py), if not this one."""
         source = (tier or self).seqs[source_id]
         counts = [source.held_before(r, position) for r in range(self.world_size)]
         self.add(seq_id, counts, [truncate(source.ranges[r], position) for r in range(self.world_size)])

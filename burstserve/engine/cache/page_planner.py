@@ -5,16 +5,16 @@ scheduler's KV manager (engine/cache/kv_manager.py) asks it what a call will tak
 call's tokens go (`place`, just before the call runs), over the same ledger, so a plan and the placement
 it predicts agree.
 
-An extend's way and shards: engine/placement.py (ExtendWay).
+An extend's way and shards: engine/core/placement.py (ExtendWay).
 """
 from burstserve.engine.cache.ledger import KVLedger, Ranges, pages_for
-from burstserve.engine.placement import ExtendWay, PromptPlacement, balanced_shards, whole_keeper, whole_shards
+from burstserve.engine.core.placement import ExtendWay, PromptPlacement, balanced_shards, whole_keeper, whole_shards
 
 
 class PagePlanner:
     def __init__(self, placement: PromptPlacement, ledger: KVLedger, max_pages_per_seq: int,
                  extend_ring_min_tokens: int):
-        """placement: the prefill strategy's (engine/placement.py); max_pages_per_seq: the pages one sequence may
+        """placement: the prefill strategy's (engine/core/placement.py); max_pages_per_seq: the pages one sequence may
         hold on a worker (the page pool's block table width)."""
         self.placement, self.ledger = placement, ledger
         self.world_size, self.block_size = ledger.world_size, ledger.block_size

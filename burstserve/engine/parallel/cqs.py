@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.placement import Shard, ShardLayout
+from burstserve.engine.core.placement import Shard, ShardLayout
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.merge import merge_partials

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from burstserve.engine.devices import synchronize
+from burstserve.engine.core.devices import synchronize
 from burstserve.engine.parallel.ring import RingCommunicator, RingPass
 
 FIT_TOKENS = (1024, 16384)      # the two block lengths timed at start (tokens per worker)

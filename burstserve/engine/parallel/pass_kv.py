@@ -7,7 +7,7 @@ buffered, the next block in flight while the current one is attended). A worker'
 block's cached part in full (every cached token precedes every new one) and its new part by BurstAttention's
 zigzag causal rule (engine/parallel/burst_attention.py); the partials merge into fp32 accumulators.
 
-Against pass-Q (engine/extend_attention.py, ExtendAttention._cached_partials_of_mine: every worker's queries
+Against pass-Q (engine/runner/extend_attention.py, ExtendAttention._cached_partials_of_mine: every worker's queries
 gathered to each worker's cache, the fp32 partials sent back by an all-to-all, neither overlapped) a cached
 token travels as its K/V (4 KiB for llama3-8b's 8 KV heads in bf16) where a new token's query and partial
 travel as ~24 KiB, and the exchange hides behind the block being attended. The cost is memory that grows
@@ -20,7 +20,7 @@ import torch
 
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator, RingPass
-from burstserve.engine.placement import ExtendWay, Shard
+from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.kv_quant import is_fp8
 from burstserve.kernels.merge import merge_into
@@ -51,7 +51,7 @@ class PassKVChoice:
         self.logged = False
 
     def __call__(self, placed) -> bool:
-        """placed: an extend's PlacedExtend (engine/worker_cache.py)."""
+        """placed: an extend's PlacedExtend (engine/runner/worker_cache.py)."""
         if placed.way != ExtendWay.RING or not self.asked:
             return False
         need = block_bytes(placed.cached_all, placed.shards, *self.shape)

@@ -13,7 +13,7 @@ Decode steps and incremental prefills stay Megatron V1 (one token per sequence: 
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.decode_attention import all_gather
+from burstserve.engine.parallel.decode_attention import all_gather
 from burstserve.kernels.arith import ceil_div
 
 

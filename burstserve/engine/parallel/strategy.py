@@ -32,7 +32,7 @@ answers:
                                         compares the name;
   fallback_note(cfg)                    the line worker 0 logs at start when a way of the strategy never
                                         runs for this model here (auto: ulysses; burst-zero: the slices).
-Decoding afterwards is the same for every strategy (engine/decode_attention.py; burst-zero's MLP on its
+Decoding afterwards is the same for every strategy (engine/parallel/decode_attention.py; burst-zero's MLP on its
 slices, all-reduced).
 """
 from dataclasses import dataclass
@@ -40,9 +40,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from burstserve.engine.config import ModelConfig
+from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.placement import PromptPlacement, Shard, ShardLayout, worker_share
+from burstserve.engine.core.placement import PromptPlacement, Shard, ShardLayout, worker_share
 from burstserve.engine.parallel.weight_layout import WeightLayout
 from burstserve.kernels.attention import AttentionBackend
 
@@ -77,7 +77,7 @@ class PrefillContext:
 class PrefillStrategy:
     name = ""                  # the --sp-strategy name; a prefill reports the name of the one that ran it
     replicated_kv = False      # every worker holds every token's K/V (for its own heads), not a shard of them
-    shard_layout = ShardLayout.ZIGZAG   # how its prompts are cut over the workers (engine/placement.py)
+    shard_layout = ShardLayout.ZIGZAG   # how its prompts are cut over the workers (engine/core/placement.py)
     times_exchanges = False    # its prefill runs the K/V ring, whose overlap is judged (engine/parallel/exchange_time.py)
     max_workers: int | None = None   # the most workers it runs on (LLM keeps that many devices); None: any number
 
@@ -86,7 +86,7 @@ class PrefillStrategy:
 
     @property
     def placement(self) -> PromptPlacement:
-        """Where its prompts' K/V go: what the scheduler's side plans pages with (engine/placement.py)."""
+        """Where its prompts' K/V go: what the scheduler's side plans pages with (engine/core/placement.py)."""
         return PromptPlacement(self.shard_layout, self.world_size, self.replicated_kv)
 
     def shards(self, num_tokens: int) -> list[Shard]:

@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-style), the strategy most serving systems use, as a baseline.
 
 Applied from outside, as gpt-fast's tp.py does: each worker keeps H/G query heads (and the K/V
-heads they read), a 1/G slice of the MLP (of every expert's, cut by width: engine/moe.py), and the
+heads they read), a 1/G slice of the MLP (of every expert's, cut by width: engine/model/moe.py), and the
 whole embedding and LM head; the model adds an all-reduce after the attention output and the MLP
 down projection. Every worker sees the whole
 prompt; its KV cache holds every token for its own heads. gate_up_row_index puts the workers' MLP
@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
-from burstserve.engine.config import ModelConfig
-from burstserve.engine.moe import expert_slices
+from burstserve.engine.model.config import ModelConfig
+from burstserve.engine.model.moe import expert_slices
 from burstserve.engine.parallel.sequence_parallel import SequenceParallel
-from burstserve.engine.placement import Shard, ShardLayout
+from burstserve.engine.core.placement import Shard, ShardLayout
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 
@@ -68,7 +68,7 @@ def tp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[i
 
 def mlp_slices(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
     """This worker's part of the MLP (tp's, and burst-zero's only slices but the vocabulary's): rows of
-    gate/up, columns of down; of every expert's in a sparse layer (engine/moe.py, expert_slices)."""
+    gate/up, columns of down; of every expert's in a sparse layer (engine/model/moe.py, expert_slices)."""
     inter = cfg.intermediate_size // world_size
     mlp = (rank * inter, (rank + 1) * inter)
     slices = {}

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from burstserve.engine.decode_attention import all_gather, all_gather_rows
-from burstserve.engine.prompt_logprobs import CHUNK_ROWS, score_rows
+from burstserve.engine.parallel.decode_attention import all_gather, all_gather_rows
+from burstserve.engine.core.prompt_logprobs import CHUNK_ROWS, score_rows
 
 
 class VocabShards:
@@ -48,7 +48,7 @@ class VocabShards:
 
 def score_every_row(model, hidden: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, top: int,
                     world_size: int, group=None) -> list[dict]:
-    """engine/prompt_logprobs.py's scores of every worker's rows (hidden [n_w, hidden] at positions [n_w] on
+    """engine/core/prompt_logprobs.py's scores of every worker's rows (hidden [n_w, hidden] at positions [n_w] on
     the device), on every worker (the LM head is a collective call), gathered a window at a time: at most
     CHUNK_ROWS rows [.., hidden] in flight, not the whole prompt's (8 GB a worker at 1M tokens of an 8B model)."""
     counts = all_gather(torch.tensor([hidden.shape[0]], device=hidden.device), world_size, group)

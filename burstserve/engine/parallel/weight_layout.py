@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.config import ModelConfig
-from burstserve.engine.model import AttendFn, LlamaModel
-from burstserve.engine.prompt_logprobs import gather_scores, score_rows
+from burstserve.engine.model.config import ModelConfig
+from burstserve.engine.model.model import AttendFn, LlamaModel
+from burstserve.engine.core.prompt_logprobs import gather_scores, score_rows
 
 
 def global_rank(rank: int, group=None) -> int:
@@ -61,7 +61,7 @@ class WeightLayout:
         return 0
 
     def extend_attention(self, attend) -> tuple[AttendFn, object]:
-        """An eager extend's (engine/extend_attention.py's ExtendAttention) -> (the attention its forward
+        """An eager extend's (engine/runner/extend_attention.py's ExtendAttention) -> (the attention its forward
         uses, the whole-layer gatherer it runs with, or None)."""
         return attend, self.whole_layers
 
@@ -87,7 +87,7 @@ class WeightLayout:
 
     def prompt_scores(self, hidden: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor, top: int,
                       replicated_kv: bool) -> list[dict]:
-        """A prefill's hidden states [n, hidden] at `positions` [n] (host) -> engine/prompt_logprobs.py's
+        """A prefill's hidden states [n, hidden] at `positions` [n] (host) -> engine/core/prompt_logprobs.py's
         scores, every worker's on worker 0: each worker scores the rows it holds (replicated K/V, tp:
         worker 0 holds them all)."""
         if replicated_kv:

@@ -2,7 +2,7 @@
 the workers, so that sequence parallelism costs little more weight memory than tensor parallelism.
 
 - Weights: each worker reads tp's slice of the MLP (engine/parallel/tensor_parallel.py: rows of gate/up,
-  columns of down; of every expert's in a mixture of experts, the router whole: engine/moe.py) and its vocabulary rows of the embedding and LM head (engine/parallel/vocab.py); the
+  columns of down; of every expert's in a mixture of experts, the router whole: engine/model/moe.py) and its vocabulary rows of the embedding and LM head (engine/parallel/vocab.py); the
   attention's projections (q/k/v and o: a fifth of llama3-8b's layer, a sixth of llama3-70b's) and the
   norms are whole on every worker, so that a decode step's attention, over every head of the worker's
   sequence shard, needs no collective but the merge of its partials. Where the workers cannot slice the
@@ -14,7 +14,7 @@ the workers, so that sequence parallelism costs little more weight memory than t
   before layer i computes) and dropped after use, so at most two layers are whole at a time.
 - Decode: on the weights as they lie (no weight moves; NVIDIA's "Helix" shape, attention over the
   sequence-sharded KV cache, the MLP tensor-parallel): attention as for whole weights
-  (engine/decode_attention.py: one all-gather of the partials, merged in fp32), the MLP on the worker's
+  (engine/parallel/decode_attention.py: one all-gather of the partials, merged in fp32), the MLP on the worker's
   slice with tp's all-reduce after down: two collectives a layer, as tp.
 The K/V cache is `burst`'s: each worker holds its tokens' K/V for every head. ZeroLayout (at the end) is
 what ModelRunner asks of these weights (engine/parallel/weight_layout.py): the vocabulary split, the layer
@@ -31,16 +31,16 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.config import ModelConfig
-from burstserve.engine.decode_attention import stacked, start_all_gather
-from burstserve.engine.model import AttendFn, LayerWeights, LlamaModel
-from burstserve.engine.moe import ExpertWeights
+from burstserve.engine.model.config import ModelConfig
+from burstserve.engine.parallel.decode_attention import stacked, start_all_gather
+from burstserve.engine.model.model import AttendFn, LayerWeights, LlamaModel
+from burstserve.engine.model.moe import ExpertWeights
 from burstserve.engine.parallel.burst_attention import BurstStrategy
 from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices, mlp_split_refusal, sliced_mlp_config
 from burstserve.engine.parallel.vocab import VocabShards, score_every_row
 from burstserve.engine.parallel.weight_layout import WeightLayout, global_rank
 from burstserve.engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
-from burstserve.engine.placement import ExtendWay, Shard
+from burstserve.engine.core.placement import ExtendWay, Shard
 
 
 class BurstZeroStrategy(BurstStrategy):
@@ -189,7 +189,7 @@ class LayerGather:
 
 def sliced_tensors(layer: LayerWeights) -> list[torch.Tensor]:
     """The tensors of a layer that burst-zero slices and gathers, in a fixed order: a dense MLP's gate_up and down;
-    the experts' gate_up and down, then the shared expert's (engine/moe.py)."""
+    the experts' gate_up and down, then the shared expert's (engine/model/moe.py)."""
     if layer.experts is None:
         return [layer.gate_up, layer.down]
     shared = [layer.experts.shared_gate_up, layer.experts.shared_down] if layer.experts.shared_gate_up is not None else []

@@ -16,7 +16,7 @@ through the MLP's whole GEMMs, and A seconds in an all-reduce of hidden states. 
 tokens takes about max(G, N (Q + M) / W) (its gather behind the layer before), a sliced one
 N (Q + M / W + A): sliced is faster while N < G / (Q + M / W + A). On CPU, unset: none (the tests set it).
 Either way at most a worker's share of --max-model-len: the activation memory the KV pool's sizing leaves
-is for that many rows (engine/cache/sizing.py), and a sliced row takes less than a whole one.
+is for that many rows (engine/pages/sizing.py), and a sliced row takes less than a whole one.
 """
 import logging
 import time
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from burstserve.engine.moe import experts_mlp
-from burstserve.engine.placement import Shard
+from burstserve.engine.model.moe import experts_mlp
+from burstserve.engine.core.placement import Shard
 
 log = logging.getLogger(__name__)
 SLICED = "burst-zero-sliced"    # the prefill stats' strategy of such a prompt

@@ -3,7 +3,7 @@ replayed from a CUDA graph, by rows, against the bytes of the experts the rows c
 python3 docs/results/2026-12-07-1xGPU-moe/probe_experts.py"""
 import torch
 
-from burstserve.engine.moe import ExpertWeights, experts_mlp, route
+from burstserve.engine.model.moe import ExpertWeights, experts_mlp, route
 
 E, K, HID, INTER = 128, 8, 2048, 768
 dev = torch.device("cuda")

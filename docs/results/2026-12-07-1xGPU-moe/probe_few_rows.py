@@ -16,7 +16,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))   # the tree's root
-from burstserve.engine.moe import ExpertWeights, grouped_experts, route
+from burstserve.engine.model.moe import ExpertWeights, grouped_experts, route
 from burstserve.kernels import moe_few_rows as mf
 
 dev = torch.device("cuda")

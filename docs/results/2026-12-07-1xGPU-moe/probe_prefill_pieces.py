@@ -4,7 +4,7 @@ grouped_experts of the tree against the one before it (weighted sum after down, 
 python3 docs/results/2026-12-07-1xGPU-moe/probe_prefill_pieces.py"""
 import torch
 
-from burstserve.engine.moe import ExpertWeights, grouped_experts, route
+from burstserve.engine.model.moe import ExpertWeights, grouped_experts, route
 from burstserve.kernels import fused
 
 E, K, HID, INTER = 128, 8, 2048, 768

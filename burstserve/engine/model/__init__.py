@@ -1,0 +1,1 @@
+"""The model: its configuration, layers, experts, RoPE, weights and checkpoint formats (GGUF)."""

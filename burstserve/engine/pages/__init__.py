@@ -1,0 +1,1 @@
+"""A worker's KV pages: the page pool, the host tier, their sizing."""

@@ -20,10 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 from profile_table import kernel_table
 from gpu_prefill_profile import kind_of
 
-from burstserve.engine.runner import model_runner
-from burstserve.engine.model.config import EngineConfig, ModelConfig, resolve_model
-from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.core.calls import Decode, Extend, Prefill
+from burstserve.engine.model.config import EngineConfig, ModelConfig, resolve_model
+from burstserve.engine.runner import model_runner
+from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.worker import host_threads, runner_alone
 
 ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 8192

@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from burstserve.engine.core.calls import Prefill
 from burstserve.engine.model.config import EngineConfig, resolve_model
 from burstserve.engine.runner.model_runner import ModelRunner
-from burstserve.engine.core.calls import Prefill
 from burstserve.engine.worker import host_threads, runner_alone
 
 LENGTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768,131072").split(",")]

@@ -8,11 +8,11 @@ import time
 import torch
 
 from burstserve.engine.core.calls import Shutdown
-from burstserve.engine.model.config import EngineConfig, resolve_model
-from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
-from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.core.outputs import Request
+from burstserve.engine.model.config import EngineConfig, resolve_model
+from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
 from burstserve.engine.worker import run_call
 

@@ -29,9 +29,9 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from burstserve.engine.model.config import EngineConfig
 from burstserve.engine.core.errors import ClusterError
 from burstserve.engine.core.messages import WorkerFailed, WorkerReady
+from burstserve.engine.model.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

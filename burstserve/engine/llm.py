@@ -19,27 +19,27 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
-from burstserve.engine.pages.host_memory import offload_gib
 from burstserve.engine.cluster import Head
-from burstserve.engine.model.config import EngineConfig, context_limit, resolve_model
+from burstserve.engine.control import close_parent_ends, make_pipes
 from burstserve.engine.core.devices import resolve_devices
 from burstserve.engine.core.errors import DeviceSpecError, EngineDeadError, InvalidRequestError, ModelLoadError
-from burstserve.engine.model.gguf import converted_checkpoint, gguf_file, packaged_model
 from burstserve.engine.core.messages import (AbortRequest, AddRequest, EngineFigures, EngineStats, StopScheduler, Tokens,
                                         WorkerFacts, WorkerFailed, WorkerReady)
 from burstserve.engine.core.outputs import Request, RequestOutput, StepOutput, request_output
-from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
-from burstserve.engine.parallel import STRATEGIES, get_strategy
-from burstserve.engine.request_checks import Prompt, RequestChecks, prompt_list
 from burstserve.engine.core.sampling import SamplingParams
 from burstserve.engine.core.structured_output import StructuredRequest
 from burstserve.engine.core.tokenizer import load_tokenizer
-from burstserve.kernels.fp8 import quantization_refusal
-from burstserve.kernels.kv_quant import kv_cache_refusal
+from burstserve.engine.model.config import EngineConfig, context_limit, resolve_model
+from burstserve.engine.model.gguf import converted_checkpoint, gguf_file, packaged_model
 from burstserve.engine.model.weights import weight_files
-from burstserve.engine.control import close_parent_ends, make_pipes
+from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
+from burstserve.engine.pages.host_memory import offload_gib
+from burstserve.engine.parallel import STRATEGIES, get_strategy
+from burstserve.engine.request_checks import Prompt, RequestChecks, prompt_list
 from burstserve.engine.worker import spawned_worker_main
 from burstserve.kernels.attention import backend_refusal
+from burstserve.kernels.fp8 import quantization_refusal
+from burstserve.kernels.kv_quant import kv_cache_refusal
 
 log = logging.getLogger(__name__)
 

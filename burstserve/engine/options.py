@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from burstserve.engine.cluster import ClusterConfig
+from burstserve.engine.core.errors import InvalidRequestError
 from burstserve.engine.model.config import (DEFAULT_CHUNK_TOKENS_PER_WORKER, DEFAULT_CHUNK_WORKERS_MAX, DTYPES, EngineConfig,
                                       default_chunk_tokens, default_dtype)
-from burstserve.engine.core.errors import InvalidRequestError
 from burstserve.engine.parallel import SP_STRATEGIES, STRATEGIES
 from burstserve.kernels.attention import ATTENTION_BACKENDS
 from burstserve.kernels.fp8 import QUANTIZATIONS

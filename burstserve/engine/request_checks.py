@@ -3,13 +3,13 @@ prompt's tokens, whether it could ever fit in the KV cache, whether a prompt_log
 activations, the response_format. Read from the engine's options, the model, and the facts the workers reported
 (engine/core/messages.py WorkerFacts); every refusal raises InvalidRequestError naming its parameter."""
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.model.config import EngineConfig, ModelConfig
 from burstserve.engine.core.errors import InvalidRequestError, PromptTooLongError
 from burstserve.engine.core.messages import WorkerFacts
 from burstserve.engine.core.placement import worker_share
 from burstserve.engine.core.sampling import SamplingParams
 from burstserve.engine.core.structured_output import (StructuredRequest, check_tokenizer, parse_response_format,
                                                  tokenizer_source)
+from burstserve.engine.model.config import EngineConfig, ModelConfig
 
 Prompt = str | list[int]
 

@@ -19,15 +19,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from burstserve.engine.cache.kv_manager import KVManager
+from burstserve.engine.control import GlooControl, PipeControl
 from burstserve.engine.core.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload,
                                      Prefill, PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
-from burstserve.engine.cache.kv_manager import KVManager
-from burstserve.engine.model.config import EngineConfig, default_dtype, resolve_model
-from burstserve.engine.control import GlooControl, PipeControl
-from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
+from burstserve.engine.model.config import EngineConfig, default_dtype, resolve_model
 from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.runner.worker_cache import WorkerCache
+from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ import os
 import torch
 
 from burstserve.kernels.arith import next_pow2
-from burstserve.kernels.fp8 import FP8, quantize_rows
 from burstserve.kernels.device import num_sms
+from burstserve.kernels.fp8 import FP8, quantize_rows
 from burstserve.kernels.triton_setup import LazyTriton, bf16_by_bits
 
 tl = None                  # triton.language, bound by _build (the kernels resolve it as a global)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
+from burstserve.engine.core.placement import zigzag_shards
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.core.placement import zigzag_shards
 from burstserve.kernels.attention import reference_attention
 
 

@@ -9,11 +9,11 @@ import typing
 import torch
 
 import burstserve.engine.core.calls as calls
-from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.core.outputs import PrefillStats
 from burstserve.engine.core.placement import ExtendWay
-from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
+from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.runner.worker_cache import WorkerCache
+from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
 
 RESULTS = {calls.PrefillResult, calls.DecodeResult}
 PARTS = {calls.ExtendPlacement}              # a field of a call (Extend.placed), not a call

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from burstserve.engine.scheduler.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
 from burstserve.engine.model.config import preset_config
+from burstserve.engine.scheduler.chunk_sizer import MIN_CHUNK, ChunkSizer, attention_flop_ratio
 
 
 def _cost(t0, a, b, n, c):

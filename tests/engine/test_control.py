@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, EngineDeadError, SamplingParams
-from burstserve.engine.core.calls import Decode, Extend, ExtendAndDecode, Free, Prefill, Shutdown
 from burstserve.engine.control import PipeControl, close_parent_ends, make_pipes
+from burstserve.engine.core.calls import Decode, Extend, ExtendAndDecode, Free, Prefill, Shutdown
 
 
 def _echo(reader, results) -> None:

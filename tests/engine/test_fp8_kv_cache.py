@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.core.errors import InvalidRequestError
+from burstserve.engine.model.config import EngineConfig, resolve_model
 from burstserve.engine.pages.page_pool import PagePool
 from burstserve.engine.pages.sizing import kv_bytes_per_token, pool_tokens_on_cpu
-from burstserve.engine.model.config import EngineConfig, resolve_model
-from burstserve.engine.core.errors import InvalidRequestError
 from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, kv_rounded, save_checkpoint
 from burstserve.kernels.kv_quant import Fp8Pages, dequantize_kv, kv_cache_refusal, quantize_kv, round_kv
 

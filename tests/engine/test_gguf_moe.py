@@ -20,8 +20,8 @@ import torch
 import hf_reference
 from burstserve.clients.server_process import RemoteServer
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.model.config import load_model_config
 from burstserve.engine.core.errors import ModelLoadError
+from burstserve.engine.model.config import load_model_config
 from burstserve.engine.model.gguf import converted_checkpoint
 from hf_reference import hf_next_logits_and_greedy, save_tokenizer
 

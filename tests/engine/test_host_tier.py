@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.core.calls import Extend, Prefill, Restore
+from burstserve.engine.core.errors import DeviceSpecError
+from burstserve.engine.model.config import EngineConfig
 from burstserve.engine.pages.host_memory import HOST_RESERVE, offload_gib, pinnable
 from burstserve.engine.pages.host_pool import HostPool
 from burstserve.engine.pages.page_pool import PagePool
-from burstserve.engine.core.calls import Extend, Prefill, Restore
-from burstserve.engine.model.config import EngineConfig
-from burstserve.engine.core.errors import DeviceSpecError
 from hf_reference import assert_same_greedy, assert_same_logprobs, hf_greedy, save_checkpoint
 from scheduler_harness import serve_in_process
 

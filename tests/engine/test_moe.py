@@ -15,9 +15,9 @@ from burstserve.engine.model.config import load_model_config, preset_config
 from burstserve.engine.model.model import hf_weight_shapes
 from burstserve.engine.model.moe import (every_expert, expert_slices, expert_weight_shapes, experts_mlp, grouped_experts,
                                   route, routed_experts, take_expert_weights)
+from burstserve.engine.model.weights import load_weights
 from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, sliced_mlp_config, tp_check
 from burstserve.engine.parallel.zero import LayerGather, zero_check
-from burstserve.engine.model.weights import load_weights
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 KINDS = ["qwen3-moe", "mixtral", "qwen2-moe"]

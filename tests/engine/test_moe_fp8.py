@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import burstserve.engine.llm
 from burstserve.engine import LLM, SamplingParams
-from burstserve.engine.model.config import load_model_config
 from burstserve.engine.core.errors import DeviceSpecError
+from burstserve.engine.model.config import load_model_config
 from burstserve.engine.model.model import LlamaModel, hf_weight_shapes
 from burstserve.engine.model.moe import (ExpertWeights, Fp8Experts, experts_mlp, grouped_fp8_experts, quantize_experts, route,
                                    routed_experts, scaled_grouped_gemm_runs, take_expert_weights)

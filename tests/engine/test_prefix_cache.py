@@ -12,8 +12,8 @@ import torch
 
 from burstserve.engine import LLM, SamplingParams
 from burstserve.engine.cache import prefix_cache
-from burstserve.engine.pages.page_pool import PagePool
 from burstserve.engine.cache.prefix_cache import BLOCK, PrefixCache
+from burstserve.engine.pages.page_pool import PagePool
 from hf_reference import hf_next_logits_and_greedy, save_checkpoint
 
 GEN = 10

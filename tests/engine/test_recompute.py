@@ -6,8 +6,8 @@ call it makes is seen; each request's tokens equal those of a pool large enough 
 import random
 
 from burstserve.engine.core.calls import Adopt, Extend, Prefill, Reinstate, Truncate
-from burstserve.engine.model.config import EngineConfig
 from burstserve.engine.core.sampling import SamplingParams
+from burstserve.engine.model.config import EngineConfig
 from scheduler_harness import serve_in_process
 
 CHUNK = 16

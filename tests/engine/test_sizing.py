@@ -8,9 +8,9 @@ import random
 import pytest
 
 from burstserve.engine import LLM, InvalidRequestError, SamplingParams
+from burstserve.engine.model.config import default_chunk_tokens, preset_config
 from burstserve.engine.pages.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
                                             mlp_piece_bytes, pass_q_bytes, pool_tokens_on_gpu, prefill_rows_reserved)
-from burstserve.engine.model.config import default_chunk_tokens, preset_config
 from burstserve.engine.parallel import get_strategy
 
 GiB = 1 << 30

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from burstserve.engine.scheduler import step_plan as plans
 from burstserve.engine.core.calls import Decode, DecodeAhead, ExtendAndDecode, Offload, Shutdown
-from burstserve.engine.model.config import EngineConfig
 from burstserve.engine.core.sampling import SamplingParams
+from burstserve.engine.model.config import EngineConfig
+from burstserve.engine.scheduler import step_plan as plans
 from scheduler_harness import serve_in_process
 
 

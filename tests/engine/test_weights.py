@@ -12,9 +12,9 @@ from burstserve.engine import LLM, EngineDeadError
 from burstserve.engine.core.calls import Prefill
 from burstserve.engine.model.config import EngineConfig, resolve_model
 from burstserve.engine.model.model import hf_weight_shapes
+from burstserve.engine.model.weights import load_weights, random_weights, take_slice, weight_bytes
 from burstserve.engine.parallel import get_strategy
 from burstserve.engine.parallel.tensor_parallel import tp_slices
-from burstserve.engine.model.weights import load_weights, random_weights, take_slice, weight_bytes
 from burstserve.engine.worker import runner_alone
 from hf_reference import save_checkpoint
 

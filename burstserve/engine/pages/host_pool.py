@@ -29,8 +29,8 @@ from collections import deque
 import torch
 
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.pages.page_pool import HeldPages, OutOfPagesError, PagePool, page_runs
 from burstserve.engine.core.errors import DeviceSpecError
+from burstserve.engine.pages.page_pool import HeldPages, OutOfPagesError, PagePool, page_runs
 
 
 DIRECT_RUNS = 16          # a copy of more runs of GPU pages goes through a staging buffer (HostPool._copy)

@@ -18,8 +18,8 @@ never given out (all scratch: the padding rows of a CUDA graph's batch).
 """
 import torch
 
-from burstserve.engine.core.devices import host_to_device
 from burstserve.engine.cache.ledger import pages_for
+from burstserve.engine.core.devices import host_to_device
 from burstserve.kernels.fused import store_kv
 from burstserve.kernels.kv_quant import SCALE_DTYPE, Fp8Pages, is_fp8, store_kv_fp8
 

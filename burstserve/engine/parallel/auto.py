@@ -5,9 +5,9 @@ docs/benchmarks.md, Prefill: time to first token by strategy and GPU count) and 
 burst whenever the workers do not divide the query heads. Both keep the same zigzag KV layout (this
 strategy's shards), so decoding does not care; each prefill reports the name of the one that ran it.
 """
+from burstserve.engine.core.placement import Shard
 from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.parallel.burst_attention import BurstStrategy
-from burstserve.engine.core.placement import Shard
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.engine.parallel.ulysses import UlyssesStrategy
 

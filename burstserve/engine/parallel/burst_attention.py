@@ -19,8 +19,8 @@ from functools import partial
 
 import torch
 
-from burstserve.engine.parallel.ring import RingCommunicator, RingPass
 from burstserve.engine.core.placement import Shard
+from burstserve.engine.parallel.ring import RingCommunicator, RingPass
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.kernels.attention import AttentionBackend, reference_attention
 from burstserve.kernels.kv_quant import pack_kv, unpack_kv

@@ -18,9 +18,9 @@ import logging
 
 import torch
 
+from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.engine.parallel.burst_attention import BurstAttention
 from burstserve.engine.parallel.ring import RingCommunicator, RingPass
-from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.kv_quant import is_fp8
 from burstserve.kernels.merge import merge_into

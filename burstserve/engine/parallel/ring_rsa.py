@@ -7,8 +7,8 @@ prompts). Same zigzag shards and KV layout as `burst`, so decoding afterwards is
 """
 import torch
 
-from burstserve.engine.parallel.ring import RingCommunicator, RingPass
 from burstserve.engine.core.placement import Shard
+from burstserve.engine.parallel.ring import RingCommunicator, RingPass
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 

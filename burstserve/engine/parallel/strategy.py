@@ -40,9 +40,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from burstserve.engine.core.placement import PromptPlacement, Shard, ShardLayout, worker_share
 from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.core.placement import PromptPlacement, Shard, ShardLayout, worker_share
 from burstserve.engine.parallel.weight_layout import WeightLayout
 from burstserve.kernels.attention import AttentionBackend
 

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
+from burstserve.engine.core.placement import Shard, ShardLayout
 from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.model.moe import expert_slices
 from burstserve.engine.parallel.sequence_parallel import SequenceParallel
-from burstserve.engine.core.placement import Shard, ShardLayout
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 
 

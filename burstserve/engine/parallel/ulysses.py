@@ -8,8 +8,8 @@ are repeated up to the query heads first. The KV cache keeps the shard's own K/V
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.core.placement import Shard
+from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.parallel.strategy import Attention, PrefillContext, PrefillStrategy
 from burstserve.kernels.attention import AttentionBackend
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from burstserve.engine.parallel.decode_attention import all_gather, all_gather_rows
 from burstserve.engine.core.prompt_logprobs import CHUNK_ROWS, score_rows
+from burstserve.engine.parallel.decode_attention import all_gather, all_gather_rows
 
 
 class VocabShards:

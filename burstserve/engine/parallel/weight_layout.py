@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from burstserve.engine.core.prompt_logprobs import gather_scores, score_rows
 from burstserve.engine.model.config import ModelConfig
 from burstserve.engine.model.model import AttendFn, LlamaModel
-from burstserve.engine.core.prompt_logprobs import gather_scores, score_rows
 
 
 def global_rank(rank: int, group=None) -> int:

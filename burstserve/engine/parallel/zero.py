@@ -31,16 +31,16 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.engine.model.config import ModelConfig
-from burstserve.engine.parallel.decode_attention import stacked, start_all_gather
 from burstserve.engine.model.model import AttendFn, LayerWeights, LlamaModel
 from burstserve.engine.model.moe import ExpertWeights
 from burstserve.engine.parallel.burst_attention import BurstStrategy
+from burstserve.engine.parallel.decode_attention import stacked, start_all_gather
 from burstserve.engine.parallel.tensor_parallel import gate_up_row_index, mlp_slices, mlp_split_refusal, sliced_mlp_config
 from burstserve.engine.parallel.vocab import VocabShards, score_every_row
 from burstserve.engine.parallel.weight_layout import WeightLayout, global_rank
 from burstserve.engine.parallel.zero_sliced import SLICED, SlicedPrefillAttention, measure_sliced_max_tokens
-from burstserve.engine.core.placement import ExtendWay, Shard
 
 
 class BurstZeroStrategy(BurstStrategy):

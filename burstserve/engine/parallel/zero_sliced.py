@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from burstserve.engine.model.moe import experts_mlp
 from burstserve.engine.core.placement import Shard
+from burstserve.engine.model.moe import experts_mlp
 
 log = logging.getLogger(__name__)
 SLICED = "burst-zero-sliced"    # the prefill stats' strategy of such a prompt

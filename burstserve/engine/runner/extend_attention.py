@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from burstserve.engine.cache.ledger import pages_for
+from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.engine.model.config import MIN_CHUNK
 from burstserve.engine.pages.page_pool import PagePool
-from burstserve.engine.parallel.decode_attention import all_gather_rows, merge_over_workers
 from burstserve.engine.parallel.burst_attention import BurstAttention
+from burstserve.engine.parallel.decode_attention import all_gather_rows, merge_over_workers
 from burstserve.engine.parallel.pass_kv import PassKVAttention
-from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.kernels.attention import AttentionBackend
 from burstserve.kernels.device import num_sms
 from burstserve.kernels.merge import merge_partials

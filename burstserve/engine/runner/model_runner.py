@@ -9,23 +9,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.model.config import DTYPES, EngineConfig, ModelConfig
-from burstserve.engine.parallel.decode_attention import DecodeAttention
-from burstserve.engine.runner.decode_graphs import DecodeGraphs, release_graphs
-from burstserve.engine.runner.extend_attention import ExtendAttention, warm_extend_kernels
-from burstserve.engine.runner.extend_graphs import ExtendGraphs
+from burstserve.engine.core.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
 from burstserve.engine.core.devices import host_to_device, synchronize
 from burstserve.engine.core.messages import WorkerFacts
+from burstserve.engine.core.placement import ExtendWay, Shard, owner_of_position
+from burstserve.engine.core.prompt_logprobs import as_entries
+from burstserve.engine.model.config import DTYPES, EngineConfig, ModelConfig
 from burstserve.engine.model.model import hf_weight_shapes
+from burstserve.engine.model.weights import load_weights, random_weights, weight_bytes
 from burstserve.engine.parallel import PrefillContext, PrefillStrategy, get_strategy, kv_view
+from burstserve.engine.parallel.decode_attention import DecodeAttention
 from burstserve.engine.parallel.exchange_time import ExchangeTime
 from burstserve.engine.parallel.pass_kv import PassKVChoice
 from burstserve.engine.parallel.ring import RingCommunicator
-from burstserve.engine.core.placement import ExtendWay, Shard, owner_of_position
-from burstserve.engine.core.prompt_logprobs import as_entries
-from burstserve.engine.core.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
+from burstserve.engine.runner.decode_graphs import DecodeGraphs, release_graphs
+from burstserve.engine.runner.extend_attention import ExtendAttention, warm_extend_kernels
+from burstserve.engine.runner.extend_graphs import ExtendGraphs
 from burstserve.engine.runner.step_tokens import FedTokens, PendingTokens, sampled_result
-from burstserve.engine.model.weights import load_weights, random_weights, weight_bytes
 from burstserve.engine.runner.worker_cache import AfterRestore, PlacedExtend, WorkerCache
 from burstserve.engine.runner.worker_memory import check_weights_fit, peak_memory_all_workers
 from burstserve.kernels.attention import select_backend

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from burstserve.engine.core.calls import Decode, DecodeResult
 from burstserve.engine.core.devices import host_to_device
-from burstserve.engine.parallel.weight_layout import global_rank
 from burstserve.engine.core.sampling import RowSampling, logprob_entries, rows_logprobs, sample_rows, top_logprobs
+from burstserve.engine.parallel.weight_layout import global_rank
 
 
 def sampled_result(logits: torch.Tensor, call: Decode) -> DecodeResult:

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.pages.host_pool import STORE_IN_FLIGHT, HostPool
 from burstserve.engine.cache.ledger import pages_for
-from burstserve.engine.pages.page_pool import PagePool
-from burstserve.engine.pages.sizing import kv_bytes_per_token
 from burstserve.engine.core.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult,
                                      PumpStores, Reinstate, Restore, Retire, Truncate)
-from burstserve.engine.model.config import EngineConfig, ModelConfig
 from burstserve.engine.core.errors import ModelLoadError
 from burstserve.engine.core.placement import ExtendWay, Shard
+from burstserve.engine.model.config import EngineConfig, ModelConfig
+from burstserve.engine.pages.host_pool import STORE_IN_FLIGHT, HostPool
+from burstserve.engine.pages.page_pool import PagePool
+from burstserve.engine.pages.sizing import kv_bytes_per_token
 from burstserve.engine.runner.worker_memory import PoolSize, size_pool
 
 log = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from burstserve.engine.core.errors import ModelLoadError
+from burstserve.engine.model.config import EngineConfig, ModelConfig
 from burstserve.engine.pages.sizing import (activation_bytes_per_token, fp8_gather_bytes, kv_bytes_per_token,
                                             mlp_piece_bytes, pass_q_bytes, pool_tokens_on_cpu, pool_tokens_on_gpu,
                                             prefill_rows_reserved)
-from burstserve.engine.model.config import EngineConfig, ModelConfig
 from burstserve.engine.parallel.decode_attention import all_gather
-from burstserve.engine.core.errors import ModelLoadError
 from burstserve.engine.runner.extend_graphs import MAX_TOKENS as EXTEND_GRAPH_MAX_TOKENS
 from burstserve.kernels.kv_quant import is_fp8
 from burstserve.kernels.paged_attention import FP8_GATHER_SEGMENT, fa4_available

@@ -11,9 +11,9 @@ from typing import Callable
 
 from burstserve.engine.core.calls import Decode, DecodeAhead, DecodeResult
 from burstserve.engine.core.sampling import row_sampling, step_rules
+from burstserve.engine.core.structured_output import mask_logits
 from burstserve.engine.scheduler.sequences import RunningSequence, SchedulerState, StepInFlight
 from burstserve.engine.scheduler.step_result import DecodeWork
-from burstserve.engine.core.structured_output import mask_logits
 from burstserve.engine.scheduler.token_outputs import TokenOutputs
 
 

@@ -27,16 +27,16 @@ import time
 
 import torch
 
-from burstserve.engine.scheduler import step_plan as plans
 from burstserve.engine.cache.kv_manager import Hit, HostCopies, KVManager
 from burstserve.engine.core.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
-from burstserve.engine.scheduler.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
+from burstserve.engine.core.messages import WorkerFacts
+from burstserve.engine.core.outputs import FinishReason, PrefillStats, StepOutput
 from burstserve.engine.model.config import EngineConfig, ModelConfig
+from burstserve.engine.scheduler import step_plan as plans
+from burstserve.engine.scheduler.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from burstserve.engine.scheduler.decode_steps import DecodeSteps
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.inbox import Inbox
-from burstserve.engine.core.messages import WorkerFacts
-from burstserve.engine.core.outputs import FinishReason, PrefillStats, StepOutput
 from burstserve.engine.scheduler.preemption import Preemptions
 from burstserve.engine.scheduler.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.scheduler.stats_publisher import StatsPublisher

@@ -25,8 +25,8 @@ The rules, in order:
 from dataclasses import dataclass, field
 
 from burstserve.engine.cache.kv_manager import Eviction, Hit, KVManager
-from burstserve.engine.scheduler.chunk_sizer import ChunkSizer
 from burstserve.engine.core.outputs import Request
+from burstserve.engine.scheduler.chunk_sizer import ChunkSizer
 from burstserve.engine.scheduler.sequences import ChunkedPrefill, RunningSequence, SchedulerState
 
 

@@ -10,8 +10,8 @@ import torch
 from burstserve.engine.core.messages import Tokens
 from burstserve.engine.core.outputs import FinishReason, Request, StepOutput
 from burstserve.engine.core.sampling import rows_logprobs, sample_rows
-from burstserve.engine.scheduler.sequences import RunningSequence
 from burstserve.engine.core.structured_output import GrammarBackend, SequenceGrammar, TokenizerSource, mask_logits
+from burstserve.engine.scheduler.sequences import RunningSequence
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 from burstserve.engine.cache.kv_manager import Hit, HostCopies, KVManager
-from burstserve.engine.core.calls import Extend, ExtendAndDecode, Prefill, PrefillResult, PumpStores
+from burstserve.engine.core.calls import Extend, ExtendAndDecode, Prefill, PumpStores
 from burstserve.engine.core.messages import WorkerFacts
 from burstserve.engine.core.outputs import FinishReason, PrefillStats, StepOutput
 from burstserve.engine.model.config import EngineConfig, ModelConfig
@@ -38,6 +38,7 @@ from burstserve.engine.scheduler.decode_steps import DecodeSteps
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.inbox import Inbox
 from burstserve.engine.scheduler.preemption import Preemptions
+from burstserve.engine.scheduler.prompt_results import PromptResults
 from burstserve.engine.scheduler.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.scheduler.stats_publisher import StatsPublisher
 from burstserve.engine.scheduler.step_result import DecodeWork, PromptWork, StepResult
@@ -72,6 +73,7 @@ class Scheduler:
         # late-bound: what wraps the scheduler's call, _commit or _emit (tests, profiles) wraps the decode steps' too
         self.decode = DecodeSteps(lambda work: self._run(work), self.state, self.tokens,
                                   lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
+        self.prompts = PromptResults(self.state, self.sizer, lambda *a, **k: self._emit(*a, **k))
         self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
                            plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
                            plans.ReadBack: lambda plan: self._read_back(),
@@ -225,50 +227,7 @@ class Scheduler:
         if result.read_back is not None:
             self.decode.collect(result.read_back)
         if result.prompt is not None:
-            self._prompt_done(result.prompt, result.prefill, mixed=result.decode is not None)
-
-    def _prompt_done(self, work: PromptWork, result: PrefillResult | None, mixed: bool) -> None:
-        """A prompt's call applied: timings for the chunk sizer, a chunk counted, and once the prompt is whole
-        its next token sampled (a request's first, with its figures; a resumed sequence's next, without)."""
-        seq, job = work.seq, work.job
-        if work.twin_logits is not None:            # a copy of a running twin's prompt: no call ran
-            seq.prompt_logits = work.twin_logits
-            self._emit(seq, work.twin_logits, prefill=PrefillStats(prefill_seconds=0.0, shared_prefill=True),
-                       keep_logits=seq.request.return_logits)
-            return
-        seconds = time.perf_counter() - work.called
-        self._log_chunk(work, result)
-        self._observe(work.new_tokens, work.context, result)
-        if job is not None:
-            job.call_seconds += seconds
-            job.count(work.new_tokens, result, mixed=mixed)
-            if job.done < len(job.tokens):
-                return
-            if self.state.prefilling is job:
-                self.state.prefilling = None
-        if work.resumed or (job is not None and job.resumed):   # its cache is whole again: it samples on
-            self._emit(seq, result.logits)
-            return
-        seq.prompt_logits = result.logits
-        if job is not None:
-            stats = job.prompt_stats(result)
-        else:
-            stats = result.stats()
-            stats.call_seconds = seconds           # the prefill call as worker 0's scheduler saw it
-            stats.queued_seconds = work.queued
-        self._emit(seq, result.logits, prefill=stats, keep_logits=seq.request.return_logits,
-                   prompt_logprobs=result.prompt_logprobs if job is None else None)
-
-    def _log_chunk(self, work: PromptWork, result: PrefillResult) -> None:
-        if work.job is not None and log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:
-            log.debug("chunk of %d tokens after %d (%s): %.1f ms (predicted %.1f), last decode step %.1f ms",
-                      work.new_tokens, work.context, result.extend_way or "prefill", result.prefill_seconds * 1e3,
-                      self.sizer.predict(work.new_tokens, work.context) * 1e3, self.state.step_seconds * 1e3)
-
-    def _observe(self, new_tokens: int, context: int, result: PrefillResult) -> None:
-        """A prefill or extend call's time, for the chunk sizer's cost model."""
-        if self.sizer is not None:
-            self.sizer.observe(new_tokens, context, result.prefill_seconds)
+            self.prompts.apply(result.prompt, result.prefill, mixed=result.decode is not None)
 
     # decoding
 

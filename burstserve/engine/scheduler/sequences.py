@@ -1,6 +1,7 @@
 """What worker 0's scheduler keeps about its requests: the sequences running, the prompt being prefilled
 in chunks, the decode step in flight, and the queues, as one SchedulerState that the policy reads
-(engine/scheduler/step_plan.py) and only the scheduler changes (engine/scheduler/scheduler.py, and its engine/scheduler/decode_steps.py)."""
+(engine/scheduler/step_plan.py) and only the scheduler changes (engine/scheduler/scheduler.py, and its
+decode_steps.py and prompt_results.py)."""
 import array
 import dataclasses
 from collections import deque

@@ -8,7 +8,8 @@ wheel). For each kernel and launch, the PTX instructions that decide its speed, 
     MMAs           mma.sync (Ampere's) and wgmma (Hopper's, with their operand types)
     conversions    cvt e4m3 <-> f16 / f32
 
-    python scripts/hopper_codegen.py [decode|small-gemm|silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast ...]
+    python scripts/hopper_codegen.py [decode|small-gemm|silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast|
+                                      moe-up-fp8|moe-down-fp8 ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -30,6 +31,7 @@ from burstserve.kernels import fa3_fp8
 from burstserve.kernels import fp8_paged_attention as fpa
 from burstserve.kernels import fp8_small_gemm as sg
 from burstserve.kernels import fused
+from burstserve.kernels import moe_few_rows as mfr
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
@@ -72,6 +74,17 @@ CAST_ARGS = _CAST_HEAD + [("descale_ptr", "*fp32", None), ("out_ptr", "*u8", Non
     ("min_scale", "fp32", None)]
 _CAST_CONSTS = dict(G=H // HKV, GPAD=H // HKV, D=D, DPAD=D, ROWS=fa3_fp8.CAST_TILE // (H // HKV * D), ROTATE=True,
                     INTERPRETED=False)
+# the few-rows experts' kernels, FP8 (-q fp8), on Qwen3-30B-A3B's shapes (hidden 2048, expert width 768, top 8 of
+# 128) at one decode row: its 8 experts' programs, by slot
+_MOE = _defaults(mfr._launch)
+_MOE_CONSTS = dict(TOP_K=8, BY_SLOT=True, BLOCK_M=16, BLOCK_MK=16, BLOCK_TOPK=8, PRECISION="tf32", FP8=True,
+                   INTERPRETED=False, BLOCK_N=64, BLOCK_K=_MOE["block_k"], STAGES=_MOE["stages"])
+MOE_UP_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("gu_ptr", "*u8", None), ("gus_ptr", "*fp32", None),
+               ("chosen_ptr", "*i64", None), ("act_ptr", "*bf16", None), ("M", "i32", 1), ("HID", "i32", 2048),
+               ("IM", "i32", 768), ("x_stride", "i32", 2048)]
+MOE_DOWN_ARGS = [("act_ptr", "*u8", None), ("as_ptr", "*fp32", None), ("down_ptr", "*u8", None),
+                 ("ds_ptr", "*fp32", None), ("chosen_ptr", "*i64", None), ("w_ptr", "*fp32", None),
+                 ("y_ptr", "*fp32", None), ("M", "i32", 1), ("HID", "i32", 2048), ("IM", "i32", 768)]
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -83,6 +96,8 @@ LAUNCHES = {
     "small-gemm": (sg, "gemm", GEMM_ARGS, _GEMM_CONSTS, _GEMM["warps"], _GEMM["stages"]),
     "fa3-amax": (fa3_fp8, "amax", AMAX_ARGS, _CAST_CONSTS, 4, 3),
     "fa3-cast": (fa3_fp8, "cast", CAST_ARGS, _CAST_CONSTS, 4, 3),
+    "moe-up-fp8": (mfr, "gate_up", MOE_UP_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
+    "moe-down-fp8": (mfr, "down", MOE_DOWN_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -176,9 +176,11 @@ def _build() -> dict:
         return tl.dot(w, xt, acc, input_precision=PRECISION)
 
     def operand_fn(v, FP8: tl.constexpr):
-        """A loaded tile as the MMA takes it: FP8 bytes (uint8) bitcast to e4m3, anything else as it is."""
+        """A loaded tile as the MMA takes it: FP8 bytes (uint8) bitcast to e4m3, anything else as it is. One
+        return: Triton's compiler types every return of a function alike, a branch not taken included (two
+        returns of e4m3 and uint8 did not compile; the interpreter ran them)."""
         if FP8:
-            return v.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
         return v
 
     def cast_fn(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):

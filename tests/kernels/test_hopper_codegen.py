@@ -48,3 +48,14 @@ def test_both_norms_sum_a_row_in_one_layout():
         assert counts["ld.global.b16"] == 0 and counts["ld.global.v4.b32"] > 0, (name, counts)
     assert len(layouts["rms-norm"]) == 1 and layouts["rms-norm"] == layouts["rms-norm-fp8"], layouts
     assert "sizePerThread = [8]" in next(iter(layouts["rms-norm"]))
+
+
+@pytest.mark.parametrize("name", ["moe-up-fp8", "moe-down-fp8"])
+def test_the_fp8_experts_kernels_compile_to_fp8_mmas(name):
+    """kernels/moe_few_rows.py's FP8 kernels compile for sm_90 and multiply on e4m3 warp-group MMAs. The CPU's
+    other tests run them in Triton's interpreter, which took a helper that Triton's compiler refuses (two returns
+    of two types: the FP8 experts fell back to torch on the GPU, 2026-12-07)."""
+    counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
+    assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in counts), counts
+    assert counts["ld.global.b8"] == 0, counts                                   # tiles, not bytes
+

@@ -37,8 +37,8 @@ def test_the_repository_root_holds_no_module_but_burstserve():
     importable = {name.removesuffix(".py") for name in os.listdir(ROOT)
                   if name.endswith(".py") or os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
     assert importable == {"burstserve"}, importable
-    loose = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name))
-             and not name.startswith(".") and not name.endswith(".egg-info")} - NOT_CODE - {"burstserve"}
+    loose = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name)) and name.isidentifier()
+             and not name.startswith(".")} - NOT_CODE - {"burstserve"}     # bench-out/, x.egg-info/: not importable
     assert not loose, f"folders at the root that could become namespace packages: {loose}"
 
 

@@ -41,8 +41,7 @@ class WorkerFacts:
     kernel: str                      # the attention backend's name
     block_size: int                  # tokens a KV page holds
     kv_pages_per_worker: int
-    placement: PromptPlacement       # how the strategy places a prompt's K/V over the workers
-    kv_workers: int                  # workers one sequence's K/V is spread over (1: replicated, as under tp)
+    placement: PromptPlacement       # how the strategy places a prompt's K/V over the workers (its kv_workers)
     max_pages_per_seq: int           # the pages one sequence may hold on a worker (the block table's width)
     kv_cache_dtype: str              # "bfloat16", "float32", "fp8"
     kv_host_pages: int               # the host tier's pages per worker (0: no tier)
@@ -58,8 +57,8 @@ class WorkerFacts:
 
     @property
     def kv_capacity_total(self) -> int:
-        """Tokens the engine's pages hold, one sequence's K/V spread over kv_workers."""
-        return self.kv_capacity_tokens * self.kv_workers
+        """Tokens the engine's pages hold, one sequence's K/V spread over the placement's kv_workers."""
+        return self.kv_capacity_tokens * self.placement.kv_workers
 
     @property
     def kv_host_capacity_tokens(self) -> int:

@@ -148,6 +148,11 @@ class PromptPlacement:
     world_size: int
     replicated_kv: bool          # every worker holds every token's K/V (for its own heads)
 
+    @property
+    def kv_workers(self) -> int:
+        """Workers one sequence's K/V is spread over: the decode all-gather's width, capacity's multiplier."""
+        return 1 if self.replicated_kv else self.world_size
+
     def shards(self, num_tokens: int) -> list[Shard]:
         """The prompt's positions cut into shards, one per rank (ONE: a single shard)."""
         if self.layout == ShardLayout.ONE:

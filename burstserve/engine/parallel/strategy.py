@@ -103,8 +103,7 @@ class PrefillStrategy:
 
     @property
     def kv_workers(self) -> int:
-        """Workers one sequence's K/V is spread over: the decode all-gather's width, capacity's multiplier."""
-        return 1 if self.replicated_kv else self.world_size
+        return self.placement.kv_workers
 
     def kv_share(self, max_model_len: int) -> int:
         """The most tokens of one sequence a worker holds (zigzag shards differ by at most one token a chunk)."""

@@ -314,7 +314,7 @@ class ModelRunner:
         """What this worker reports of itself (engine/core/messages.py)."""
         return WorkerFacts(
             rank=self.rank, device=str(self.device), kernel=self.backend.name, block_size=self.block_size,
-            kv_pages_per_worker=self.pool.num_pages, placement=self.strategy.placement, kv_workers=self.strategy.kv_workers,
+            kv_pages_per_worker=self.pool.num_pages, placement=self.strategy.placement,
             max_pages_per_seq=self.pool.max_pages_per_seq,
             kv_cache_dtype="fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
             kv_host_pages=self.cache.host.num_pages if self.cache.host else 0, cuda_graphs=self.graphs is not None,

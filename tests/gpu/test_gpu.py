@@ -848,11 +848,11 @@ def test_host_tier_restores_match_transformers_beside_decoding_streams(hf_bf16_c
 
 
 @pytest.fixture(scope="module")
-def hf_moe_bf16_checkpoint(tmp_path_factory):
-    """A Qwen3-MoE of 16 experts (top 4, renormalized; layer 2 dense) saved by transformers, and transformers' model
-    of it in bf16 on the GPU with its eager experts (the reference)."""
+def hf_moe_checkpoint(tmp_path_factory):
+    """A Qwen3-MoE of 16 experts (top 4, renormalized; layer 2 dense) saved by transformers in fp32, and
+    transformers' models of it on the GPU with its eager experts (the references), by dtype."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    path = str(tmp_path_factory.mktemp("qwen3-moe-bf16"))
+    path = str(tmp_path_factory.mktemp("qwen3-moe"))
     cfg = Qwen3MoeConfig(vocab_size=2000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
                          rope_theta=1000000.0, initializer_range=0.05, num_experts=16, num_experts_per_tok=4,
@@ -862,30 +862,50 @@ def hf_moe_bf16_checkpoint(tmp_path_factory):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)                       # a router that prefers some experts, not near ties
+                p.normal_(0, 0.5)                       # a router that prefers some experts
     model.save_pretrained(path)
-    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                experts_implementation="eager")
-    return path, model.to("cuda:0").eval()
+    models = {dtype: Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                         experts_implementation="eager").to("cuda:0").eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    return path, models
 
 
-def test_a_mixture_of_experts_on_one_gpu_matches_transformers(hf_moe_bf16_checkpoint):
-    """engine/model/moe.py's grouped GEMMs (prefill and the decode steps' CUDA graphs) against transformers' eager experts
-    in bf16: next-token logits within bf16 noise, greedy tokens the same until a near-tie."""
+def test_a_mixture_of_experts_on_one_gpu_in_fp32_matches_transformers(hf_moe_checkpoint):
+    """The engine in fp32 on a GPU (the few-row kernels inside the decode steps' CUDA graphs; the prefill's experts on
+    their routed path) against transformers in fp32: next-token logits within fp32 noise, and the same 16 greedy
+    tokens unless transformers' own top two are within that noise. fp32 keeps the routing exact, so a difference
+    here is an error, not a near-tie of the router (the bf16 test below cannot tell those apart)."""
     from burstserve.engine import LLM, SamplingParams
-    path, model = hf_moe_bf16_checkpoint
+    path, models = hf_moe_checkpoint
     prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 5000)]
-    with LLM(path, devices="cuda:0", dtype="bfloat16") as llm:
+    with LLM(path, devices="cuda:0", dtype="float32") as llm:
+        assert all(info.cuda_graphs for info in llm.worker_facts)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
-            ref_logits, ref_tokens, margins, scales = _hf_greedy(model, prompt, 16, with_scales=True)
+            ref_logits, ref_tokens, margins, scales = _hf_greedy(models[torch.float32], prompt, 16, with_scales=True)
             diff = (llm.next_token_logits(prompt) - ref_logits).abs().max().item()
-            print(f"mixture of experts, bf16, prompt {len(prompt)}: max |logit diff| {diff:.4f}")
-            assert diff <= 0.1 * max(ref_logits.abs().max().item(), 1.0), len(prompt)
-            same = 0
+            print(f"mixture of experts, fp32, prompt {len(prompt)}: max |logit diff| {diff:.2e}")
+            assert diff <= 1e-3 * max(ref_logits.abs().max().item(), 1.0), len(prompt)
             for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
                 if a != b:
-                    assert margins[i] < tie_tolerance(scales[i]), (len(prompt), i, margins[i], scales[i])
+                    assert margins[i] < 1e-3 * max(abs(scales[i]), 1.0), (len(prompt), i, margins[i], scales[i])
                     break
-                same += 1
-            print(f"  greedy: {same} of 16 tokens before any difference")
+
+
+def test_a_mixture_of_experts_on_one_gpu_in_bf16_is_as_near_fp32_as_transformers(hf_moe_checkpoint):
+    """engine/model/moe.py's bf16 paths (the grouped GEMMs of the prefill, the few-row kernels in the decode steps'
+    CUDA graphs) against transformers in fp32, with transformers' own bf16 run as the yardstick of bf16 noise: the
+    engine's next-token logits no farther from fp32 than twice transformers' bf16 (or 2% of the logits' scale).
+    Greedy tokens are not compared: in bf16 a router near-tie sends a row to another expert in either
+    implementation (2026-12-07, one H100: a flip at a top-two margin of 0.19), the fp32 test above holds them."""
+    from burstserve.engine import LLM
+    path, models = hf_moe_checkpoint
+    prompts = [[random.randrange(2000) for _ in range(n)] for n in (3, 1000, 5000)]
+    with LLM(path, devices="cuda:0", dtype="bfloat16") as llm:
+        for prompt in prompts:
+            ref = _hf_greedy(models[torch.float32], prompt, 1)[0]
+            hf_noise = (_hf_greedy(models[torch.bfloat16], prompt, 1)[0] - ref).abs().max().item()
+            diff = (llm.next_token_logits(prompt) - ref).abs().max().item()
+            print(f"mixture of experts, bf16, prompt {len(prompt)}: max |logit diff| from fp32 {diff:.4f}, "
+                  f"transformers' bf16 {hf_noise:.4f}")
+            assert diff <= max(2 * hf_noise, 0.02 * ref.abs().max().item()), len(prompt)

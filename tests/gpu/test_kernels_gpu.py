@@ -577,3 +577,27 @@ def test_fa3_fp8_cast_kernels_turn_the_rows_as_the_torch_path(s, hx, hkv, stride
     got8, got_scale = fa3_fp8._to_e4m3_triton(kern, x, hkv, turn)
     want8, want_scale = fa3_fp8._to_e4m3_torch(x, hkv, turn)
     assert_rotated_cast(got8, got_scale, want8, want_scale, x, hkv, turn)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300, 5000])
+def test_grouped_experts_match_the_routed_experts_in_fp64(rows):
+    """engine/model/moe.grouped_experts on a GPU (torch's CUTLASS grouped GEMMs, bf16; the prefill's experts) against
+    routed_experts in fp64 on the same bf16 weights, rows and routing (fixed, so no router near-tie can move a row):
+    apart by bf16 roundings only (the silu*up rows and the outputs). 128 experts, top 8, as Qwen3-30B-A3B's."""
+    from burstserve.engine.model.moe import ExpertWeights, grouped_experts, route, routed_experts
+    E, k, hidden, inter = 128, 8, 1024, 384
+    bf = torch.bfloat16
+    experts = ExpertWeights(router=torch.randn(E, hidden, device=DEV, dtype=bf),
+                            gate_up=torch.randn(E, 2 * inter, hidden, device=DEV, dtype=bf) * hidden ** -0.5,
+                            down=torch.randn(E, hidden, inter, device=DEV, dtype=bf) * inter ** -0.5,
+                            top_k=k, renormalize=True, weights_fp32=False)
+    x = torch.randn(rows, hidden, device=DEV, dtype=bf)
+    weights, chosen = route(x, experts)
+    got = grouped_experts(x, experts, weights, chosen).double().cpu()
+    wide = ExpertWeights(**{**vars(experts), "gate_up": experts.gate_up.double().cpu(),
+                            "down": experts.down.double().cpu(), "router": experts.router.double().cpu()})
+    want = routed_experts(x.double().cpu(), wide, weights.double().cpu(), chosen.cpu())
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"grouped experts, {rows} rows: max |err| / max {err:.2e}")
+    assert err < 2e-2, err
+    assert torch.equal(grouped_experts(x, experts, weights, chosen), grouped_experts(x, experts, weights, chosen))

@@ -14,16 +14,18 @@ CHUNK = 16
 GEN = 24
 
 
-def _serve(engine: EngineConfig, batches: list[list[tuple]]):
+def _serve(engine: EngineConfig, batches: list[list[tuple]], prepare=None):
     """Runs worker 0's scheduler over one ModelRunner (tests/scheduler_harness.py); each batch of
     (request id, prompt[, max_tokens]) is submitted when the one before has finished (greedy, GEN tokens
     unless given) -> (tokens by request id, the scheduler's calls (engine/core/calls.py), the ids of the
-    sequences it preempted, the scheduler)."""
+    sequences it preempted, the scheduler). prepare(scheduler, runner): more spies, installed after this one's."""
     preempted = []
 
     def spy(scheduler, runner):
         preempt = scheduler.preemptions.preempt
         scheduler.preemptions.preempt = lambda seq, *rest: (preempted.append(seq.seq_id), preempt(seq, *rest))
+        if prepare is not None:
+            prepare(scheduler, runner)
 
     batches = [[(rid, prompt, SamplingParams(temperature=0, max_tokens=(max_tokens or [GEN])[0], ignore_eos=True,
                                              logprobs=2))
@@ -79,19 +81,39 @@ def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
 def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
     """A 48-token document is cached; then six questions about it (document + 4-10 tokens) grow in a
     pool of 64 pages: a preempted one takes back what is left of its own pages or, when they were all
-    taken, copies the document's K/V from its entry; either way it does not prefill from scratch, and
-    gets the tokens of a pool large enough for all."""
+    taken, copies the document's K/V from an entry, and gets the tokens of a pool large enough for all. One
+    may prefill from scratch, having asked the prefix cache: where the copy does not fit beside its source
+    (the running questions' growth holds the rest of the pool), a recompute from nothing needs fewer pages.
+    At least one comes back through the cache."""
     doc = [random.randrange(256) for _ in range(48)]
     batches = [[("doc", doc)], _prompts(6, 4, 11, prefix=doc)]
     want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), batches)
     want_logprobs = dict(_LOGPROBS)
     assert not preempted
-    got, calls, preempted, _ = _serve(_engine(kv_cache_tokens=256), batches)
+    events = []                  # ("preempted", seq_id) and ("asked", ids, the longest cached prefix found), in order
+
+    def spy(scheduler, runner):
+        prefixes, preempt = scheduler.kv.prefixes, scheduler.preemptions.preempt
+
+        def asked(ids, *rest, **kw):
+            hits = prefixes(ids, *rest, **kw)
+            events.append(("asked", ids, max((h.length for h in hits), default=0)))
+            return hits
+        scheduler.kv.prefixes = asked
+        scheduler.preemptions.preempt = lambda seq, *rest: (events.append(("preempted", seq.seq_id)),
+                                                            preempt(seq, *rest))
+
+    got, calls, preempted, _ = _serve(_engine(kv_cache_tokens=256), batches, spy)
     assert preempted, "the pool was large enough for every question at once"
     _assert_same_tokens(got, want, want_logprobs)
     adopted = {c.seq_id for c in calls if isinstance(c, Adopt) and c.position >= len(doc)}
     reinstated = {c.seq_ids[0] for c in calls if isinstance(c, Reinstate)}
-    assert set(preempted) <= adopted | reinstated, (preempted, adopted, reinstated)
+    assert set(preempted) & (adopted | reinstated), (preempted, adopted, reinstated)
+    for seq_id in set(preempted) - adopted - reinstated:   # from scratch: the copy did not fit beside its source
+        question = batches[1][seq_id - 1][1]              # sequence 0 is the document, 1.. the questions in order
+        since = max(i for i, e in enumerate(events) if e == ("preempted", seq_id))
+        found = [e[2] for e in events[since:] if e[0] == "asked" and e[1][:len(question)] == question]
+        assert found, (seq_id, "never asked the prefix cache", preempted, adopted, reinstated)
 
 
 def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():

@@ -5,7 +5,9 @@ Worker 0's Scheduler runs here in-process over one CPU ModelRunner (tiny preset,
 call it makes is seen; each request's tokens equal those of a pool large enough for all of them."""
 import random
 
-from burstserve.engine.core.calls import Adopt, Extend, Prefill, Reinstate, Truncate
+import pytest
+
+from burstserve.engine.core.calls import Adopt, Extend, Free, Prefill, Reinstate, Truncate
 from burstserve.engine.core.sampling import SamplingParams
 from burstserve.engine.model.config import EngineConfig
 from scheduler_harness import serve_in_process
@@ -78,15 +80,17 @@ def test_a_preempted_sequence_is_recomputed_in_chunks_with_the_same_tokens():
     assert resumed, "no preempted sequence was extended chunk by chunk"
 
 
-def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
-    """A 48-token document is cached; then six questions about it (document + 4-10 tokens) grow in a
-    pool of 64 pages: a preempted one takes back what is left of its own pages or, when they were all
-    taken, copies the document's K/V from an entry, and gets the tokens of a pool large enough for all. One
-    may prefill from scratch, having asked the prefix cache: where the copy does not fit beside its source
-    (the running questions' growth holds the rest of the pool), a recompute from nothing needs fewer pages.
-    At least one comes back through the cache."""
+@pytest.mark.parametrize("lengths,way", [([7] * 6, "cached"), ([10, 10, 10, 5, 7, 9], "scratch")])
+def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache(lengths, way):
+    """A 48-token document is cached; then six questions about it (the document + `lengths` tokens) grow in a
+    pool of 64 pages; each gets the tokens of a pool large enough for all. The scheduler's choices follow from
+    the lengths alone (greedy, ignore_eos), so each layout takes one way: with 7-token questions the preempted
+    one takes back what is left of its own pages (or copies the document from an entry); with these longer
+    ones its pages are all taken before it resumes and the document's copy does not fit beside its source, so
+    it is prefilled from nothing, having asked the prefix cache after its preemption."""
     doc = [random.randrange(256) for _ in range(48)]
-    batches = [[("doc", doc)], _prompts(6, 4, 11, prefix=doc)]
+    batches = [[("doc", doc)], [(f"r{i}", doc + [random.randrange(256) for _ in range(n)])
+                                for i, n in enumerate(lengths)]]
     want, _, preempted, _ = _serve(_engine(kv_cache_tokens=4096), batches)
     want_logprobs = dict(_LOGPROBS)
     assert not preempted
@@ -106,14 +110,17 @@ def test_a_preempted_sequence_is_recomputed_from_the_prefix_cache():
     got, calls, preempted, _ = _serve(_engine(kv_cache_tokens=256), batches, spy)
     assert preempted, "the pool was large enough for every question at once"
     _assert_same_tokens(got, want, want_logprobs)
-    adopted = {c.seq_id for c in calls if isinstance(c, Adopt) and c.position >= len(doc)}
-    reinstated = {c.seq_ids[0] for c in calls if isinstance(c, Reinstate)}
-    assert set(preempted) & (adopted | reinstated), (preempted, adopted, reinstated)
-    for seq_id in set(preempted) - adopted - reinstated:   # from scratch: the copy did not fit beside its source
-        question = batches[1][seq_id - 1][1]              # sequence 0 is the document, 1.. the questions in order
+    for seq_id in set(preempted):
         since = max(i for i, e in enumerate(events) if e == ("preempted", seq_id))
-        found = [e[2] for e in events[since:] if e[0] == "asked" and e[1][:len(question)] == question]
-        assert found, (seq_id, "never asked the prefix cache", preempted, adopted, reinstated)
+        freed = next((c for c in calls if isinstance(c, Free) and seq_id in c.seq_ids), None)
+        later = calls[calls.index(freed):] if freed is not None else []
+        cached = (any(isinstance(c, Reinstate) and seq_id in c.seq_ids for c in calls)
+                  or any(isinstance(c, Adopt) and c.seq_id == seq_id and c.position >= len(doc) for c in later))
+        assert cached == (way == "cached"), (seq_id, preempted, calls)
+        if way == "scratch":
+            question = batches[1][seq_id - 1][1]          # sequence 0 is the document, 1.. the questions in order
+            found = [e[2] for e in events[since:] if e[0] == "asked" and e[1][:len(question)] == question]
+            assert found and max(found) >= len(doc), (seq_id, found)    # found, but its copy did not fit
 
 
 def test_a_preempted_sequence_takes_back_what_is_left_of_its_pages():

@@ -44,7 +44,8 @@ for part in "$@"; do
       timeout 120 python3 $probes/probe_prefill_pieces.py 2>&1 | grep -v -i warn | tee "$out/pieces.log"
       ;;
     engine)
-      bench engine-bf16 330 $M --lengths 8192,32768,131072 --repeats 2 --warmup 1 --output-len 64 --label "engine, bf16"
+      bench engine-bf16 200 $M --lengths 8192,32768 --repeats 2 --warmup 1 --output-len 64 --label "engine, bf16"
+      bench engine-bf16-128k 200 $M --lengths 131072 --repeats 2 --warmup 1 --output-len 64 --label "engine, bf16"
       ;;
     floor)
       timeout 120 python3 $probes/floor.py 8192,32768,131072 2>&1 | grep -v -i "warn\|exe_args" | tee "$out/floor.log"

@@ -85,3 +85,25 @@ def test_fa4_forward_falls_back_to_the_public_functions_for_good(monkeypatch):
     assert attention.fa4_forward(1, 2, 3, softmax_scale=0.5, causal=True) == ("out", "lse")
     assert [c[0] for c in calls] == ["private", "public varlen", "public dense"]
     assert calls[1][1] == {"return_lse": True, "cu_seqlens_q": 4, "page_table": 5, "causal": False}
+
+
+def test_the_probe_refuses_a_backend_that_returns_nan_or_rounds_fp32_to_tf32():
+    """select_backend's probe: cuDNN's SDPA returned NaN for fp32 inputs on an H100 (2026-12-07) and passed a
+    probe that compared `error > tolerance` (False for NaN), so an fp32 engine on a GPU attended through it.
+    A NaN disagrees; fp32 needs fp32's accuracy (an error of TF32's size is refused); the reference's own
+    results, and an fp32 kernel's, pass."""
+    from burstserve.kernels.attention import AttentionBackend, _probe, reference_attention
+
+    def nan(q, k, v, causal, scale):
+        out, lse = reference_attention(q, k, v, causal, scale)
+        return torch.full_like(out, float("nan")), lse
+
+    def tf32(q, k, v, causal, scale):
+        out, lse = reference_attention(q, k, v, causal, scale)
+        return out * (1 + 2e-3), lse
+
+    cpu = torch.device("cpu")
+    assert not _probe(AttentionBackend("nan", nan), cpu, torch.float32, 4, 2, 32)
+    assert not _probe(AttentionBackend("tf32", tf32), cpu, torch.float32, 4, 2, 32)
+    assert _probe(AttentionBackend("tf32", tf32), cpu, torch.bfloat16, 4, 2, 32)      # within bf16's rounding
+    assert _probe(AttentionBackend("reference", reference_attention), cpu, torch.float32, 4, 2, 32)

@@ -9,7 +9,7 @@ wheel). For each kernel and launch, the PTX instructions that decide its speed, 
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|small-gemm|silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast|
-                                      moe-up-fp8|moe-down-fp8 ...]
+                                      moe-up-fp8|moe-down-fp8|moe-silu-scaled|moe-sum-choices ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -32,6 +32,7 @@ from burstserve.kernels import fp8_paged_attention as fpa
 from burstserve.kernels import fp8_small_gemm as sg
 from burstserve.kernels import fused
 from burstserve.kernels import moe_few_rows as mfr
+from burstserve.kernels import moe_grouped as mg
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
@@ -85,6 +86,12 @@ MOE_UP_ARGS = [("x_ptr", "*u8", None), ("xs_ptr", "*fp32", None), ("gu_ptr", "*u
 MOE_DOWN_ARGS = [("act_ptr", "*u8", None), ("as_ptr", "*fp32", None), ("down_ptr", "*u8", None),
                  ("ds_ptr", "*fp32", None), ("chosen_ptr", "*i64", None), ("w_ptr", "*fp32", None),
                  ("y_ptr", "*fp32", None), ("M", "i32", 1), ("HID", "i32", 2048), ("IM", "i32", 768)]
+# the grouped experts' elementwise kernels (kernels/moe_grouped.py) on Qwen3-30B-A3B's shapes: a 16,384-row piece's
+# sorted choices (top 8), expert width 768, hidden 2048
+MOE_SILU_ARGS = [("up_ptr", "*bf16", None), ("scale_ptr", "*bf16", None), ("out_ptr", "*bf16", None),
+                 ("inter", "i32", 768)]
+MOE_SUM_ARGS = [("y_ptr", "*bf16", None), ("slot_ptr", "*i64", None), ("out_ptr", "*bf16", None),
+                ("hidden", "i32", 2048)]
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -98,6 +105,8 @@ LAUNCHES = {
     "fa3-cast": (fa3_fp8, "cast", CAST_ARGS, _CAST_CONSTS, 4, 3),
     "moe-up-fp8": (mfr, "gate_up", MOE_UP_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
     "moe-down-fp8": (mfr, "down", MOE_DOWN_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
+    "moe-silu-scaled": (mg, "silu_mul_scaled", MOE_SILU_ARGS, dict(BLOCK=mg.BLOCK), 4, 1),
+    "moe-sum-choices": (mg, "sum_choices", MOE_SUM_ARGS, dict(K=8, BLOCK=mg.BLOCK), 4, 1),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -59,3 +59,13 @@ def test_the_fp8_experts_kernels_compile_to_fp8_mmas(name):
     assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in counts), counts
     assert counts["ld.global.b8"] == 0, counts                                   # tiles, not bytes
 
+
+
+@pytest.mark.parametrize("name", ["moe-silu-scaled", "moe-sum-choices"])
+def test_the_grouped_experts_row_kernels_compile_and_move_16_bytes_at_a_time(name):
+    """kernels/moe_grouped.py's kernels compile for sm_90 (the CPU tests run them interpreted) and load their bf16
+    rows in 16-byte vectors (one scalar load: silu's row scale): they exist to pass over the [S k] rows at the
+    memory's rate."""
+    counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
+    rows = 2 if name == "moe-silu-scaled" else 1                                 # gate and up; a choice's row
+    assert counts["ld.global.b16"] <= rows - 1 and counts["ld.global.v4.b32"] >= rows, counts

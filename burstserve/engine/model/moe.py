@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from burstserve.engine.model.config import ModelConfig
-from burstserve.kernels import fp8, fused
+from burstserve.kernels import fp8, fused, moe_grouped
 from burstserve.kernels.fp8 import Fp8Weight
 from burstserve.kernels.moe_few_rows import experts_few_rows
 
@@ -232,20 +232,20 @@ def scaled_grouped_gemm_runs(x: torch.Tensor, experts: ExpertWeights) -> bool:
 
 def _sorted_choices(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """chosen [S, k] -> (order [S k]: sorted slot -> choice, by expert then row; offsets [E] int32: each expert's
-    group end), on the device (no host read-back)."""
-    flat = chosen.flatten()                                                  # [S k]
+    group end), on the device (no host read-back). The keys are sorted as int32 (half the radix passes)."""
+    flat = chosen.flatten().to(torch.int32)                                  # [S k]
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=chosen.device)
-    counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     return order, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def _sum_choices(y: torch.Tensor, order: torch.Tensor, n: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """y [S k, hidden] in sorted order -> [S, hidden]: each row's k outputs gathered back in its choices' order and
-    summed (fp32 accumulation, one rounding)."""
+def _sum_choices(y: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [S k, hidden] in sorted order -> [S, hidden] in y's dtype: each row's k outputs summed in its choices'
+    order (fp32 sums, one rounding; kernels/moe_grouped.py)."""
     slot = torch.empty_like(order)
     slot[order] = torch.arange(order.numel(), device=order.device)          # choice -> sorted slot
-    return y[slot].view(n, top_k, -1).sum(dim=1).to(dtype)
+    return moe_grouped.sum_choices(y, slot, top_k)
 
 
 def grouped_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -253,14 +253,13 @@ def grouped_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tens
     boundaries computed on the GPU (no host read-back, so a CUDA graph can replay it; an expert no row chose is an
     empty group, its weights not read). Each choice's routing weight scales its silu*up row before down (down is
     linear: the same product, on the narrower rows); each row's k outputs are gathered back and summed."""
-    n, top_k = chosen.shape
+    top_k = chosen.shape[1]
     order, offsets = _sorted_choices(chosen, experts.gate_up.shape[0])
     routed = x[order // top_k]                                               # [S k, hidden]
     up = torch._grouped_mm(routed, experts.gate_up.transpose(-2, -1), offs=offsets)        # [S k, 2 Im]
-    act = fused.silu_and_mul(up)                                             # [S k, Im]
-    act.mul_(weights.flatten()[order, None].to(act.dtype))
+    act = moe_grouped.silu_mul_scaled(up, weights.flatten()[order])         # [S k, Im]
     y = torch._grouped_mm(act, experts.down.transpose(-2, -1), offs=offsets)               # [S k, hidden]
-    return _sum_choices(y, order, n, top_k, x.dtype)
+    return _sum_choices(y, order, top_k).to(x.dtype)
 
 
 def grouped_fp8_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor,
@@ -270,7 +269,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.
     out. The routed rows are x quantized per token (once: a row's copies alike), the silu*up rows quantized per
     choice as they are made; each choice's routing weight is folded into its silu*up row's scale (the GEMM's fp32
     epilogue applies it: the quantized rows stay those of the unweighted product, as on the other paths)."""
-    n, top_k = chosen.shape
+    top_k = chosen.shape[1]
     gate_up, down = experts.gate_up, experts.down
     order, offsets = _sorted_choices(chosen, gate_up.shape[0])
     xq, xs = fp8.quantize_rows(x)                                            # [S, hidden] e4m3, [S, 1] fp32
@@ -282,7 +281,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: ExpertWeights, weights: torch.
     scale = act.scale[:, 0] * weights.flatten()[order].float()              # [S k]
     y = torch._scaled_grouped_mm(act.values, down.weight.transpose(-2, -1), scale, down.scale,
                                  offs=offsets, out_dtype=torch.bfloat16)    # [S k, hidden]
-    return _sum_choices(y, order, n, top_k, x.dtype)
+    return _sum_choices(y, order, top_k).to(x.dtype)
 
 
 def every_expert(x: torch.Tensor, experts: ExpertWeights, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

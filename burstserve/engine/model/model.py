@@ -63,17 +63,6 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def head_norms_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, h: int, hkv: int, d: int,
-                eps: float) -> None:
-    """Qwen3's norms on q and k, in place inside qkv [S, (H + 2 Hkv) D]: each head's D values RMS-normed in fp32,
-    back in qkv's dtype, then times the weight [D] (transformers' Qwen3RMSNorm, in its order)."""
-    n = qkv.shape[0]
-    for heads, start, weight in ((h, 0, q_norm), (hkv, h * d, k_norm)):
-        x = qkv[:, start:start + heads * d].view(n, heads, d)
-        xf = x.float()
-        x.copy_(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
-
-
 # A prefill's MLP runs this many rows at a time (LlamaModel.mlp): large enough that its GEMMs run at full
 # rate, small enough that a 64K-token chunk's gate/up output (3.5 GiB for llama3-8b) is not held whole.
 MLP_PIECE_ROWS = 16384
@@ -160,7 +149,7 @@ class LlamaModel:
                 layer = whole_layers.layer(i)
             qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
             if layer.q_norm is not None:
-                head_norms_(qkv, layer.q_norm, layer.k_norm, h, hkv, d, eps)
+                fused.head_norms_(qkv, layer.q_norm, layer.k_norm, h, hkv, eps)
             fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]

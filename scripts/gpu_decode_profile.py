@@ -181,7 +181,7 @@ def run(rank: int) -> None:
             return result
         return wrapper
 
-    kv.call.place = timed_part("kv.place", kv.call.place)            # what Dispatch runs before the step
+    kv.place = timed_part("kv.place", kv.place)         # what runner_alone's call runs before the step
     runner.cache.place_decode_tokens = timed_part("cache.place_decode_tokens", runner.cache.place_decode_tokens)
     if runner.graphs is not None:
         runner.graphs.run = timed_part(forward, runner.graphs.run)

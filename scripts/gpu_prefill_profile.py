@@ -30,6 +30,7 @@ WORLD = int(os.environ.get("CP", "1"))
 MODEL, DEVICE = os.environ.get("MODEL", "llama3-8b"), os.environ.get("DEVICE", "cuda")
 LAYERS = int(os.environ.get("LAYERS", "0"))       # 0: the preset's own   # DEVICE=cpu MODEL=tiny: a dry run
 GEMM_TFLOPS, ATTENTION_TFLOPS = 783.0, 644.0     # issue 13's kernel rates on one H200 (bf16 GEMM, causal attention)
+TOP = int(os.environ.get("TOP", "12"))           # kernels listed a length
 TRACE = os.environ.get("TRACE", "")              # a folder: each worker's chrome trace (host and GPU) goes there
 KINDS = ("attention", "gemm", "triton", "elementwise", "copy", "nccl")
 
@@ -45,16 +46,21 @@ def kind_of(name: str) -> str:
     if "gemm" in low or "nvjet" in low or "xmma" in low or "cutlass" in low or "matmul" in low:
         return "gemm"
     if low.startswith(("rms_norm", "rope_kernel", "silu_and_mul", "store_kv", "quantize_", "merge_into_kernel",
-                       "merge_partials_kernel", "_prep_kernel", "gather_kernel", "_pair_kernel", "reduce_kernel")):   # ours
+                       "merge_partials_kernel", "_prep_kernel", "gather_kernel", "_pair_kernel", "reduce_kernel",
+                       "head_norm_kernel", "silu_mul_scaled_kernel", "sum_choices_kernel", "gate_up_kernel",
+                       "down_kernel")):   # ours
         return "triton"
     return "elementwise"
 
 
 def flops(cfg, n: int) -> tuple[float, float]:
     """(linear FLOPs, causal attention FLOPs) of a prefill of n tokens: the LM head for one row."""
-    d, hkv_d, ffn = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    per_token = d * d * 2 + d * hkv_d * 2 + 3 * d * ffn                    # q, o; k, v; gate, up, down
-    linear = 2.0 * n * per_token * cfg.num_layers + 2.0 * d * cfg.vocab_size
+    d, hkv_d, q_d = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
+    sparse = len(cfg.sparse_layers)                                        # a mixture of experts' layers
+    experts = cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size  # a token's chosen experts
+    per_token = d * q_d * 2 + d * hkv_d * 2                                # q, o; k, v
+    mlps = (cfg.num_layers - sparse) * 3 * d * cfg.intermediate_size + sparse * experts    # gate, up, down
+    linear = 2.0 * n * (per_token * cfg.num_layers + mlps) + 2.0 * d * cfg.vocab_size
     attention = 2.0 * n * n * cfg.num_heads * cfg.head_dim * cfg.num_layers   # QK and PV, half the square each
     return linear, attention
 
@@ -72,7 +78,7 @@ def by_kind(prof) -> tuple[dict[str, float], int, list[tuple[str, float]]]:
         t = e.device_time / 1e3
         ms[kind_of(e.name)] += t
         names[e.name[:90]] = names.get(e.name[:90], 0.0) + t
-    return ms, count, sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    return ms, count, sorted(names.items(), key=lambda kv: -kv[1])[:TOP]
 
 
 def run(rank: int) -> None:

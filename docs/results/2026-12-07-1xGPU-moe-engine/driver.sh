@@ -15,6 +15,8 @@
 #   fp8:    -q fp8: TTFT 8K / 32K / 128K and TPOT 1 x 8K / 1 x 128K; 16 x 8K
 #   hf:     transformers (grouped_mm experts, sdpa) TTFT 8K / 32K
 #   million: 1,048,576 tokens, --kv-cache-dtype fp8 -q fp8, TTFT and 16 tokens' TPOT
+#   profile: where the time goes: a prefill of 8K and 32K by kernel (scripts/gpu_prefill_profile.py), a decode step
+#            at 8K by kernel in its CUDA graph (scripts/gpu_decode_profile.py)
 set -u
 out=${OUT:-/tmp/burstserve-gpu}
 probes=docs/results/2026-12-07-1xGPU-moe
@@ -61,6 +63,12 @@ for part in "$@"; do
       ;;
     hf)
       bench hf 200 $M --sp-strategy transformers --lengths 8192,32768 --repeats 1 --warmup 1 --label transformers
+      ;;
+    profile)
+      MODEL=qwen3-30b-a3b TOP=30 timeout 200 python3 scripts/gpu_prefill_profile.py 8192,32768 2>&1 \
+          | grep -v -i "warn\|exe_args" | tee "$out/profile-prefill.log"
+      MODEL=qwen3-30b-a3b timeout 150 python3 scripts/gpu_decode_profile.py 8192 2>&1 | grep -v -i "warn\|exe_args" \
+          | tee "$out/profile-decode.log"
       ;;
     million)
       bench million 580 $M --kv-cache-dtype fp8 -q fp8 --lengths 1048576 --repeats 1 --warmup 0 --output-len 16 \

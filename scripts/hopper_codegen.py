@@ -9,7 +9,7 @@ wheel). For each kernel and launch, the PTX instructions that decide its speed, 
     conversions    cvt e4m3 <-> f16 / f32
 
     python scripts/hopper_codegen.py [decode|small-gemm|silu-and-mul-fp8|rms-norm|rms-norm-fp8|fa3-amax|fa3-cast|
-                                      moe-up-fp8|moe-down-fp8|moe-silu-scaled|moe-sum-choices|head-norm ...]
+                                      moe-up-fp8|moe-down-fp8|moe-silu-scaled|moe-sum-choices|moe-route|rope-head-norm ...]
         default: all; PTX written under $OUT (or .)
 
 The arguments are specialized as a launch from the engine specializes them: every pointer 16-byte aligned,
@@ -33,6 +33,7 @@ from burstserve.kernels import fp8_small_gemm as sg
 from burstserve.kernels import fused
 from burstserve.kernels import moe_few_rows as mfr
 from burstserve.kernels import moe_grouped as mg
+from burstserve.kernels import moe_route as mr
 
 H, HKV, D, BS = 32, 8, 128, 128
 QKV_ROW = (H + 2 * HKV) * D                     # a token's row of the fused QKV output (q's token stride)
@@ -92,10 +93,14 @@ MOE_SILU_ARGS = [("up_ptr", "*bf16", None), ("scale_ptr", "*bf16", None), ("out_
                  ("inter", "i32", 768)]
 MOE_SUM_ARGS = [("y_ptr", "*bf16", None), ("slot_ptr", "*i64", None), ("out_ptr", "*bf16", None),
                 ("hidden", "i32", 2048)]
-# Qwen3's q/k head norms inside a token's fused QKV row (Qwen3-30B-A3B: 32 query heads, 4 KV heads, d 128)
-HEAD_NORM_ARGS = [("qkv_ptr", "*bf16", None), ("qw_ptr", "*bf16", None), ("kw_ptr", "*bf16", None),
-                  ("row_stride", "i32", (32 + 2 * 4) * 128), ("num_q", "i32", 32), ("num_normed", "i32", 36),
-                  ("eps", "fp32", None)]
+# the router's softmax and top 8 of 128 experts (kernels/moe_route.py), a decode step's or a prefill's rows
+MOE_ROUTE_ARGS = [("logits_ptr", "*bf16", None), ("w_ptr", "*bf16", None), ("chosen_ptr", "*i64", None),
+                  ("S", "i32", None), ("E", "i32", 128), ("stride", "i32", 128)]
+# RoPE with Qwen3's q/k head norms first, inside a token's fused QKV row (Qwen3-30B-A3B: 32 query heads, 4 KV heads,
+# d 128)
+ROPE_NORM_ARGS = [("qkv_ptr", "*bf16", None), ("cos_ptr", "*bf16", None), ("sin_ptr", "*bf16", None),
+                  ("qw_ptr", "*bf16", None), ("kw_ptr", "*bf16", None), ("row_stride", "i32", (32 + 2 * 4) * 128),
+                  ("cs_stride", "i32", 128), ("num_q", "i32", 32), ("num_rot", "i32", 36), ("eps", "fp32", None)]
 # name: (module, kernel key, [(argument, Triton type, engine value or None)], constexprs, warps, stages)
 LAUNCHES = {
     "decode": (fpa, "decode", DECODE_ARGS,
@@ -109,9 +114,11 @@ LAUNCHES = {
     "fa3-cast": (fa3_fp8, "cast", CAST_ARGS, _CAST_CONSTS, 4, 3),
     "moe-up-fp8": (mfr, "gate_up", MOE_UP_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
     "moe-down-fp8": (mfr, "down", MOE_DOWN_ARGS, _MOE_CONSTS, _MOE["warps"], _MOE["stages"]),
-    "head-norm": (fused, "head_norm", HEAD_NORM_ARGS, dict(D=128, HEADS_PAD=64), 4, 1),
+    "rope-head-norm": (fused, "rope", ROPE_NORM_ARGS, dict(D=128, HALF=64, HEADS_PAD=64, NORM=True), 4, 1),
     "moe-silu-scaled": (mg, "silu_mul_scaled", MOE_SILU_ARGS, dict(BLOCK=mg.BLOCK), 4, 1),
-    "moe-sum-choices": (mg, "sum_choices", MOE_SUM_ARGS, dict(K=8, BLOCK=mg.BLOCK), 4, 1),
+    "moe-sum-choices": (mg, "sum_choices", MOE_SUM_ARGS, dict(K=8, BLOCK=mg.BLOCK, SLOTS=True), 4, 1),
+    "moe-route": (mr, "route", MOE_ROUTE_ARGS, dict(ROWS=mr.ROWS, BLOCK_E=128, K=8, BLOCK_K=8, RENORMALIZE=True,
+                                                   INTERPRETED=False), 4, 1),
 }
 PATTERN = re.compile(r"\b(ld\.global[\w.]*|cp\.async\.(?:ca|cg|bulk)[\w.:]*|ld\.shared[\w.]*|st\.shared[\w.]*|"
                      r"ldmatrix[\w.]*|mma\.sync[\w.]*|wgmma\.mma_async[\w.]*|cvt[\w.]*e4m3[\w.]*)")

@@ -2,8 +2,9 @@
 
     rms_norm(x, weight, eps, residual=None) -> normed                (residual None)
                                             -> (normed, x + residual) (the residual stream, updated)
-    rope_(qkv, cos, sin, num_heads, num_kv_heads)                    rotates q and k inside qkv, in place
-    head_norms_(qkv, q_norm, k_norm, num_heads, num_kv_heads, eps)   Qwen3's q/k norms inside qkv, in place
+    rope_(qkv, cos, sin, num_heads, num_kv_heads, norms=None)        rotates q and k inside qkv, in place;
+                                                                     norms (q_norm, k_norm, eps): Qwen3's q/k
+                                                                     head norms first, in the same kernel
     store_kv(k_cache, v_cache, slots, k, v)                          k, v rows into a paged layer cache
     silu_and_mul(gate_up) -> silu(gate) * up
     quantize_fp8_rows(x) -> (x_fp8, scales) or None                 kernels/fp8.py's per-token quantization
@@ -43,37 +44,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return _rms_norm_torch(x, weight, eps)
 
 
-def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+          norms: tuple | None = None) -> None:
     """qkv [S, (H + 2 Hkv) D] (rows contiguous): q's H heads and k's Hkv heads rotated in place
-    (rotate-half, as transformers' LLaMA); cos, sin [S, D] in qkv's dtype."""
+    (rotate-half, as transformers' LLaMA); cos, sin [S, D] in qkv's dtype. norms (q_norm [D], k_norm [D], eps):
+    each of those heads first RMS-normed over its D values, times q_norm or k_norm (Qwen3's norms before RoPE, in
+    transformers' Qwen3RMSNorm order: normed in fp32, rounded to qkv's dtype, then times the weight, rounded)."""
     kern = _triton.kernels(qkv.device)
     if kern is not None and qkv.shape[0] > 0:
         try:
-            return _rope_triton(kern["rope"], qkv, cos, sin, num_heads + num_kv_heads)
+            return _rope_triton(kern["rope"], qkv, cos, sin, num_heads, num_kv_heads, norms)
         except Exception as e:
             _triton.failed(e)
     d = cos.shape[-1]
     rot = qkv[:, :(num_heads + num_kv_heads) * d].view(qkv.shape[0], num_heads + num_kv_heads, d)   # [S, H + Hkv, D]
+    if norms is not None:
+        _head_norms_torch(rot, *norms, num_heads)
     rot.copy_(_rope_torch(rot, cos[:, None], sin[:, None]))
 
 
-def head_norms_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
-                eps: float) -> None:
-    """qkv [S, (H + 2 Hkv) D] (rows contiguous): each of q's H heads and k's Hkv heads RMS-normed over its D values
-    in place, times q_norm or k_norm [D] (Qwen3's norms before RoPE, in transformers' Qwen3RMSNorm order: normed in
-    fp32, rounded to qkv's dtype, then times the weight). One kernel where D is a power of two."""
-    d = q_norm.shape[0]
-    kern = _triton.kernels(qkv.device)
-    if kern is not None and qkv.shape[0] > 0 and d == next_pow2(d) and qkv.stride(-1) == 1:
-        try:
-            return _head_norms_triton(kern["head_norm"], qkv, q_norm, k_norm, num_heads, num_kv_heads, eps)
-        except Exception as e:
-            _triton.failed(e)
-    n = qkv.shape[0]
-    for heads, start, weight in ((num_heads, 0, q_norm), (num_kv_heads, num_heads * d, k_norm)):
-        x = qkv[:, start:start + heads * d].view(n, heads, d)
-        xf = x.float()
-        x.copy_(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+def _head_norms_torch(heads: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                      num_heads: int) -> None:
+    """heads [S, H + Hkv, D] normed in place: the first num_heads with q_norm, the rest with k_norm."""
+    for part, weight in ((heads[:, :num_heads], q_norm), (heads[:, num_heads:], k_norm)):
+        xf = part.float()
+        part.copy_(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(part.dtype))
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -188,10 +183,12 @@ def _build() -> dict:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
-    def rope_kernel(qkv_ptr, cos_ptr, sin_ptr, row_stride, cs_stride, num_rot,
-                    D: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    def rope_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, row_stride, cs_stride, num_q, num_rot, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, NORM: tl.constexpr):
         """Program = one token: its first num_rot heads of D rotated in place,
-        out[:half] = x1 cos1 - x2 sin1, out[half:] = x2 cos2 + x1 sin2 (each product rounded, then the sum)."""
+        out[:half] = x1 cos1 - x2 sin1, out[half:] = x2 cos2 + x1 sin2 (each product rounded, then the sum).
+        NORM: each head first RMS-normed, (x * rsqrt(mean(x^2) + eps)) rounded to qkv's dtype, times its weight
+        (q's num_q heads qw [D], the others kw), rounded."""
         s = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HEADS_PAD)[:, None]
         i = tl.arange(0, HALF)[None, :]
@@ -200,6 +197,13 @@ def _build() -> dict:
         dt = qkv_ptr.dtype.element_ty
         x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            is_q = heads < num_q
+            w1 = tl.where(is_q, tl.load(qw_ptr + i).to(tl.float32), tl.load(kw_ptr + i).to(tl.float32))
+            w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i).to(tl.float32), tl.load(kw_ptr + HALF + i).to(tl.float32))
+            x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         c1 = tl.load(cos_ptr + s * cs_stride + i).to(tl.float32)
         c2 = tl.load(cos_ptr + s * cs_stride + HALF + i).to(tl.float32)
         s1 = tl.load(sin_ptr + s * cs_stride + i).to(tl.float32)
@@ -208,22 +212,6 @@ def _build() -> dict:
         o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
         tl.store(base, o1.to(dt), mask=mask)
         tl.store(base + HALF, o2.to(dt), mask=mask)
-
-    def head_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, row_stride, num_q, num_normed, eps,
-                         D: tl.constexpr, HEADS_PAD: tl.constexpr):
-        """Program = one token: its first num_normed heads of D (q's num_q, then k's) RMS-normed in place:
-        (x * rsqrt(mean(x^2) + eps)) rounded to qkv's dtype, times the head's weight [D], rounded."""
-        s = tl.program_id(0).to(tl.int64)
-        heads = tl.arange(0, HEADS_PAD)[:, None]
-        i = tl.arange(0, D)[None, :]
-        mask = heads < num_normed
-        base = qkv_ptr + s * row_stride + heads * D + i                        # [HEADS_PAD, D]
-        dt = qkv_ptr.dtype.element_ty
-        x = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)                  # [HEADS_PAD]
-        y = (x * rstd[:, None]).to(dt).to(tl.float32)
-        w = tl.where(heads < num_q, tl.load(qw_ptr + i).to(tl.float32), tl.load(kw_ptr + i).to(tl.float32))
-        tl.store(base, (w * y).to(dt), mask=mask)
 
     def store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, k_stride, v_stride, n,
                         BLOCK: tl.constexpr):
@@ -305,7 +293,6 @@ def _build() -> dict:
     return {
         "rms_norm": triton.jit(rms_norm_kernel),
         "rope": triton.jit(rope_kernel),
-        "head_norm": triton.jit(head_norm_kernel),
         "store_kv": triton.jit(store_kv_kernel),
         "silu_and_mul": triton.jit(silu_and_mul_kernel),
         "quantize_fp8": triton.jit(quantize_fp8_kernel),
@@ -344,19 +331,14 @@ def _rms_norm_triton(kernel, x, weight, eps, residual):
     return out, res_out
 
 
-def _rope_triton(kernel, qkv, cos, sin, num_rot):
+def _rope_triton(kernel, qkv, cos, sin, num_heads, num_kv_heads, norms=None):
     d = cos.shape[-1]
     if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         raise ValueError("rope_: rows must be contiguous and cos, sin alike")
-    kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), num_rot, D=d, HALF=d // 2,
-                            HEADS_PAD=next_pow2(num_rot))
-
-
-def _head_norms_triton(kernel, qkv, q_norm, k_norm, num_heads, num_kv_heads, eps):
-    d = q_norm.shape[0]
-    normed = num_heads + num_kv_heads
-    kernel[(qkv.shape[0],)](qkv, q_norm, k_norm, qkv.stride(0), num_heads, normed, eps, D=d,
-                            HEADS_PAD=next_pow2(normed))
+    q_norm, k_norm, eps = norms if norms is not None else (cos, cos, 0.0)      # (unread without NORM)
+    kernel[(qkv.shape[0],)](qkv, cos, sin, q_norm, k_norm, qkv.stride(0), cos.stride(0), num_heads,
+                            num_heads + num_kv_heads, eps, D=d, HALF=d // 2, HEADS_PAD=next_pow2(num_heads + num_kv_heads),
+                            NORM=norms is not None)
 
 
 def _store_kv_triton(kernel, k_cache, v_cache, slots, k, v):

@@ -21,7 +21,8 @@ How (no sort, the grid fixed by the shapes alone):
   swapped so that the weight's rows are the MMA's wide side and the few rows, padded to 16, its narrow side),
   and stores silu(gate) * up, in x's dtype as the model keeps it, to act[m, j_m, n-block] ([M, k, Im]).
 - down: program (c, n) reads act[m, j_m, :] and down[e]'s rows n BLOCK_N.., and stores weights[m, j_m] times the
-  fp32 product to y[m, j_m, n-block] ([M, k, hidden] fp32); out = y summed over j in torch (a fixed order).
+  fp32 product to y[m, j_m, n-block] ([M, k, hidden] fp32); out = y summed over j in j's order and cast in
+  one kernel (kernels/moe_grouped.sum_choices).
 - no split of K: silu needs a whole sum, so the gate_up kernel finds its programs in narrower output blocks
   (choose_block_n); the down kernel does the same.
 - FP8 experts (--quantization fp8: gate_up and down float8_e4m3fn, one fp32 scale per expert per output row): the
@@ -44,6 +45,7 @@ import torch
 from burstserve.kernels.arith import next_pow2
 from burstserve.kernels.device import num_sms
 from burstserve.kernels.fp8 import FP8, quantize_rows
+from burstserve.kernels.moe_grouped import sum_choices
 from burstserve.kernels.triton_setup import LazyTriton, bf16_by_bits
 
 tl = None                  # triton.language, bound by _build (the kernels resolve it as a global)
@@ -121,7 +123,7 @@ def _launch(kern, x, gate_up, down, weights, chosen, gate_up_scale=None, down_sc
     a_in, a_scale, d_scale = (*_bytes_and_scales(act.view(m * top_k, im)), down_scale) if fp8 else (act, act, down)
     kern["down"][(candidates, hidden // bn_down)](a_in, a_scale, _bytes(down), d_scale, chosen, weights, y, m, hidden,
                                                   im, BLOCK_N=bn_down, BLOCK_K=bk_down, **shared)
-    return y.sum(dim=1).to(x.dtype)
+    return sum_choices(y.view(m * top_k, hidden), None, top_k, x.dtype)        # one kernel: sum, then the cast
 
 
 def _takes(x, gate_up, down, weights, chosen, gate_up_scale, down_scale) -> bool:

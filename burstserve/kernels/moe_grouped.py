@@ -4,9 +4,9 @@ their [S k] choices sorted by expert), one kernel each on CUDA (Triton), torch o
     silu_mul_scaled(up [R, 2 Im], scale [R]) -> [R, Im] in up's dtype: silu(gate) * up * scale, gate and up the
         halves of each row, the product in fp32 and rounded once (R = S k sorted choices; scale: each choice's
         routing weight, which down, being linear, may take on its narrower input)
-    sum_choices(y [S k, hidden], slot [S k], k) -> [S, hidden] in y's dtype: out[r] = sum over j < k of
-        y[slot[r k + j]] (slot: where each row's j-th choice sits in the sorted order), fp32 sums in j's order,
-        rounded once
+    sum_choices(y [S k, hidden], slot [S k] | None, k, out_dtype=None) -> [S, hidden] in out_dtype (default y's):
+        out[r] = sum over j < k of y[slot[r k + j]] (slot: where each row's j-th choice sits in the sorted order;
+        None: in choice order already, a decode step's few rows), fp32 sums in j's order, rounded once
 
 Why: as torch ops the first is two passes over the [S k, Im] rows (silu*up, then the scaling with its gathered
 weights) and the second a gather of all [S k, hidden] rows into choice order before a sum reads them again; each
@@ -36,14 +36,16 @@ def silu_mul_scaled(up: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * val * scale.float()[:, None]).to(up.dtype)
 
 
-def sum_choices(y: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+def sum_choices(y: torch.Tensor, slot: torch.Tensor | None, k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    out_dtype = out_dtype or y.dtype
     kern = _triton.kernels(y.device)
     if kern is not None and y.shape[0] > 0:
         try:
-            return _sum_choices_triton(kern["sum_choices"], y, slot, k)
+            return _sum_choices_triton(kern["sum_choices"], y, slot, k, out_dtype)
         except Exception as e:
             _triton.failed(e)
-    return y[slot].view(-1, k, y.shape[1]).sum(dim=1)           # torch sums a 16-bit dtype in fp32 too
+    by_row = (y if slot is None else y[slot]).view(-1, k, y.shape[1])
+    return by_row.sum(dim=1).to(out_dtype)                      # torch sums a 16-bit dtype in fp32 too
 
 
 def _build() -> dict:
@@ -63,14 +65,19 @@ def _build() -> dict:
         out = gate / (1.0 + tl.exp(-gate)) * val * s
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    def sum_choices_kernel(y_ptr, slot_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK: tl.constexpr):
-        """Program = one row's block of hidden columns: its K choices' rows summed in fp32, in j's order."""
+    def sum_choices_kernel(y_ptr, slot_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK: tl.constexpr,
+                           SLOTS: tl.constexpr):
+        """Program = one row's block of hidden columns: its K choices' rows summed in fp32, in j's order (SLOTS:
+        found through slot, else rows r K + j)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(K):
-            src = tl.load(slot_ptr + row * K + j).to(tl.int64)
+            if SLOTS:
+                src = tl.load(slot_ptr + row * K + j).to(tl.int64)
+            else:
+                src = row * K + j
             acc += tl.load(y_ptr + src * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -88,9 +95,11 @@ def _silu_mul_scaled_triton(kernel, up, scale):
     return out
 
 
-def _sum_choices_triton(kernel, y, slot, k):
-    y, slot = y.contiguous(), slot.contiguous()
+def _sum_choices_triton(kernel, y, slot, k, out_dtype=None):
+    y = y.contiguous()
+    slots = slot is not None
+    slot = slot.contiguous() if slots else y                    # (unread without SLOTS)
     rows, hidden = y.shape[0] // k, y.shape[1]
-    out = torch.empty(rows, hidden, dtype=y.dtype, device=y.device)
-    kernel[(rows, ceil_div(hidden, BLOCK))](y, slot, out, hidden, K=k, BLOCK=BLOCK)
+    out = torch.empty(rows, hidden, dtype=out_dtype or y.dtype, device=y.device)
+    kernel[(rows, ceil_div(hidden, BLOCK))](y, slot, out, hidden, K=k, BLOCK=BLOCK, SLOTS=slots)
     return out

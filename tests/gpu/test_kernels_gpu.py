@@ -274,8 +274,15 @@ def test_fused_kernels_match_torch_ops_on_cuda(s):
     ref = qkv.clone()
     rot = ref[:, :(h + hkv) * d].view(s, h + hkv, d)
     rot.copy_(fused._rope_torch(rot, cos[:, None], sin[:, None]))
-    fused._rope_triton(kern["rope"], qkv, cos, sin, h + hkv)
+    fused._rope_triton(kern["rope"], qkv, cos, sin, h, hkv)
     assert ((qkv.float() - ref.float()).abs() <= 2 ** -7 * (qkv.float().abs() + 2)).all()   # sums of rounded products
+    qw, kw = torch.randn(2, d, device=DEV, dtype=bf)          # Qwen3's q/k head norms first, the same kernel
+    ref = qkv.clone()
+    rot = ref[:, :(h + hkv) * d].view(s, h + hkv, d)
+    fused._head_norms_torch(rot, qw, kw, 1e-6, h)
+    rot.copy_(fused._rope_torch(rot, cos[:, None], sin[:, None]))
+    fused._rope_triton(kern["rope"], qkv, cos, sin, h, hkv, (qw, kw, 1e-6))
+    assert ((qkv.float() - ref.float()).abs() <= 2 ** -6 * (qkv.float().abs() + 2)).all()   # and the norm's roundings
     gate_up = torch.randn(s, 2 * inter, device=DEV, dtype=bf)
     assert ulps(fused._silu_and_mul_triton(kern["silu_and_mul"], gate_up),
                 torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], 2)
@@ -601,3 +608,26 @@ def test_grouped_experts_match_the_routed_experts_in_fp64(rows):
     print(f"grouped experts, {rows} rows: max |err| / max {err:.2e}")
     assert err < 2e-2, err
     assert torch.equal(grouped_experts(x, experts, weights, chosen), grouped_experts(x, experts, weights, chosen))
+
+
+@pytest.mark.parametrize("rows,experts,k,renormalize,dtype", [(1, 128, 8, True, torch.bfloat16),
+                                                             (16384, 128, 8, True, torch.bfloat16),
+                                                             (37, 8, 2, True, torch.float32),
+                                                             (300, 60, 4, False, torch.float32)])
+def test_the_router_kernel_matches_torch_on_the_gpu(rows, experts, k, renormalize, dtype):
+    """kernels/moe_route.py's one kernel against the torch ops on the same GPU (softmax, torch.topk, renormalize):
+    the same weights within fp32's summation order, and the experts of a stable sort of the probabilities (bf16
+    logits tie often; torch.topk on CUDA takes the lower index at the k-th place too, but orders equal values as it
+    likes)."""
+    from burstserve.kernels import moe_route as mr
+    logits = (torch.randn(rows, experts, device=DEV) * 3).to(dtype)
+    out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    w, i = mr.route_top_k(logits, k, renormalize, out_dtype)
+    want_w, want_topk = mr.route_torch(logits, k, renormalize, out_dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
+    want_i = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert mr._triton.enabled
+    assert torch.equal(i, want_i)
+    assert torch.equal(i.sort(dim=-1).values, want_topk.sort(dim=-1).values)   # the same experts as torch.topk's
+    tol = dict(atol=1e-6, rtol=1e-5) if out_dtype == torch.float32 else dict(atol=0, rtol=2 ** -8)
+    torch.testing.assert_close(w.float(), want_w.float(), **tol)

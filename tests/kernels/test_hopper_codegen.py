@@ -71,9 +71,16 @@ def test_the_grouped_experts_row_kernels_compile_and_move_16_bytes_at_a_time(nam
     assert counts["ld.global.b16"] <= rows - 1 and counts["ld.global.v4.b32"] >= rows, counts
 
 
-def test_the_head_norm_kernel_compiles_and_moves_16_bytes_at_a_time():
-    """kernels/fused.py's q/k head norms compile for sm_90 (the CPU tests run them interpreted), the heads' rows
-    loaded and stored in 16-byte vectors."""
-    ptx = hopper_codegen.compile_for_hopper("head-norm").asm["ptx"]
+def test_rope_with_the_head_norms_compiles_and_moves_16_bytes_at_a_time():
+    """kernels/fused.py's RoPE with Qwen3's q/k head norms first compiles for sm_90 (the CPU tests run it
+    interpreted), the heads' halves loaded and stored in 16-byte vectors."""
+    ptx = hopper_codegen.compile_for_hopper("rope-head-norm").asm["ptx"]
     counts = hopper_codegen.summary(ptx)
     assert counts["ld.global.v4.b32"] > 0 and "st.global.v4.b32" in ptx, counts
+
+
+def test_the_router_kernel_compiles_for_hopper():
+    """kernels/moe_route.py's softmax and top k compile for sm_90 (the CPU tests run it interpreted), reading the
+    logits as vectors, not one element at a time."""
+    counts = hopper_codegen.summary(hopper_codegen.compile_for_hopper("moe-route").asm["ptx"])
+    assert counts["ld.global.b16"] == 0 and counts["ld.global.v2.b32"] + counts["ld.global.v4.b32"] > 0, counts

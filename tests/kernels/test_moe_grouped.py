@@ -33,6 +33,7 @@ def test_the_torch_ops_round_once_from_fp64():
         up, scale, y, slot, want_act, want_sum = _case(rows, k, random.randint(1, 300), random.randint(1, 300), dtype)
         _close(mg.silu_mul_scaled(up, scale), want_act, dtype)
         _close(mg.sum_choices(y, slot, k), want_sum, dtype)
+        _close(mg.sum_choices(y.float(), None, k, dtype), y.double().view(rows, k, -1).sum(dim=1), dtype)
 
 
 def _triton_interpreted_checks():
@@ -46,6 +47,8 @@ def _triton_interpreted_checks():
             total = mg._sum_choices_triton(kern["sum_choices"], y, slot, k)
             _close(act, want_act, dtype)
             _close(total, want_sum, dtype)
+            in_order = mg._sum_choices_triton(kern["sum_choices"], y.float(), None, k, dtype)   # no slots: j's order
+            _close(in_order, y.double().view(rows, k, hidden).sum(dim=1), dtype)
             if dtype == torch.float32:       # the torch ops: the same values, fp32's summation order apart
                 torch.testing.assert_close(act, mg.silu_mul_scaled(up, scale), atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(total, mg.sum_choices(y, slot, k), atol=1e-5, rtol=1e-5)

@@ -148,9 +148,8 @@ class LlamaModel:
             if whole_layers is not None:
                 layer = whole_layers.layer(i)
             qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
-            if layer.q_norm is not None:
-                fused.head_norms_(qkv, layer.q_norm, layer.k_norm, h, hkv, eps)
-            fused.rope_(qkv, cos, sin, h, hkv)                          # q, k rotated in place
+            norms = (layer.q_norm, layer.k_norm, eps) if layer.q_norm is not None else None   # Qwen3's, first
+            fused.rope_(qkv, cos, sin, h, hkv, norms)                   # q, k (normed and) rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]
             k, v = k.view(n, hkv, d), v.view(n, hkv, d)

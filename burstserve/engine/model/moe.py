@@ -1,7 +1,8 @@
 """A mixture of experts' MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), as transformers computes it.
 
-The router picks each token's top-k experts from the softmax of its logits (fp32, torch.topk: ties break as
-transformers breaks them); the chosen weights are renormalized where the model says so. Each expert is a
+The router picks each token's top-k experts from the softmax of its logits (fp32; on the CPU torch.topk: ties
+break as transformers breaks them; on CUDA one kernel, kernels/moe_route.py, the lower index first at a tie, as
+torch.topk there); the chosen weights are renormalized where the model says so. Each expert is a
 SwiGLU MLP run on the rows routed to it, its output times the row's routing weight, summed into the row:
 on the CPU in expert order (transformers' index_add order), on a GPU in the row's choices' order: a decode step's
 few rows in kernels that read only the chosen experts (kernels/moe_few_rows.py), more rows as grouped GEMMs
@@ -32,6 +33,7 @@ from burstserve.engine.model.config import ModelConfig
 from burstserve.kernels import fp8, fused, moe_grouped
 from burstserve.kernels.fp8 import Fp8Weight
 from burstserve.kernels.moe_few_rows import experts_few_rows
+from burstserve.kernels.moe_route import route_top_k
 
 
 @dataclass
@@ -143,11 +145,8 @@ def take_expert_weights(cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int
 def route(x: torch.Tensor, experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, hidden] -> (the routing weights [S, k], fp32 or x's dtype as the model keeps them; the experts
     [S, k] int64), as transformers' TopKRouter computes them."""
-    probs = torch.softmax(F.linear(x, experts.router).float(), dim=-1)      # [S, E] fp32
-    weights, chosen = torch.topk(probs, experts.top_k, dim=-1)
-    if experts.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if experts.weights_fp32 else weights.to(x.dtype)), chosen
+    out_dtype = torch.float32 if experts.weights_fp32 else x.dtype
+    return route_top_k(F.linear(x, experts.router), experts.top_k, experts.renormalize, out_dtype)
 
 
 def experts_mlp(x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:

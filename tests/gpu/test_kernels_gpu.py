@@ -629,5 +629,5 @@ def test_the_router_kernel_matches_torch_on_the_gpu(rows, experts, k, renormaliz
     assert mr._triton.enabled
     assert torch.equal(i, want_i)
     assert torch.equal(i.sort(dim=-1).values, want_topk.sort(dim=-1).values)   # the same experts as torch.topk's
-    tol = dict(atol=1e-6, rtol=1e-5) if out_dtype == torch.float32 else dict(atol=0, rtol=2 ** -8)
+    tol = dict(atol=1e-6, rtol=1e-5) if out_dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)   # bf16: an ulp
     torch.testing.assert_close(w.float(), want_w.float(), **tol)

@@ -14,6 +14,8 @@
 #   batch:  bf16 16 x 8K and 64 x 2K (64 tokens out)
 #   fp8:    -q fp8: TTFT 8K / 32K / 128K and TPOT 1 x 8K / 1 x 128K; 16 x 8K
 #   hf:     transformers (grouped_mm experts, sdpa) TTFT 8K / 32K
+#   capacity: the KV pool and the activations' row limit with default flags: bf16 and FP8 pages, bf16 and -q fp8 weights
+#   fp8profile: as profile's prefill part with -q fp8 (8K, 32K)
 #   million: 1,048,576 tokens, --kv-cache-dtype fp8 -q fp8, TTFT and 16 tokens' TPOT
 #   profile: where the time goes: a prefill of 8K and 32K by kernel (scripts/gpu_prefill_profile.py), a decode step
 #            at 8K by kernel in its CUDA graph (scripts/gpu_decode_profile.py)
@@ -71,6 +73,14 @@ for part in "$@"; do
           | grep -v -i "warn\|exe_args" | tee "$out/profile-prefill.log"
       MODEL=qwen3-30b-a3b timeout 150 python3 scripts/gpu_decode_profile.py 8192 2>&1 | grep -v -i "warn\|exe_args" \
           | tee "$out/profile-decode.log"
+      ;;
+    capacity)
+      MODEL=qwen3-30b-a3b timeout 300 python3 scripts/gpu_kv_capacity.py auto auto:fp8 fp8 fp8:fp8 2>&1 \
+          | grep -v -i "warn\|exe_args" | grep "^|\|on \|Error" | tee "$out/capacity.log"
+      ;;
+    fp8profile)
+      QUANT=fp8 MODEL=qwen3-30b-a3b TOP=25 timeout 200 python3 scripts/gpu_prefill_profile.py 8192,32768 2>&1 \
+          | grep -v -i "warn\|exe_args" | tee "$out/profile-prefill-fp8.log"
       ;;
     million)
       bench million 580 $M --kv-cache-dtype fp8 -q fp8 --lengths 1048576 --repeats 1 --warmup 0 --output-len 16 \

@@ -3,11 +3,14 @@
 (flash-attn-4 through kernels.paged_attention under CUDA graph replay against the dense fallback), then
 a num_chunks sweep of the decode fast path. Needs flash-attn-4 (scripts/README.md, "Device calls").
 
-    python scripts/gpu_kernel_timing.py [--no-blocks]     (markdown tables; --no-blocks: the paged tables only)
+    [HKV=8] python scripts/gpu_kernel_timing.py [--no-blocks]     (markdown tables; --no-blocks: the paged tables only)
+
+HKV sets the KV heads (4: Qwen3-30B-A3B's, whose decode splits a sequence into twice the chunks at the same SMs).
 
 `bash scripts/gpu.sh kernels` runs it after the kernel GPU tests; `bash scripts/gpu.sh decode` runs it
 with --no-blocks. Its CUDA-event timers are imported by the other GPU tools (`timed`: gpu_host_tier.py,
 gpu_fa3_fp8.py; `graph_us`: gpu_fp8_decode.py)."""
+import os
 import sys
 
 import torch
@@ -18,7 +21,8 @@ from burstserve.kernels.attention import AttentionBackend, _GPU_BACKENDS
 from burstserve.kernels.paged_attention import choose_num_chunks, paged_attention
 
 dev, bf = torch.device("cuda:0"), torch.bfloat16
-H, HKV, D, PAGE = 32, 8, 128, 128            # llama3-8b shapes
+H, D, PAGE = 32, 128, 128                   # llama3-8b shapes
+HKV = int(os.environ.get("HKV", "8"))
 
 
 def time_us(fn, iters=20, warm=3):
@@ -117,10 +121,10 @@ def paged_decode():
         del case, out, ref
 
     print("\nnum_chunks sweep, decode fast path (max_seqlen_q=1, Triton merge), CUDA graph replay, microseconds")
-    sweep = (8, 12, 16, 24, 32, 48, 64)
+    sweep = (4, 8, 12, 16, 24, 32, 48, 64)
     print("| batch x context | " + " | ".join(f"{c} chunks" for c in sweep) + " |")
     print("| --- | " + " | ".join("---" for _ in sweep) + " |")
-    for b, ctx in ((1, 32768), (1, 131072)):
+    for b, ctx in ((1, 8192), (1, 32768), (1, 131072)):
         case = decode_case(b, ctx)
         row = [graph_us(fa4(case, c, max_seqlen_q=1))[0] for c in sweep]
         print(f"| {b} x {ctx // 1024}K (auto {choose_num_chunks(b, HKV, ctx, sms)}) | "
@@ -131,7 +135,7 @@ def paged_decode():
 
 
 def main() -> None:
-    print(f"device: {torch.cuda.get_device_name(dev)}; llama3-8b shapes ({H} q heads, {HKV} kv heads, d {D}, bf16)")
+    print(f"device: {torch.cuda.get_device_name(dev)}; {H} q heads, {HKV} kv heads, d {D}, bf16")
     if "--no-blocks" not in sys.argv[1:]:
         ring_blocks()
     paged_decode()

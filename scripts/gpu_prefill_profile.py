@@ -1,4 +1,4 @@
-"""Where a prefill's time goes on G GPUs (llama3-8b preset, bf16, burst; G = CP, default 1), against the
+"""Where a prefill's time goes on G GPUs (llama3-8b preset or MODEL's, bf16, burst; G = CP, default 1), against the
 floor arithmetic of issue 13: per prompt length, the wall time of ModelRunner.prefill, worker 0's GPU
 time by kind of kernel under torch.profiler (attention, GEMMs, fused Triton kernels, other elementwise,
 copies; NCCL apart: it runs on the ring's own stream), the ring's exposed exchange wait, the host's

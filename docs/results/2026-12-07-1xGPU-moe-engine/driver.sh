@@ -16,7 +16,8 @@
 #   hf:     transformers (grouped_mm experts, sdpa) TTFT 8K / 32K
 #   capacity: the KV pool and the activations' row limit with default flags: bf16 and FP8 pages, bf16 and -q fp8 weights
 #   fp8profile: as profile's prefill part with -q fp8 (8K, 32K)
-#   million: 1,048,576 tokens, --kv-cache-dtype fp8 -q fp8, TTFT and 16 tokens' TPOT
+#   million: 1,048,576 tokens, --kv-cache-dtype fp8 -q fp8, TTFT and 16 tokens' TPOT (a call of its own, H200)
+#   million-fp8attn: the same with --attention-backend fa3-fp8
 #   profile: where the time goes: a prefill of 8K and 32K by kernel (scripts/gpu_prefill_profile.py), a decode step
 #            at 8K by kernel in its CUDA graph (scripts/gpu_decode_profile.py)
 set -u
@@ -82,9 +83,13 @@ for part in "$@"; do
       QUANT=fp8 MODEL=qwen3-30b-a3b TOP=25 timeout 200 python3 scripts/gpu_prefill_profile.py 8192,32768 2>&1 \
           | grep -v -i "warn\|exe_args" | tee "$out/profile-prefill-fp8.log"
       ;;
-    million)
-      bench million 580 $M --kv-cache-dtype fp8 -q fp8 --lengths 1048576 --repeats 1 --warmup 0 --output-len 16 \
+    million)      # about 500 s of attention alone: the call's first and only part, on an H200
+      bench million 595 $M --kv-cache-dtype fp8 -q fp8 --lengths 1048576 --repeats 1 --warmup 0 --output-len 16 \
           --label "engine, fp8 KV, -q fp8"
+      ;;
+    million-fp8attn)   # the same with FP8 attention (FlashAttention-3's FP8 forward: .fa3 carried, ../shared/gpu/fa3-prepare.sh)
+      bench million-fp8attn 595 $M --kv-cache-dtype fp8 -q fp8 --attention-backend fa3-fp8 --lengths 1048576 \
+          --repeats 1 --warmup 0 --output-len 16 --label "engine, fp8 KV, -q fp8, fa3-fp8 attention"
       ;;
   esac
 done

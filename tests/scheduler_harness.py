@@ -14,7 +14,6 @@ from burstserve.engine.model.config import EngineConfig, resolve_model
 from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
-from burstserve.engine.worker import run_call
 
 
 def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=None, sent: list | None = None):
@@ -28,11 +27,11 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
 
     def run_here(message):
         calls.append(message)
-        return run_call(runner, message)
+        return runner.execute(message)
 
     requests, outputs = queue.Queue(), queue.Queue()
-    call = Dispatch(run_here, sent.append if sent is not None else None)
-    scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len, [], runner.cache.host)
+    call = Dispatch(run_here, sent.append if sent is not None else None, runner.cache.host_progress)
+    scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len, [])
     if prepare is not None:
         prepare(scheduler, runner)
     failure = []

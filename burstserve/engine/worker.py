@@ -21,12 +21,10 @@ import torch.distributed as dist
 
 from burstserve.engine.cache.kv_manager import KVManager
 from burstserve.engine.control import GlooControl, PipeControl
-from burstserve.engine.core.calls import (Adopt, Decode, DecodeAhead, Extend, ExtendAndDecode, Fork, Free, HostFree, Offload,
-                                     Prefill, PumpStores, Reinstate, Restore, Retire, Shutdown, Truncate, Turn)
+from burstserve.engine.core.calls import Shutdown, Turn
 from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from burstserve.engine.model.config import EngineConfig, default_dtype, resolve_model
 from burstserve.engine.runner.model_runner import ModelRunner
-from burstserve.engine.runner.worker_cache import WorkerCache
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
 
@@ -101,7 +99,7 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
             scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len,
-                                  cfg.eos_token_ids, runner.cache.host)
+                                  cfg.eos_token_ids)
             profiled(scheduler.run, os.environ.get(PROFILE_ENV))
             call(Shutdown())
         else:
@@ -170,42 +168,18 @@ def _init_groups(rank: int, engine: EngineConfig, device: torch.device, init_met
     return None, dist.new_group(backend="gloo") if gloo_control else None
 
 
-# One handler per call (engine/core/calls.py): what each worker runs for it; the cache's calls run on the runner's
-# WorkerCache (engine/runner/worker_cache.py), the others on the runner.
-CACHE_CALLS = {Fork: WorkerCache.fork, Adopt: WorkerCache.adopt, Truncate: WorkerCache.truncate,
-               Retire: WorkerCache.retire, Reinstate: WorkerCache.reinstate, Free: WorkerCache.free,
-               Offload: WorkerCache.offload, Restore: WorkerCache.restore, HostFree: WorkerCache.host_free,
-               PumpStores: WorkerCache.pump_idle}
-HANDLERS = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndDecode: ModelRunner.extend_and_decode,
-            Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead, **CACHE_CALLS}
-
-
-def run_call(runner: ModelRunner, message):
-    """Runs one call on this worker's runner (or its cache) -> its result (engine/core/calls.py)."""
-    kind = type(message)
-    return HANDLERS[kind](runner.cache if kind in CACHE_CALLS else runner, message)
-
-
 def runner_alone(runner: ModelRunner) -> KVManager:
     """A KV manager over this runner alone, for tools and tests that drive ModelRunners without a scheduler (on
     several workers each one makes its own and places alike): kv.call(message) places work and runs it here."""
-    call = Dispatch(lambda message: run_call(runner, kv.place(message)), None)
-    kv = KVManager.of_workers(runner.engine, runner.facts(), call, prefix_caching=False,
-                              host_copies=runner.cache.host)
+    call = Dispatch(lambda message: runner.execute(kv.place(message)), None)
+    kv = KVManager.of_workers(runner.engine, runner.facts(), call, prefix_caching=False)
     return kv
 
 
 def _make_call(runner: ModelRunner, control, world_size: int) -> Dispatch:
-    """Worker 0's `call(message)`: run here, sent to every other worker in that turn's Turn."""
-    return Dispatch(lambda message: _run_pumping(runner, message), control.send if world_size > 1 else None)
-
-
-def _run_pumping(runner: ModelRunner, message):
-    """run_call, with the next part of the host tier's queued stores issued before and after it."""
-    runner.cache.pump_stores()
-    result = run_call(runner, message)
-    runner.cache.pump_stores()
-    return result
+    """Worker 0's `call(message)`: run here, sent to every other worker in that turn's Turn; the host tier's
+    progress read after each."""
+    return Dispatch(runner.execute, control.send if world_size > 1 else None, runner.cache.host_progress)
 
 
 def _follow(runner: ModelRunner, control) -> None:
@@ -213,11 +187,11 @@ def _follow(runner: ModelRunner, control) -> None:
     while True:
         turn: Turn = control.receive()
         for message in turn.changes:
-            _run_pumping(runner, message)
+            runner.execute(message)
         if isinstance(turn.work, Shutdown):
             return
         if turn.work is not None:
-            _run_pumping(runner, turn.work)
+            runner.execute(turn.work)
 
 
 def main(argv: list[str] | None = None) -> None:

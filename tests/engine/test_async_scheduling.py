@@ -107,7 +107,7 @@ def test_a_stop_tokens_kv_computed_ahead_is_cached_and_reused_as_its_cold_answer
     assert {rid: _tokens(got)[rid] for rid, _, _ in first} == answers
     assert all(got[rid][-1].finish_reason == "stop" for rid, _, _ in first)
     ended_ahead = [rid for rid, p, _ in first
-                   if len(scheduler.prefix_cache.entries.get(_seq_of(calls, p), [])) == len(p) + len(answers[rid])]
+                   if len(scheduler.kv.prefix_cache.entries.get(_seq_of(calls, p), [])) == len(p) + len(answers[rid])]
     assert ended_ahead, "no request ended while the next step was in flight"
     cold, _, _ = _serve(path, [turns], enable_prefix_caching=False)
     _assert_alike(model, turns, got, cold)

@@ -1,6 +1,6 @@
-"""engine/core/calls.py: one message type per call worker 0 makes, each run by one handler that takes exactly that
-type (a ModelRunner method, or for the cache's calls a WorkerCache method on the runner's cache); results as
-their own types."""
+"""engine/core/calls.py: one message type per call worker 0 makes, each run through the worker's one entry point
+(ModelRunner.execute) by one handler that takes exactly that type (a ModelRunner method, or for the cache's
+calls a WorkerCache method on the runner's cache); results as their own types."""
 import dataclasses
 import inspect
 import random
@@ -13,10 +13,10 @@ from burstserve.engine.core.outputs import PrefillStats
 from burstserve.engine.core.placement import ExtendWay
 from burstserve.engine.runner.model_runner import ModelRunner
 from burstserve.engine.runner.worker_cache import WorkerCache
-from burstserve.engine.worker import CACHE_CALLS, HANDLERS, run_call
+from burstserve.engine.runner.model_runner import CACHE_CHANGES, WORK
 
 RESULTS = {calls.PrefillResult, calls.DecodeResult}
-PARTS = {calls.ExtendPlacement}              # a field of a call (Extend.placed), not a call
+PARTS = {calls.ExtendPlacement, calls.SampleNext}   # fields of calls (Extend.placed, Prefill.sample_next), not calls
 
 
 def _call_types() -> set[type]:
@@ -25,9 +25,11 @@ def _call_types() -> set[type]:
 
 
 def test_every_call_has_one_handler_that_takes_that_type():
-    assert set(HANDLERS) == _call_types() - {calls.Shutdown, calls.Turn}
-    for kind, handler in HANDLERS.items():
-        owner = WorkerCache if kind in CACHE_CALLS else ModelRunner
+    assert not set(WORK) & set(CACHE_CHANGES)
+    assert set(WORK) | set(CACHE_CHANGES) == _call_types() - {calls.Shutdown, calls.Turn}
+    assert set(CACHE_CHANGES) == set(calls.CACHE_CHANGES) | {calls.PumpStores}
+    for kind, handler in {**WORK, **CACHE_CHANGES}.items():
+        owner = WorkerCache if kind in CACHE_CHANGES else ModelRunner
         assert handler is getattr(owner, handler.__name__)
         hints = typing.get_type_hints(handler, localns=vars(calls))
         params = list(inspect.signature(handler).parameters)
@@ -36,19 +38,23 @@ def test_every_call_has_one_handler_that_takes_that_type():
 
 
 def test_a_call_reaches_the_handler_of_its_type_with_its_fields(monkeypatch):
-    """run_call dispatches by exact type (a DecodeAhead goes to decode_ahead, not to a Decode's handler), the
-    runner (its cache for the cache's calls) and the message passed whole."""
-    seen = []
-    for kind, handler in list(HANDLERS.items()):
-        monkeypatch.setitem(HANDLERS, kind, lambda runner, message, name=handler.__name__:
-                            seen.append((name, runner, message)) or name)
+    """ModelRunner.execute dispatches by exact type (a DecodeAhead goes to decode_ahead, not to a Decode's
+    handler), the runner (its cache for the cache's calls) and the message passed whole, the host tier's stores
+    pumped before and after each."""
+    seen, pumped = [], []
+    for table in (WORK, CACHE_CHANGES):
+        for kind, handler in list(table.items()):
+            monkeypatch.setitem(table, kind, lambda runner, message, name=handler.__name__:
+                                seen.append((name, runner, message)) or name)
     rng = random.Random()
     ids = torch.randint(0, 100, (rng.randrange(1, 50),))
     messages = [calls.Prefill(rng.randrange(9), ids), calls.Extend(1, ids, rng.randrange(100)),
                 calls.Decode([1, 2], [3, 4], [5, 6]), calls.DecodeAhead([1], [2], [3], fed_from=[0]),
                 calls.Free([rng.randrange(9)]), calls.Adopt(1, 2, rng.randrange(64), [3, 4])]
-    runner = type("Runner", (), {"cache": object()})()
-    assert [run_call(runner, m) for m in messages] == ["prefill", "extend", "decode", "decode_ahead", "free", "adopt"]
+    cache = type("Cache", (), {"pump_stores": lambda self: pumped.append(len(seen))})()
+    runner = type("Runner", (), {"cache": cache, "execute": ModelRunner.execute})()
+    assert [runner.execute(m) for m in messages] == ["prefill", "extend", "decode", "decode_ahead", "free", "adopt"]
+    assert pumped == [n for i in range(len(messages)) for n in (i, i + 1)]
     owners = [runner] * 4 + [runner.cache] * 2
     assert all(r is owner and got is sent for (_, r, got), sent, owner in zip(seen, messages, owners))
 

@@ -1,4 +1,4 @@
-"""The scheduler's plan (engine/scheduler/step_plan.py) is a question, not an action: every plan computed over a run
+"""The scheduler's plan (engine/scheduler/policy.py) is a question, not an action: every plan computed over a run
 that admits, chunks, preempts, resumes, evicts prefix-cache entries, restores from the KV host tier and
 decodes ahead leaves the KV manager, the worker's pages, the prefix cache, the host tier and the scheduler's
 state exactly as they were, and calls no worker. The run's tokens are those of a pool large enough for every
@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from burstserve.engine.core.calls import Decode, DecodeAhead, ExtendAndDecode, Offload, Shutdown
+from burstserve.engine.core.calls import Decode, DecodeAhead, Extend, ExtendAndDecode, Offload, Prefill, Shutdown
 from burstserve.engine.core.sampling import SamplingParams
 from burstserve.engine.model.config import EngineConfig
-from burstserve.engine.scheduler import step_plan as plans
+from burstserve.engine.scheduler import policy as plans
 from scheduler_harness import serve_in_process
 
 
@@ -108,17 +108,17 @@ def test_every_plan_changes_nothing():
 
 def test_a_turn_sends_the_other_workers_one_message_with_worker_0s_calls_in_order():
     batch, engine = _workload()
-    sent, sent_by_turn = [], []
+    sent, sent_by_turn, last = [], [], [0]
 
     def count_turns(scheduler, runner):
-        carry_out = scheduler.carry_out
+        update = scheduler.update
 
-        def counted(plan):
-            before = len(sent)
-            carry_out(plan)
-            sent_by_turn.append(len(sent) - before)
+        def counted(result):            # a turn ends with its update (its changes go with the next turn's work)
+            update(result)
+            sent_by_turn.append(len(sent) - last[0])
+            last[0] = len(sent)
 
-        scheduler.carry_out = counted
+        scheduler.update = counted
 
     got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], count_turns, sent=sent)
     assert len(got) == len(batch)
@@ -128,6 +128,53 @@ def test_a_turn_sends_the_other_workers_one_message_with_worker_0s_calls_in_orde
     assert relayed[:-1] == calls                   # the same objects, in the same order
     assert len(calls) > sum(sent_by_turn), "no turn carried the cache's changes with its work"
     assert scheduler.preemptions.count > 0 and any(isinstance(c, Offload) for c in calls)
+
+
+def test_schedule_takes_the_works_pages_in_the_ledger_before_any_worker_runs_it():
+    """schedule() returns the turn's StepPlan with its work placed: the ledger holds the work's new tokens and
+    their pages while the worker's pool does not yet, and execute runs exactly that call (the same object)."""
+    batch, engine = _workload()
+    checked, wrong = [0], []
+
+    def watch(scheduler, runner):
+        execute, kv, pool = scheduler.execute, scheduler.kv, runner.pool
+
+        def checked_execute(plan):
+            work = plan.work
+            if isinstance(work, (Prefill, Extend, ExtendAndDecode, Decode)):
+                checked[0] += 1
+                ids = _work_seq_ids(work)
+                ahead = {s: kv.ledger.seqs[s].tokens[0] - pool.lengths.get(s, 0) for s in ids}
+                if not _placed(work) or not all(n > 0 for n in ahead.values()):
+                    wrong.append((type(work).__name__, ahead))
+            result = execute(plan)
+            if isinstance(work, (Prefill, Extend, ExtendAndDecode, Decode)):
+                after = {s: kv.ledger.seqs[s].tokens[0] - pool.lengths[s] for s in _work_seq_ids(work)
+                         if s in pool.lengths}
+                if any(after.values()):
+                    wrong.append(("after", type(work).__name__, after))
+            return result
+
+        scheduler.execute = checked_execute
+
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL, mixed_batch=True), [batch], watch)
+    assert len(got) == len(batch) and checked[0] > 50, checked
+    assert not wrong, wrong[:3]
+
+
+def _work_seq_ids(work) -> list[int]:
+    if isinstance(work, ExtendAndDecode):
+        return [work.extend.seq_id, *work.decode.seq_ids]
+    return list(work.seq_ids) if isinstance(work, Decode) else [work.seq_id]
+
+
+def _placed(work) -> bool:
+    """Does the call carry the KV manager's placement (its pages)?"""
+    if isinstance(work, ExtendAndDecode):
+        return _placed(work.extend) and _placed(work.decode)
+    if isinstance(work, Decode):
+        return work.owners is not None and work.new_pages is not None
+    return (work.pages if isinstance(work, Prefill) else work.placed) is not None
 
 
 @pytest.mark.parametrize("asynchronous", [True, False])
@@ -143,7 +190,8 @@ def test_update_is_the_only_place_a_turns_results_change_the_schedulers_state(as
         update, commit = scheduler.update, scheduler._commit
 
         def watched_update(result):
-            kinds.update(name for name in ("prompt", "decode", "read_back") if getattr(result, name) is not None)
+            kinds.update(name for name in ("prompt", "decode", "launch", "read_back")
+                         if getattr(result.plan, name) is not None)
             updating[0] += 1
             try:
                 update(result)
@@ -161,12 +209,14 @@ def test_update_is_the_only_place_a_turns_results_change_the_schedulers_state(as
     got, calls, scheduler = serve_in_process(EngineConfig(**options), [batch], watch_update)
     assert {rid: len(outs) for rid, outs in got.items()} == {rid: p.max_tokens for rid, _, p in batch}
     assert not outside, outside
-    assert kinds == {"prompt", "decode", "read_back" if asynchronous else "decode"}, kinds
+    assert kinds == ({"prompt", "decode", "launch", "read_back"} if asynchronous else {"prompt", "decode"}), kinds
     assert any(isinstance(c, DecodeAhead) == asynchronous for c in calls if isinstance(c, Decode))
     assert any(isinstance(c, ExtendAndDecode) for c in calls), "no chunk was mixed with a decode step"
 
 
 def test_carrying_a_plan_out_asks_the_policy_nothing():
+    """Making the policy's move into a StepPlan (plan_of), executing it and updating from its result ask the
+    policy nothing: its move is complete."""
     batch, engine = _workload()
     asked, seen = [], []
 
@@ -178,17 +228,20 @@ def test_carrying_a_plan_out_asks_the_policy_nothing():
                     asked.append(name)
                 return method(*args, **kwargs)
             setattr(policy, name, watched)
-        carry_out = scheduler.carry_out
 
-        def carry_out_watched(plan):
-            seen.append(type(plan))
-            carrying[0] = True
-            try:
-                carry_out(plan)
-            finally:
-                carrying[0] = False
+        def carrying_out(step, record=False):
+            def watched(arg):
+                if record:
+                    seen.append(type(arg))
+                carrying[0] = True
+                try:
+                    return step(arg)
+                finally:
+                    carrying[0] = False
+            return watched
 
-        scheduler.carry_out = carry_out_watched
+        scheduler.plan_of = carrying_out(scheduler.plan_of, record=True)
+        scheduler.execute, scheduler.update = carrying_out(scheduler.execute), carrying_out(scheduler.update)
 
     got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], watch_policy)
     assert len(got) == len(batch)
@@ -206,21 +259,27 @@ def test_the_kv_managers_ledger_is_what_the_worker_holds_after_every_turn():
     mismatches, turns, kinds = [], [0], set()
 
     def compare_after_each_turn(scheduler, runner):
-        kv, pool, carry_out = scheduler.kv, runner.pool, scheduler.carry_out
+        kv, pool, plan_of, update = scheduler.kv, runner.pool, scheduler.plan_of, scheduler.update
+        move = [None]
 
-        def compared(plan):
-            carry_out(plan)
+        def recorded(m):
+            move[0] = m
+            kinds.add(type(m))
+            return plan_of(m)
+
+        def compared(result):
+            update(result)
             turns[0] += 1
-            kinds.add(type(plan))
+            name = type(move[0]).__name__
             held = {s: seq.tokens[0] for s, seq in kv.ledger.seqs.items()}
             on_pages = {s: seq.pages[0] for s, seq in kv.ledger.seqs.items()}
             if held != pool.lengths or on_pages != pool.pages or kv.ledger.free_pages()[0] != pool.free_pages:
-                mismatches.append((type(plan).__name__, held, dict(pool.lengths)))
+                mismatches.append((name, held, dict(pool.lengths)))
             host = runner.cache.host
             if {h: seq.pages[0] for h, seq in kv.host.seqs.items()} != host.pages:
-                mismatches.append((type(plan).__name__, "host tier", list(kv.host.seqs), dict(host.pages)))
+                mismatches.append((name, "host tier", list(kv.host.seqs), dict(host.pages)))
 
-        scheduler.carry_out = compared
+        scheduler.plan_of, scheduler.update = recorded, compared
 
     got, calls, scheduler = serve_in_process(EngineConfig(**engine, **SMALL_POOL), [batch], compare_after_each_turn)
     assert len(got) == len(batch) and turns[0] > 50, turns

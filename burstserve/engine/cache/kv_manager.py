@@ -25,10 +25,9 @@ entries are evicted whole, least recently used first, and one that is a prefix o
 that one comes. A prompt whose longest prefix in the host tier is longer than in the pool by at least an
 eighth of it (RESTORE_GAIN) restores it from there (Restore), else copies it in the pool (Adopt).
 """
-from collections.abc import Sized
 from dataclasses import dataclass, replace
-from typing import Protocol
 
+from burstserve.engine.cache.host_copies import HostCopies
 from burstserve.engine.cache.ledger import KVLedger, pages_for
 from burstserve.engine.cache.page_planner import PagePlanner
 from burstserve.engine.cache.prefix_cache import BLOCK, Chain, PrefixCache
@@ -59,20 +58,9 @@ def worth_restoring(host: Hit, in_pool: int) -> bool:
     return host.length - in_pool >= max(BLOCK, host.length // RESTORE_GAIN)
 
 
-class HostCopies(Protocol):
-    """What the KV manager asks of worker 0's host tier (engine/pages/host_pool.py HostPool): whether its
-    copies are done. Every worker copies alike, so worker 0's answer is every worker's."""
-    queued: Sized                                 # stores not yet issued
-
-    def load_pending(self, seq_id: int) -> bool: ...
-
-    def store_pending(self, seq_id: int) -> bool: ...
-
-
 class KVManager:
     @classmethod
-    def of_workers(cls, engine, facts, call, prefix_caching: bool,
-                   host_copies: HostCopies | None = None) -> "KVManager":
+    def of_workers(cls, engine, facts, call, prefix_caching: bool) -> "KVManager":
         """The KV manager of workers that reported `facts` (engine/core/messages.py WorkerFacts: their strategy's
         placement, their pool's and host tier's sizes, the same on every worker) under the engine's options
         (EngineConfig)."""
@@ -81,13 +69,12 @@ class KVManager:
         pages = PagePlanner(placement, ledger, facts.max_pages_per_seq, engine.extend_ring_min_tokens)
         host_ledger = (KVLedger(engine.world_size, engine.page_size, facts.kv_host_pages, placement.replicated_kv,
                                 first_page=0) if facts.kv_host_pages else None)
-        return cls(ledger, pages, call, prefix_caching, host_ledger, host_copies if host_ledger else None)
+        return cls(ledger, pages, call, prefix_caching, host_ledger)
 
     def __init__(self, ledger: KVLedger, pages: PagePlanner, call, prefix_caching: bool,
-                 host_ledger: KVLedger | None = None, host_pool: HostCopies | None = None):
+                 host_ledger: KVLedger | None = None):
         """ledger, pages: its own (no worker's); call(message): sends one engine/core/calls.py message to every
-        worker; host_ledger: the host tier's (None: no tier); host_pool: worker 0's host tier, asked whether its
-        copies are done."""
+        worker; host_ledger: the host tier's (None: no tier)."""
         self.ledger, self.pages, self.call = ledger, pages, call
         self.prefix_cache = PrefixCache() if prefix_caching else None
         self.host = host_ledger if prefix_caching else None
@@ -96,7 +83,7 @@ class KVManager:
         self.host_hits = 0                    # prompt tokens restored from the host tier
         self.host_evicted_tokens = 0
         self.stored_bytes = self.restored_bytes = 0    # worker 0's copies to and from the host tier
-        self.host_pool = host_pool
+        self.copies = HostCopies()             # the tier's copies still running (engine/cache/host_copies.py)
         self.watermark = max(1, ledger.num_pages // 100)   # pages kept free for running sequences to grow
         self.capacity_per_worker = ledger.num_pages * ledger.block_size
         self._chain_of: list[int] | None = None          # the prompt whose Chain is _chain_keys (_chain)
@@ -135,7 +122,7 @@ class KVManager:
             return []
         early = [e for e in first if e in self.prefix_cache.entries and e != keep_entry]
         entries = [e for e in self.prefix_cache.entries if e != keep_entry and e not in early]
-        copying = [e for e in entries if self._store_pending(e)]       # freeing them would wait for the copy
+        copying = [e for e in entries if self.copies.storing(e)]       # freeing them would wait for the copy
         entries = [e for e in entries if e not in copying] + copying
         hit = self.prefix_cache.longest(prompt, keys=self._chain(prompt)) if prompt else None
         if hit is not None and hit[0] in entries:
@@ -194,19 +181,6 @@ class KVManager:
         if host is None or not worth_restoring(Hit(*host), in_pool):
             return None
         return Hit(*host, on_host=True)
-
-    def restore_pending(self, seq_id: int) -> bool:
-        """Is the sequence's restore from the host tier still copying (on worker 0)? Until it is done the
-        sequence waits and the others decode; the other workers' copies are waited for on their GPUs."""
-        return self.host_pool is not None and self.host_pool.load_pending(seq_id)
-
-    def _store_pending(self, seq_id: int) -> bool:
-        """Is the entry still being copied to the host tier (worker 0's view; every worker copies alike)?"""
-        return self.host_pool is not None and self.host_pool.store_pending(seq_id)
-
-    def stores_queued(self) -> bool:
-        """Are stores to the host tier still queued (worker 0's; every worker queues the same ones)?"""
-        return self.host_pool is not None and bool(self.host_pool.queued)
 
     def hit_pages(self, hit: Hit, rest: int, chunk: int | None) -> list[int]:
         """Pages per worker to copy the hit (from the pool or the host tier) and extend it by `rest` tokens."""
@@ -301,6 +275,7 @@ class KVManager:
             return
         counts = self.host.add_prefix_of(seq_id, seq_id, position, tier=self.ledger)
         self.stored_bytes += self.call(Offload(seq_id, position, counts, self._pages(self.host, seq_id)))
+        self.copies.issued(storing=seq_id)
         self.host_cache.insert(seq_id, tokens[:position], keys if position == len(tokens) else None)
 
     def _host_room(self, seq_id: int, length: int) -> int:
@@ -345,6 +320,7 @@ class KVManager:
             counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length, tier=self.host)
             self.restored_bytes += self.call(Restore(hit.entry, seq_id, hit.length, counts,
                                                      self._pages(self.ledger, seq_id)))
+            self.copies.issued(loading=seq_id)
         else:
             self.prefix_cache.touch(hit.entry)
             counts = self.ledger.add_prefix_of(hit.entry, seq_id, hit.length)

@@ -15,9 +15,22 @@ import torch
 
 from burstserve.engine.core.outputs import PrefillStats
 from burstserve.engine.core.placement import ExtendWay, Shard
+from burstserve.engine.core.sampling import RowSampling
 
 
 # ---------------------------------------------------------------- calls
+
+@dataclass
+class SampleNext:
+    """What worker 0 returns after a prompt's last token (a request's first token, a resumed sequence's next):
+    the token drawn on its device by `rule`, as a decode step's rows are drawn (engine/runner/step_tokens.py),
+    with its logprobs where the rule asks. The logits [V] come back to the host only where needed: instead of
+    the token for a grammar's row (`on_host`: masked and drawn there), or beside it (`logits`: a twin waiting
+    for this prompt draws its first token from them; LLM.next_token_logits returns them)."""
+    rule: RowSampling
+    on_host: bool = False
+    logits: bool = False
+
 
 @dataclass
 class Prefill:
@@ -26,6 +39,7 @@ class Prefill:
     token_ids: torch.Tensor                    # [N] int64, CPU
     prompt_logprobs: int | None = None         # top k of every prompt position, or None
     pages: list[list[int]] | None = None       # by rank, the pages its prompt fills (set by the KV manager's `place`)
+    sample_next: SampleNext | None = None      # its last token's next (None: a chunk before the last; nothing back)
 
 
 @dataclass
@@ -45,6 +59,7 @@ class Extend:
     token_ids: torch.Tensor                    # [n] int64, CPU
     start: int
     placed: ExtendPlacement | None = None      # set by the KV manager's `place`
+    sample_next: SampleNext | None = None      # as Prefill's
 
 
 @dataclass
@@ -183,8 +198,8 @@ class DecodeResult:
 
 @dataclass
 class PrefillResult:
-    """What a Prefill or an Extend (or ExtendAndDecode's chunk) returns: its timings, and on worker 0 the
-    last token's logits. `stats()` is what a request's metrics report (engine/core/outputs.py PrefillStats)."""
+    """What a Prefill or an Extend (or ExtendAndDecode's chunk) returns: its timings, and on worker 0 what its
+    SampleNext asks (the next token, the last token's logits). `stats()` is what a request's metrics report (engine/core/outputs.py PrefillStats)."""
     prefill_seconds: float
     strategy: str                              # the strategy's name; "extend" or "extend+decode" for a chunk
     setup_seconds: float | None = None
@@ -199,7 +214,9 @@ class PrefillResult:
     peak_memory_bytes: int | None = None
     extend_way: ExtendWay | None = None        # an extend: how it ran
     graphed: bool = False                      # an extend replayed as a CUDA graph
-    logits: torch.Tensor | None = None         # [V] fp32, CPU (worker 0)
+    token: int | None = None                   # the next token, drawn as the call's SampleNext says (worker 0)
+    logprobs: dict | None = None               # ... its logprobs entry, where its rule asks
+    logits: torch.Tensor | None = None         # [V] fp32, CPU (worker 0), where its SampleNext asks
     prompt_logprobs: list | None = None        # (worker 0, when asked)
     decode: DecodeResult | None = None         # ExtendAndDecode: the decode step's (worker 0)
 

@@ -66,6 +66,18 @@ class WorkerFacts:
 
 
 @dataclass(frozen=True)
+class HostProgress:
+    """Worker 0's host tier after a call (engine/pages/host_pool.py): the copies still running, what the KV
+    manager plans with (an entry still being stored is evicted last; a prompt still restoring waits while others
+    decode). Every worker copies alike, so worker 0's view is every worker's. Asynchronous: copies run beside
+    compute (CUDA); on CPU they are done when their call returns and nothing is ever pending."""
+    asynchronous: bool = False
+    loading: frozenset = frozenset()     # seq ids whose restore from the tier is still copying
+    storing: frozenset = frozenset()     # seq ids whose store to the tier is queued or still copying
+    queued: int = 0                      # store layers not issued yet
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     rank: int
     facts: WorkerFacts

@@ -19,7 +19,7 @@ it): the copy engine serves one direction's copies in order, so a call's small r
 that much. A load of an entry waits for that entry's store; a store waits for the loads out of host pages
 freed since (it may take them). The compute stream waits for a load before it runs the restored sequence:
 layer by layer when it runs at once (`layer_waits`), else the scheduler lets the running sequences decode
-until `load_pending` is False; and for both before the GPU pages they touch are freed or truncated
+until `progress` says its restore is done; and for both before the GPU pages they touch are freed or truncated
 (`pages_unused`). On CPU the copies are plain and synchronous.
 """
 import contextlib
@@ -30,6 +30,7 @@ import torch
 
 from burstserve.engine.cache.ledger import pages_for
 from burstserve.engine.core.errors import DeviceSpecError
+from burstserve.engine.core.messages import HostProgress
 from burstserve.engine.pages.page_pool import HeldPages, OutOfPagesError, PagePool, page_runs
 
 
@@ -138,14 +139,6 @@ class HostPool:
                 if seq_id == until:
                     return
 
-    def store_pending(self, seq_id: int) -> bool:
-        """Is a store out of the sequence's GPU pages queued or still copying (CUDA)? Freeing those pages
-        would make the compute stream wait for it."""
-        if seq_id in self.storing:
-            return True
-        event = self.stored.get(seq_id)
-        return event is not None and not event.query()
-
     def load(self, gpu: PagePool, host_id: int, seq_id: int, num_tokens: int) -> int:
         """The GPU sequence's first num_tokens slots (its pages already taken) <- the entry's -> bytes copied."""
         n = pages_for(num_tokens, self.block_size)
@@ -205,10 +198,16 @@ class HostPool:
                 dev.index_copy_(0, index[start:end], host[h:h + end - start].to(dev.device, non_blocking=self.cuda))
             start = end
 
-    def load_pending(self, seq_id: int) -> bool:
-        """Is the sequence's restore still copying (worker 0's view; CPU: never)?"""
-        load = self.loads.get(seq_id)
-        return self.cuda and load is not None and not load[1].query()
+    def progress(self) -> HostProgress:
+        """The copies still running (CPU: none): what worker 0 reports to the KV manager after every call. A
+        store seen done is forgotten (freeing its pages waits for nothing), so each report asks only the copies
+        in flight."""
+        if not self.cuda:
+            return HostProgress()
+        for seq_id in [s for s, event in self.stored.items() if event.query()]:
+            del self.stored[seq_id]
+        loading = frozenset(s for s, load in self.loads.items() if not load[1].query())
+        return HostProgress(True, loading, frozenset(self.storing) | frozenset(self.stored), len(self.queued))
 
     def pages_unused(self, seq_id: int) -> None:
         """Before the GPU sequence's pages go back to the pool (whoever takes them next writes them): the compute

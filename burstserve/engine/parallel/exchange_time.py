@@ -54,3 +54,7 @@ class ExchangeTime:
         """One layer's G - 1 exchanges alone for blocks of `lengths` tokens (one per worker): each step
         waits for its largest block."""
         return (len(lengths) - 1) * (self.latency + self.seconds_per_byte * max(lengths) * self.token_bytes)
+
+    def prompt_seconds(self, shards, num_layers: int) -> float:
+        """All layers' ring exchanges alone for a prompt placed as `shards` (arithmetic: the fit made at start)."""
+        return self.layer_seconds([s.length for s in shards]) * num_layers

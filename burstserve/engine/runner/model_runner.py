@@ -9,7 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.core.calls import Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Prefill, PrefillResult
+from burstserve.engine.core.calls import (Adopt, Decode, DecodeAhead, DecodeResult, Extend, ExtendAndDecode, Fork, Free,
+                                          HostFree, Offload, Prefill, PrefillResult, PumpStores, Reinstate, Restore,
+                                          Retire, Truncate)
 from burstserve.engine.core.devices import host_to_device, synchronize
 from burstserve.engine.core.messages import WorkerFacts
 from burstserve.engine.core.placement import ExtendWay, Shard, owner_of_position
@@ -17,7 +19,7 @@ from burstserve.engine.core.prompt_logprobs import as_entries
 from burstserve.engine.model.config import DTYPES, EngineConfig, ModelConfig
 from burstserve.engine.model.model import hf_weight_shapes
 from burstserve.engine.model.weights import load_weights, random_weights, weight_bytes
-from burstserve.engine.parallel import PrefillContext, PrefillStrategy, get_strategy, kv_view
+from burstserve.engine.parallel import PrefillContext, get_strategy, kv_view
 from burstserve.engine.parallel.decode_attention import DecodeAttention
 from burstserve.engine.parallel.exchange_time import ExchangeTime
 from burstserve.engine.parallel.pass_kv import PassKVChoice
@@ -25,7 +27,7 @@ from burstserve.engine.parallel.ring import RingCommunicator
 from burstserve.engine.runner.decode_graphs import DecodeGraphs, release_graphs
 from burstserve.engine.runner.extend_attention import ExtendAttention, warm_extend_kernels
 from burstserve.engine.runner.extend_graphs import ExtendGraphs
-from burstserve.engine.runner.step_tokens import FedTokens, PendingTokens, sampled_result
+from burstserve.engine.runner.step_tokens import FedTokens, PendingTokens, sampled_next, sampled_result, with_step
 from burstserve.engine.runner.worker_cache import AfterRestore, PlacedExtend, WorkerCache
 from burstserve.engine.runner.worker_memory import check_weights_fit, peak_memory_all_workers
 from burstserve.kernels.attention import select_backend
@@ -96,6 +98,16 @@ class ModelRunner:
                  "FP8 with a scale per token and head" if self.pool.fp8 else str(dtype).removeprefix("torch."),
                  "in CUDA graphs" if self.graphs else "eager")
 
+    def execute(self, call):
+        """The worker's one entry point (worker 0's and every other's): one call of engine/core/calls.py run on
+        this runner, a cache change on its WorkerCache -> its result (kept on worker 0, dropped elsewhere). The
+        host tier's queued stores go out a slice before and after it."""
+        self.cache.pump_stores()
+        kind = type(call)
+        result = WORK[kind](self, call) if kind in WORK else CACHE_CHANGES[kind](self.cache, call)
+        self.cache.pump_stores()
+        return result
+
     @torch.inference_mode()
     def prefill(self, call: Prefill) -> PrefillResult:
         """call.token_ids [N] int64 (CPU). Returns timings, and on worker 0 the logits [V] (CPU fp32) and with
@@ -107,10 +119,11 @@ class ModelRunner:
         if prompt_logprobs is None and num_tokens <= self.sliced_max_tokens:   # on the weight slices (burst-zero)
             start, _, slots = self._begin_prefill(call, shards)
             logits = self.layout.prefill_on_slices(self.prefill_context, self.pool, slots, shards, token_ids)   # [V]
-            return self._prefill_result(self.layout.sliced_name, logits, start, entered)
+            return self._prefill_result(call, self.layout.sliced_name, logits, start, entered)
         chosen = self.strategy.for_prompt(num_tokens, self.prefill_context)   # auto: ulysses or burst
         attention = chosen.attention(self.prefill_context, shards, self.rank)   # (q, kv, between) -> [n, H, D]
-        exchange_alone = exchange_seconds_alone(self.exchange_time, chosen, shards, self.cfg.num_layers)
+        exchange_alone = (self.exchange_time.prompt_seconds(shards, self.cfg.num_layers)
+                          if self.exchange_time is not None and chosen.times_exchanges else 0.0)   # no K/V ring: 0
         start, shard, slots = self._begin_prefill(call, shards)           # slots [n]
         n, positions = shard.length, shard.positions()                      # [n]
         seq_parallel = chosen.sequence_parallel(num_tokens, self.rank, self.data_group)   # tp-v3
@@ -128,7 +141,7 @@ class ModelRunner:
         last = seq_parallel.last_row() if seq_parallel else owner_of_position(shards, num_tokens - 1)
         logits = self.layout.logits_of_row(hidden, *last)                  # [V], on every worker
         stats = self.ring.collect_stats() if self.ring else None
-        result = self._prefill_result(chosen.name, logits, start, entered, stats, exchange_alone)
+        result = self._prefill_result(call, chosen.name, logits, start, entered, stats, exchange_alone)
         if prompt_logprobs is not None:                                 # its time counts in wrapup_seconds
             wrapup = time.perf_counter()
             if seq_parallel:                                            # every row on every worker, as tp
@@ -149,10 +162,10 @@ class ModelRunner:
         shard, slots = self.cache.place_prompt(call.seq_id, shards, call.pages)
         return start, shard, slots
 
-    def _prefill_result(self, strategy: str, logits: torch.Tensor, start: float, entered: float, stats=None,
-                        exchange_alone: float = 0.0) -> PrefillResult:
+    def _prefill_result(self, call: Prefill, strategy: str, logits: torch.Tensor, start: float, entered: float,
+                        stats=None, exchange_alone: float = 0.0) -> PrefillResult:
         """After a prefill's forward: its timings (stats: the K/V ring's, against its exchanges' time alone), the
-        workers' peak memory, and on worker 0 the logits [V] (CPU)."""
+        workers' peak memory, and on worker 0 what the call's SampleNext asks of the logits [V]."""
         self._sync()
         end = time.perf_counter()
         result = PrefillResult(end - start, strategy, setup_seconds=start - entered)
@@ -163,29 +176,23 @@ class ModelRunner:
             result.exchange_seconds, result.hidden_fraction = exchange_alone, min(1.0, max(0.0, share))
         if self.device.type == "cuda":
             result.peak_memory_bytes = peak_memory_all_workers(self.device, self.world_size, self.data_group)
-        if self.rank == 0:
-            result.logits = logits.cpu()
+        if self.rank == 0 and call.sample_next is not None:
+            result.token, result.logprobs, result.logits = sampled_next(logits, call.sample_next)
         result.wrapup_seconds = time.perf_counter() - end   # stats and logits after the prefill
         return result
 
     @torch.inference_mode()
     def extend(self, call: Extend) -> PrefillResult:
-        """An incremental prefill: token_ids [n] int64 (CPU) are the sequence's tokens start .. start+n-1,
-        after the `start` already in the cache (a chunked prefill's next chunk, or a prompt beyond its
-        cached prefix), in one of three ways (engine/runner/extend_attention.py, chosen by engine/cache/page_planner.py): "local"
-        (one worker, or replicated K/V), "whole" (every worker runs the n tokens, one keeps their K/V) or
-        "ring" (sharded over the workers, the K/V ring among them, their queries passed to the cache).
-        Returns timings, and on worker 0 the logits [V] of the last token (CPU fp32)."""
+        """An incremental prefill: token_ids [n] int64 (CPU), the sequence's tokens start .. start+n-1 after the
+        `start` cached (a chunk, or a prompt past its cached prefix), in the way its placement names
+        (engine/runner/extend_attention.py) -> timings, and on worker 0 what its SampleNext asks."""
         return self._extend(call, None)
 
     @torch.inference_mode()
     def extend_and_decode(self, call: ExtendAndDecode) -> PrefillResult:
-        """A chunk of a prompt (as `extend`) and one decode step of other sequences (as `decode`) in one
-        forward pass (Sarathi's mixed batch): each worker's rows are its share of the chunk followed by the
-        B decode tokens, so the weights are read once for both; per layer the chunk's rows attend through
-        ExtendAttention and the decode rows through DecodeAttention: one CUDA graph replay where
-        engine/runner/extend_graphs.py has one for the chunk's size and way and the batch, else eagerly. Returns
-        `extend`'s result, and on worker 0 in its `decode` what `decode` returns."""
+        """A chunk (as `extend`) and a decode step of other sequences (as `decode`) in one forward pass (Sarathi's
+        mixed batch: the chunk's rows, then the B decode rows; one CUDA graph where engine/runner/extend_graphs.py
+        has one) -> `extend`'s result, and on worker 0 in its `decode` what `decode` returns."""
         return self._extend(call.extend, call.decode)
 
     def _extend(self, call: Extend, step: Decode | None) -> PrefillResult:
@@ -202,7 +209,7 @@ class ModelRunner:
             step_inputs = self.cache.place_decode_tokens(step) if step is not None else None
             logits, decode_logits = self.extend_graphs.run(token_ids, start, placed.host_slots if placed.keeps else None,
                                                            self.pool.rows[seq_id], placed.cached, step_inputs)
-            result = self._extend_result(logits, start, start_time, strategy, placed.way, graphed=True)
+            result = self._extend_result(call, logits, start_time, strategy, placed.way, graphed=True)
             return with_step(self.cache.with_restore(seq_id, result), decode_logits, step, self.rank)
         last, ids, positions, chunk = self._begin_extend(seq_id, token_ids, start, placed, waits)
         decode_logits = None
@@ -223,7 +230,7 @@ class ModelRunner:
         logits = self.layout.logits_of_row(hidden[:m], *last)                      # [V], on every worker
         if step is not None:
             decode_logits = self.model.logits(hidden[m:])                           # [B, V]
-        result = self._extend_result(logits, start, start_time, strategy, chunk.reported_way)
+        result = self._extend_result(call, logits, start_time, strategy, chunk.reported_way)
         return with_step(self.cache.with_restore(seq_id, result), decode_logits, step, self.rank)
 
     def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
@@ -251,16 +258,16 @@ class ModelRunner:
         last = (0, n - 1) if way == ExtendWay.WHOLE else owner_of_position(shards, n - 1)
         return last, token_ids[positions].to(self.device), (positions + start).to(self.device), attend
 
-    def _extend_result(self, logits: torch.Tensor, start: int, start_time: float, strategy: str, way: str,
+    def _extend_result(self, call: Extend, logits: torch.Tensor, start_time: float, strategy: str, way: str,
                        graphed: bool = False) -> PrefillResult:
-        """After an incremental prefill's forward: its timings and way, and on worker 0 the logits (CPU)."""
+        """After an incremental prefill's forward: its timings and way, and on worker 0 what its SampleNext asks."""
         if self.ring is not None:
             self.ring.collect_stats()                                    # not reported: a chunk's ring is short
         self._sync()
-        result = PrefillResult(time.perf_counter() - start_time, strategy, cached_tokens=start, extend_way=way,
+        result = PrefillResult(time.perf_counter() - start_time, strategy, cached_tokens=call.start, extend_way=way,
                                graphed=graphed)
-        if self.rank == 0:
-            result.logits = logits.cpu()
+        if self.rank == 0 and call.sample_next is not None:
+            result.token, result.logprobs, result.logits = sampled_next(logits, call.sample_next)
         return result
 
     @torch.inference_mode()
@@ -270,7 +277,7 @@ class ModelRunner:
         asked; None elsewhere. With call.fed_from (asynchronous scheduling, engine/runner/step_tokens.py) a row's
         input token is the previous step's (a DecodeAhead) on the device."""
         logits = self._decode_logits(call)                                   # [B, V] fp32
-        return sampled_result(logits, call) if self.rank == 0 else None
+        return sampled_result(logits, call.sampling, call.host_rows) if self.rank == 0 else None
 
     @torch.inference_mode()
     def decode_ahead(self, call: DecodeAhead) -> "PendingTokens | None":
@@ -301,10 +308,8 @@ class ModelRunner:
         return self.decode_forward(inputs, num_pages)
 
     def release_graphs(self) -> None:
-        """Destroys the decode and extend CUDA graphs; called before the process group is destroyed. A
-        graph that captured an NCCL collective holds a reference to its communicator, and destroying the
-        group waits for every such reference (pytorch/pytorch#115388): with the graphs alive, a worker of
-        several GPUs would hang at shutdown."""
+        """Destroys the CUDA graphs before the process group is: a graph that captured an NCCL collective holds
+        its communicator, which the group's destruction waits for (pytorch/pytorch#115388: a hang at shutdown)."""
         release_graphs(self.graphs, self.extend_graphs)
         self.graphs = self.extend_graphs = None
         if self.device.type == "cuda":
@@ -334,17 +339,10 @@ class ModelRunner:
             synchronize(self.device)
 
 
-def with_step(result: PrefillResult, decode_logits: torch.Tensor | None, step: Decode | None, rank: int):
-    """On worker 0, a mixed batch's decode step's sampled result in result.decode."""
-    if step is not None and rank == 0:
-        result.decode = sampled_result(decode_logits, step)
-    return result
-
-
-def exchange_seconds_alone(exchange_time: ExchangeTime | None, chosen: PrefillStrategy, shards,
-                           num_layers: int) -> float:
-    """All layers' ring exchanges alone for this prompt (arithmetic: the fit made at start); 0 without a K/V
-    ring."""
-    if exchange_time is None or not chosen.times_exchanges:
-        return 0.0
-    return exchange_time.layer_seconds([s.length for s in shards]) * num_layers
+# What each call runs (engine/core/calls.py): the work on the runner, the cache's changes on its WorkerCache.
+WORK = {Prefill: ModelRunner.prefill, Extend: ModelRunner.extend, ExtendAndDecode: ModelRunner.extend_and_decode,
+        Decode: ModelRunner.decode, DecodeAhead: ModelRunner.decode_ahead}
+CACHE_CHANGES = {Fork: WorkerCache.fork, Adopt: WorkerCache.adopt, Truncate: WorkerCache.truncate,
+                 Retire: WorkerCache.retire, Reinstate: WorkerCache.reinstate, Free: WorkerCache.free,
+                 Offload: WorkerCache.offload, Restore: WorkerCache.restore, HostFree: WorkerCache.host_free,
+                 PumpStores: WorkerCache.pump_idle}

@@ -1,5 +1,6 @@
-"""A decode step's tokens, sampled from its logits on worker 0's device: returned to the host now
-(`sampled_result`), or left on the device for the next step and read by the host later (`FedTokens.keep`).
+"""Every token the engine samples on a device: a decode step's tokens and a prompt's next token, sampled from
+their logits on worker 0's device: returned to the host now (`sampled_result`, `sampled_next`), or left on
+the device for the next step and read by the host later (`FedTokens.keep`).
 
 Asynchronous scheduling (engine/scheduler/scheduler.py): worker 0 launches step k+1 before it has read step k's
 tokens, so step k+1's input tokens come from the device: every worker keeps the last kept step's tokens
@@ -12,26 +13,44 @@ work between two steps).
 import torch
 import torch.distributed as dist
 
-from burstserve.engine.core.calls import Decode, DecodeResult
+from burstserve.engine.core.calls import Decode, DecodeResult, PrefillResult, SampleNext
 from burstserve.engine.core.devices import host_to_device
-from burstserve.engine.core.sampling import RowSampling, logprob_entries, rows_logprobs, sample_rows, top_logprobs
+from burstserve.engine.core.sampling import (RowSampling, logprob_entries, rows_logprobs, sample_rows, step_rules,
+                                            top_logprobs)
 from burstserve.engine.parallel.weight_layout import global_rank
 
 
-def sampled_result(logits: torch.Tensor, call: Decode) -> DecodeResult:
-    """A decode step's logits [B, V] fp32 on worker 0 -> every row's token (the argmax, or drawn on the device
-    by its RowSampling), the logits of the rows the host samples (grammars), per row its logprobs where asked."""
-    sampling, host_rows = call.sampling, call.host_rows
+def sampled_result(logits: torch.Tensor, sampling: "list[RowSampling] | None", host_rows: list[int]) -> DecodeResult:
+    """A step's logits [B, V] fp32 on worker 0 -> every row's token (the argmax, or drawn on the device by its
+    RowSampling), the logits of the rows the host samples (grammars), per row its logprobs where asked."""
     tokens = sample_rows(logits, sampling)                               # [B] on the device
     logprobs = None
     wanted = [i for i, r in enumerate(sampling or []) if r.logprobs is not None and i not in host_rows]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
         entries = rows_logprobs(logits[rows], tokens[rows], [sampling[i].logprobs for i in wanted])
-        logprobs = [None] * len(call.seq_ids)
+        logprobs = [None] * logits.shape[0]
         for i, entry in zip(wanted, entries):
             logprobs[i] = entry
     return DecodeResult(tokens.tolist(), logits[host_rows].cpu() if host_rows else logits[:0].cpu(), logprobs)
+
+
+def sampled_next(logits: torch.Tensor, how: SampleNext) -> tuple[int | None, dict | None, torch.Tensor | None]:
+    """A prompt's last logits [V] fp32 on worker 0 -> (its next token, drawn there as a decode step's row is,
+    or None for a grammar's row; its logprobs entry where the rule asks; the logits [V] on the host where
+    asked)."""
+    host = logits.cpu() if how.on_host or how.logits else None
+    if how.on_host:
+        return None, None, host
+    step = sampled_result(logits[None], step_rules([how.rule]), [])
+    return step.tokens[0], step.logprobs[0] if step.logprobs else None, host
+
+
+def with_step(result: PrefillResult, decode_logits: torch.Tensor | None, step: Decode | None, rank: int):
+    """On worker 0, a mixed batch's decode step's sampled result in result.decode."""
+    if step is not None and rank == 0:
+        result.decode = sampled_result(decode_logits, step.sampling, step.host_rows)
+    return result
 
 
 class FedTokens:

@@ -16,6 +16,7 @@ from burstserve.engine.cache.ledger import pages_for
 from burstserve.engine.core.calls import (Adopt, Decode, ExtendPlacement, Fork, Free, HostFree, Offload, PrefillResult,
                                      PumpStores, Reinstate, Restore, Retire, Truncate)
 from burstserve.engine.core.errors import ModelLoadError
+from burstserve.engine.core.messages import HostProgress
 from burstserve.engine.core.placement import ExtendWay, Shard
 from burstserve.engine.model.config import EngineConfig, ModelConfig
 from burstserve.engine.pages.host_pool import STORE_IN_FLIGHT, HostPool
@@ -141,6 +142,10 @@ class WorkerCache:
         """Issues the next STORE_IN_FLIGHT bytes of the host tier's queued stores (before every call)."""
         if self.host is not None and self.host.queued:
             self.host.pump(STORE_IN_FLIGHT)
+
+    def host_progress(self) -> HostProgress:
+        """The host tier's copies still running (engine/core/messages.py), reported after every call on worker 0."""
+        return self.host.progress() if self.host is not None else HostProgress()
 
     def pump_idle(self, call: PumpStores) -> None:
         """The engine is idle: the next slice of the queued stores (pump_stores, which every call runs first)."""

@@ -1,11 +1,11 @@
-"""The running sequences' decode steps, as the scheduler carries them out: one called and read back at once
-(`run`), or launched ahead (asynchronous scheduling, vLLM's; engine/runner/step_tokens.py): the next step is
+"""The running sequences' decode steps, as the scheduler plans and applies them: one read back in the turn that
+runs it, or launched ahead (asynchronous scheduling, vLLM's; engine/runner/step_tokens.py): the next step is
 launched while the one in flight runs, its input tokens taken on the device from the step in flight's, and
 only then is the step in flight read back, so the host's work between two steps (reading tokens, sending
-them out, scheduling, launching) no longer leaves the GPU idle. `run` and `ahead` return what is to be
-applied; the scheduler's `update` applies it here (`finish`, `collect`): each row's token to the scheduler's
-`commit` (a grammar row's through `emit`: sampled here from its masked logits), the step's tokens out as
-one message."""
+them out, scheduling, launching) no longer leaves the GPU idle. `call_for` and `launch_call` make a step's call;
+the scheduler's `update` applies what comes back here (`finish`, `launched`, `collect`): each row's token to
+the scheduler's `commit` (a grammar row's through `emit`: sampled here from its masked logits), the step's
+tokens out as one message."""
 import time
 from typing import Callable
 
@@ -13,42 +13,29 @@ from burstserve.engine.core.calls import Decode, DecodeAhead, DecodeResult
 from burstserve.engine.core.sampling import row_sampling, step_rules
 from burstserve.engine.core.structured_output import mask_logits
 from burstserve.engine.scheduler.sequences import RunningSequence, SchedulerState, StepInFlight
-from burstserve.engine.scheduler.step_result import DecodeWork
 from burstserve.engine.scheduler.token_outputs import TokenOutputs
 
 
 class DecodeSteps:
-    def __init__(self, call: Callable, state: SchedulerState, tokens: TokenOutputs, commit: Callable, emit: Callable):
-        """call: the workers' (engine/worker.py); commit(seq, token, logprobs, token_computed=...) and
-        emit(seq, logits, sample_logits=...): the scheduler's, a token into its sequence."""
-        self.call, self.state, self.tokens, self.commit, self.emit = call, state, tokens, commit, emit
+    def __init__(self, state: SchedulerState, tokens: TokenOutputs, commit: Callable, emit: Callable):
+        """commit(seq, token, logprobs, token_computed=...) and emit(seq, logits, sample_logits=...): the
+        scheduler's, a token into its sequence."""
+        self.state, self.tokens, self.commit, self.emit = state, tokens, commit, emit
         self._collected_at = 0.0                                 # when the last step in flight was read back
 
-    def run(self, batch: list[RunningSequence]) -> DecodeWork:
-        """One step of the batch, called -> its tokens, for the scheduler's update to commit (`finish`)."""
-        step = self.call_for(batch)
-        called = time.perf_counter()
-        decoded = self.call(step)
-        self.state.step_seconds = time.perf_counter() - called
-        return DecodeWork(batch, step.host_rows, decoded)
-
-    def ahead(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
-        """Launches the batch's step (if any; fed_from: its rows' input tokens are those rows of the step in
-        flight) -> the step that was in flight, for the scheduler's update to read back (`collect`)."""
-        prev, self.state.inflight = self.state.inflight, None
-        if batch:
-            self.state.inflight = self.launch(batch, fed_from)
-        return prev
-
-    def launch(self, batch: list[RunningSequence], fed_from: list[int] | None) -> StepInFlight:
-        """Launches a decode step without waiting for its tokens. fed_from: per row, the row of the step in
+    @staticmethod
+    def launch_call(batch: list[RunningSequence], fed_from: list[int] | None) -> DecodeAhead:
+        """A decode step launched without waiting for its tokens. fed_from: per row, the row of the step in
         flight whose token is its input (not yet on the host, not yet in seq.generated); None: the host's."""
         ahead = int(fed_from is not None)
         tokens = [0 if ahead else s.generated[-1] for s in batch]
         positions = [s.next_input_position() + ahead for s in batch]
         sampling = step_rules([row_sampling(s.request.params, len(s.generated) + ahead) for s in batch])
-        pending = self.call(DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from))
-        return StepInFlight(batch, pending, bool(ahead), time.perf_counter())
+        return DecodeAhead([s.seq_id for s in batch], tokens, positions, sampling, fed_from=fed_from)
+
+    def launched(self, batch: list[RunningSequence], pending, fed: bool, called: float) -> None:
+        """A launched step (its tokens pending on the device; fed: its inputs were the step before's) in flight."""
+        self.state.inflight = StepInFlight(batch, pending, fed, called)
 
     def drain(self) -> StepInFlight | None:
         """The step in flight, if any, taken out of flight to be read back (before anything but another

@@ -1,7 +1,8 @@
 """A prompt's call applied, as the scheduler's `update` applies a turn's results (engine/scheduler/scheduler.py):
-its time for the chunk sizer's cost model, a chunk counted, and once the prompt is whole its next token sampled (a
-request's first, with its figures; a resumed sequence's next, without); a copy of a running twin's prompt samples
-from the twin's prompt logits."""
+its time for the chunk sizer's cost model, a chunk counted, and once the prompt is whole its next token committed
+(a request's first, with its figures; a resumed sequence's next, without): drawn on worker 0's device by the call
+(engine/core/calls.py SampleNext), or for a grammar's row drawn here from the masked logits; a copy of a running
+twin's prompt draws from the twin's prompt logits."""
 import logging
 import time
 from typing import Callable
@@ -10,18 +11,18 @@ from burstserve.engine.core.calls import PrefillResult
 from burstserve.engine.core.outputs import PrefillStats
 from burstserve.engine.scheduler.chunk_sizer import ChunkSizer
 from burstserve.engine.scheduler.sequences import SchedulerState
-from burstserve.engine.scheduler.step_result import PromptWork
+from burstserve.engine.scheduler.step import PromptWork
 
 log = logging.getLogger(__name__)
 
 
 class PromptResults:
-    def __init__(self, state: SchedulerState, sizer: ChunkSizer | None, emit: Callable):
-        """emit(seq, logits, prefill=..., keep_logits=..., prompt_logprobs=...): the scheduler's, a token sampled
-        into its sequence."""
-        self.state, self.sizer, self.emit = state, sizer, emit
+    def __init__(self, state: SchedulerState, sizer: ChunkSizer | None, commit: Callable, emit: Callable):
+        """commit(seq, token, logprobs, prefill=..., logits=..., prompt_logprobs=...): the scheduler's, a token into
+        its sequence; emit(seq, logits, prefill=..., keep_logits=..., prompt_logprobs=...): one drawn here first."""
+        self.state, self.sizer, self.commit, self.emit = state, sizer, commit, emit
 
-    def apply(self, work: PromptWork, result: PrefillResult | None, mixed: bool) -> None:
+    def apply(self, work: PromptWork, result: PrefillResult | None, called: float, mixed: bool) -> None:
         """A prompt's call applied: timings for the chunk sizer, a chunk counted, and once the prompt is whole
         its next token sampled (a request's first, with its figures; a resumed sequence's next, without)."""
         seq, job = work.seq, work.job
@@ -30,7 +31,7 @@ class PromptResults:
             self.emit(seq, work.twin_logits, prefill=PrefillStats(prefill_seconds=0.0, shared_prefill=True),
                        keep_logits=seq.request.return_logits)
             return
-        seconds = time.perf_counter() - work.called
+        seconds = time.perf_counter() - called
         self._log_chunk(work, result)
         self._observe(work.new_tokens, work.context, result)
         if job is not None:
@@ -41,17 +42,24 @@ class PromptResults:
             if self.state.prefilling is job:
                 self.state.prefilling = None
         if work.resumed or (job is not None and job.resumed):   # its cache is whole again: it samples on
-            self.emit(seq, result.logits)
+            self._next_token(seq, result)
             return
-        seq.prompt_logits = result.logits
+        seq.prompt_logits = result.logits                        # where kept: for a twin
         if job is not None:
             stats = job.prompt_stats(result)
         else:
             stats = result.stats()
             stats.call_seconds = seconds           # the prefill call as worker 0's scheduler saw it
             stats.queued_seconds = work.queued
-        self.emit(seq, result.logits, prefill=stats, keep_logits=seq.request.return_logits,
-                   prompt_logprobs=result.prompt_logprobs if job is None else None)
+        self._next_token(seq, result, prefill=stats, prompt_logprobs=result.prompt_logprobs if job is None else None)
+
+    def _next_token(self, seq, result: PrefillResult, **figures) -> None:
+        """The token after the prompt committed: the one drawn on worker 0's device, or a grammar's drawn here."""
+        keep = seq.request.return_logits and "prefill" in figures           # a request's first token only
+        if result.token is None:
+            self.emit(seq, result.logits, keep_logits=keep, **figures)
+        else:
+            self.commit(seq, result.token, result.logprobs, logits=result.logits if keep else None, **figures)
 
     def _log_chunk(self, work: PromptWork, result: PrefillResult) -> None:
         if work.job is not None and log.isEnabledFor(logging.DEBUG) and self.sizer is not None and self.sizer.calls:

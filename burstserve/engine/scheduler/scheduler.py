@@ -1,38 +1,43 @@
-"""Worker 0's loop: take requests in, plan a turn, carry it out, send each token back as soon as it exists.
+"""Worker 0's loop: take requests in, plan a turn, run it, send each token back as soon as it exists.
 
-One turn: `Policy.plan` (engine/scheduler/step_plan.py) answers what runs now and how without changing anything (admit
-the head of the queue as a copy of a twin, of a cached prefix or a prefill; resume a preempted sequence;
-prefill a chunk; decode the running sequences; preempt; ...) with the prefix-cache entries to evict for its
-pages; `carry_out` does it, asking the policy nothing more: evicts through the KV manager
-(engine/cache/kv_manager.py), calls the workers (engine/core/calls.py; one message to the others a turn,
-engine/scheduler/dispatch.py), and hands what comes back to `update` as a StepResult (engine/scheduler/step_result.py): the one
-place results change the scheduler's state (tokens sampled and committed, sequences ended, chunks counted,
-the chunked prompt done). The step diagram is in docs/design.md.
+One turn, three steps (as vLLM v1 and nano-vllm shape theirs; the diagram is in docs/design.md):
+- `schedule() -> StepPlan` (engine/scheduler/step.py). The policy (engine/scheduler/policy.py) picks the next
+  move without changing anything (admit the head of the queue as a copy of a twin, of a cached prefix or a
+  prefill; resume a preempted sequence; prefill a chunk; decode the running sequences; preempt; ...) with the
+  prefix-cache entries to evict for its pages. `schedule` makes it a StepPlan, asking the policy nothing more:
+  the evictions done, the queues moved as the move says (a request admitted, a sequence resumed or
+  preempted), and the turn's work call placed by the KV manager (engine/cache/kv_manager.py): its pages taken
+  in the ledger. The cache's changes (evictions, copies, frees) run on worker 0's pool as they are made and go
+  to the others with the work (engine/scheduler/dispatch.py).
+- `execute(StepPlan) -> StepResult`: the work run on every worker, worker 0 included, through one entry point
+  (ModelRunner.execute; one message to the others), and the host tier's progress after it.
+- `update(StepResult)`: the one place results change the scheduler's state: tokens sampled and committed,
+  sequences ended, chunks counted, the chunked prompt done, the host tier's progress handed to the KV manager.
 
-KV pages: a request is admitted when its prompt's pages fit on every worker (with a small watermark left
-for the running sequences to grow); nothing is reserved for the tokens it may generate. When a decode
-step needs more pages than a worker has free, the newest running sequence is preempted (engine/scheduler/preemption.py)
-and later resumed, before any new request: it takes back what its prefix-cache entry kept, or its prompt and
-generated tokens are prefilled again (from the longest cached prefix, in chunks when longer than
---max-num-batched-tokens); a seeded request's noise depends only on its seed and the token's index
-(engine/core/sampling.py), so a seeded or greedy request gives the same tokens as if it had never been preempted
-(vLLM's recompute preemption).
+KV pages: a request is admitted when its prompt's pages fit on every worker (with a small watermark left for the
+running sequences to grow); nothing is reserved for the tokens it may generate. When a decode step needs more
+pages than a worker has free, the newest running sequence is preempted (engine/scheduler/preemption.py) and later
+resumed, before any new request: it takes back what its prefix-cache entry kept, or its prompt and generated
+tokens are prefilled again (from the longest cached prefix, in chunks when longer than --max-num-batched-tokens);
+a seeded request's noise depends only on its seed and the token's index (engine/core/sampling.py), so a seeded or
+greedy request gives the same tokens as if never preempted (vLLM's recompute preemption).
 
-Sampling: a decode step's tokens are drawn on worker 0's device for the whole batch (greedy,
-temperature, top-k, top-p; logprobs there too); only the rows under a grammar (response_format)
-come to the host, masked and sampled by the same rule."""
+Sampling: one path for every token, on worker 0's device where the logits are (engine/runner/step_tokens.py):
+a decode step's tokens for the whole batch and a prompt's next token (greedy, temperature, top-k, top-p;
+logprobs there too). Only the rows under a grammar (response_format) come to the host, masked and drawn by
+the same rule (engine/scheduler/token_outputs.py), as does a twin's first token from its twin's kept logits."""
 import logging
 import queue
 import time
 
 import torch
 
-from burstserve.engine.cache.kv_manager import Hit, HostCopies, KVManager
-from burstserve.engine.core.calls import Extend, ExtendAndDecode, Prefill, PumpStores
+from burstserve.engine.cache.kv_manager import Hit, KVManager
+from burstserve.engine.core.calls import Decode, Extend, ExtendAndDecode, Prefill, PumpStores, SampleNext
 from burstserve.engine.core.messages import WorkerFacts
 from burstserve.engine.core.outputs import FinishReason, PrefillStats, StepOutput
 from burstserve.engine.model.config import EngineConfig, ModelConfig
-from burstserve.engine.scheduler import step_plan as plans
+from burstserve.engine.scheduler import policy as plans
 from burstserve.engine.scheduler.chunk_sizer import ChunkSizer, attention_flop_ratio, min_chunk_tokens
 from burstserve.engine.scheduler.decode_steps import DecodeSteps
 from burstserve.engine.scheduler.dispatch import Dispatch
@@ -41,7 +46,7 @@ from burstserve.engine.scheduler.preemption import Preemptions
 from burstserve.engine.scheduler.prompt_results import PromptResults
 from burstserve.engine.scheduler.sequences import ChunkedPrefill, RunningSequence, SchedulerState, token_tensor
 from burstserve.engine.scheduler.stats_publisher import StatsPublisher
-from burstserve.engine.scheduler.step_result import DecodeWork, PromptWork, StepResult
+from burstserve.engine.scheduler.step import PromptWork, StepPlan, StepResult
 from burstserve.engine.scheduler.token_outputs import TokenOutputs
 
 log = logging.getLogger(__name__)
@@ -50,15 +55,13 @@ IDLE_PUMP_SECONDS = 0.002     # idle with host-tier stores queued: a slice is is
 
 class Scheduler:
     def __init__(self, call: Dispatch, requests: "queue.Queue", outputs: "queue.Queue", engine: EngineConfig,
-                 cfg: ModelConfig, facts: WorkerFacts, max_model_len: int, eos_token_ids: list[int],
-                 host_copies: HostCopies | None = None):
-        """call: runs a call on every worker (engine/scheduler/dispatch.py); facts: worker 0's (engine/core/messages.py; its
-        device samples first tokens); host_copies: worker 0's host tier, asked whether its copies are done."""
+                 cfg: ModelConfig, facts: WorkerFacts, max_model_len: int, eos_token_ids: list[int]):
+        """call: runs a call on every worker (engine/scheduler/dispatch.py); facts: worker 0's (engine/core/messages.py;
+        its device samples a grammar's tokens)."""
         self.call, self.requests, self.outputs = call, requests, outputs
         device = torch.device(facts.device)
         self.tokens = TokenOutputs(outputs, device, eos_token_ids, max_model_len)
-        self.kv = KVManager.of_workers(engine, facts, call, engine.enable_prefix_caching,
-                                       host_copies)                                  # the cache's one ledger
+        self.kv = KVManager.of_workers(engine, facts, call, engine.enable_prefix_caching)   # the cache's one ledger
         chunk = engine.max_num_batched_tokens                        # None: a prompt is prefilled in one call
         target = engine.itl_target_ms
         self.sizer = ChunkSizer(chunk, target / 1e3 if target else None, attention_flop_ratio(cfg),
@@ -70,51 +73,80 @@ class Scheduler:
         self.preemptions = Preemptions(self.state, self.kv)     # engine/scheduler/preemption.py
         self.next_seq_id = 0
         self.stats = StatsPublisher(outputs, self.kv)
-        # late-bound: what wraps the scheduler's call, _commit or _emit (tests, profiles) wraps the decode steps' too
-        self.decode = DecodeSteps(lambda work: self._run(work), self.state, self.tokens,
-                                  lambda *a, **k: self._commit(*a, **k), lambda *a, **k: self._emit(*a, **k))
-        self.prompts = PromptResults(self.state, self.sizer, lambda *a, **k: self._emit(*a, **k))
-        self._carry_out = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
-                           plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
-                           plans.ReadBack: lambda plan: self._read_back(),
-                           plans.Preempt: lambda plan: self.preemptions.newest(plan.seq),
-                           plans.GiveWay: lambda plan: self.preemptions.give_way(), plans.Stuck: self._refuse,
-                           plans.Idle: lambda plan: None}
-
-    def _run(self, work):
-        """A work call (a prefill, an extend, a decode step) placed by the KV manager (its tokens' workers and
-        pages, recorded in the ledger), then run on every worker -> worker 0's result."""
-        return self.call(self.kv.place(work))
-
-    @property
-    def prefix_cache(self):
-        return self.kv.prefix_cache
+        # late-bound: what wraps the scheduler's _commit or _emit (tests, profiles) wraps the decode steps' too
+        self.decode = DecodeSteps(self.state, self.tokens, lambda *a, **k: self._commit(*a, **k),
+                                  lambda *a, **k: self._emit(*a, **k))
+        self.prompts = PromptResults(self.state, self.sizer, lambda *a, **k: self._commit(*a, **k),
+                                     lambda *a, **k: self._emit(*a, **k))
+        self._plan_of = {plans.Admit: self._admit, plans.Resume: self._resume, plans.PrefillChunk: self._chunk,
+                         plans.DecodeStep: self._decode, plans.StepAhead: self._decode_ahead,
+                         plans.ReadBack: lambda move: StepPlan(read_back=self.decode.drain()),
+                         plans.Preempt: lambda move: self._no_work(self.preemptions.newest, move.seq),
+                         plans.GiveWay: lambda move: self._no_work(self.preemptions.give_way),
+                         plans.Stuck: self._refuse, plans.Idle: lambda move: StepPlan()}
 
     def run(self) -> None:
         while True:
             self.stats.publish(self.state, self.preemptions.count, self.preemptions.recomputed_tokens)
-            pumping = not self.state.busy() and self.kv.stores_queued()
+            pumping = not self.state.busy() and self.kv.copies.stores_queued()
             if pumping:             # idle: the host tier's stores go out a slice a turn (a request that comes
-                self.call(PumpStores())   # meanwhile waits behind one slice, not a whole store)
+                self.update(self.execute(StepPlan(PumpStores())))   # meanwhile waits behind one slice, not a whole store)
                 time.sleep(IDLE_PUMP_SECONDS)
             idle = not self.state.busy() and not pumping
             if idle:
                 self.call.flush()       # the cache's changes out to the other workers before the wait
             if not self.inbox.take(block=idle):
-                self._read_back()
+                self.update(self.execute(StepPlan(read_back=self.decode.drain())))   # the step in flight, if any
                 return
             if self.state.inflight is None:           # a sequence in a step in flight is dropped after it
                 self.inbox.drop_aborted()
-            self.carry_out(self.policy.plan(self.state))
+            self.update(self.execute(self.schedule()))
 
-    def carry_out(self, plan) -> None:
-        """Does what the plan says: its evictions first, then its calls, then what they return."""
-        self.kv.evict(getattr(plan, "evict", ()))
-        self._carry_out[type(plan)](plan)
+    # the turn
+
+    def schedule(self) -> StepPlan:
+        """The policy's next move, made into this turn's StepPlan (`plan_of`)."""
+        return self.plan_of(self.policy.plan(self.state))
+
+    def plan_of(self, move) -> StepPlan:
+        """A move of the policy (engine/scheduler/policy.py) made into a StepPlan, asking the policy nothing more:
+        its evictions first, then the queues moved as it says and its work call placed (its pages taken)."""
+        self.kv.evict(getattr(move, "evict", ()))
+        return self._plan_of[type(move)](move)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The plan's work run on every worker (engine/scheduler/dispatch.py) -> what worker 0's returned, the
+        call's time, and the host tier's progress after it."""
+        called = time.perf_counter()
+        result = self.call(plan.work) if plan.work is not None else None
+        return StepResult(plan, result, called, time.perf_counter() - called, self.call.host)
+
+    def update(self, result: StepResult) -> None:
+        """Applies what a turn returned: the host tier's progress, a decode step's tokens (each committed: the
+        sequence runs on or ends), a step launched ahead put in flight and the one before read back, a
+        prompt's call (a chunk counted; its first token sampled when it is whole, the chunked prompt done)."""
+        plan = result.plan
+        self.kv.copies.report(result.host)
+        if plan.decode is not None:                  # before a prompt in the same call joins the running
+            step = plan.work.decode if isinstance(plan.work, ExtendAndDecode) else plan.work
+            if isinstance(plan.work, Decode):
+                self.state.step_seconds = result.seconds
+            self.decode.finish(plan.decode, step.host_rows, result.decoded)
+        if plan.launch is not None:
+            self.decode.launched(plan.launch, result.result, plan.work.fed_from is not None, result.called)
+        if plan.read_back is not None:
+            self.decode.collect(plan.read_back)
+        if plan.prompt is not None:
+            self.prompts.apply(plan.prompt, result.prefill, result.called, mixed=plan.decode is not None)
+
+    def _no_work(self, move, *args) -> StepPlan:
+        """A move that only changes the queues and the cache (a preemption, a prompt giving way)."""
+        move(*args)
+        return StepPlan()
 
     # admitting and resuming
 
-    def _admit(self, plan: plans.Admit) -> None:
+    def _admit(self, plan: plans.Admit) -> StepPlan:
         """The head of the queue starts as the plan says: a copy of a running twin's prompt, a copy of a cached
         prefix, or a prefill. Beside a long prompt in chunks it is prefilled whole in this turn (then a decode
         step); otherwise in one call now, or (from a cached prefix, or chunked) in chunks from the next turn."""
@@ -129,13 +161,14 @@ class Scheduler:
         if isinstance(plan.start, plans.CopyTwin):   # the same prompt is already in the cache: its K/V copied
             twin = plan.start.twin
             self.kv.fork(twin.seq_id, seq.seq_id)
-            self.update(StepResult(PromptWork(seq, 0, 0, twin_logits=twin.prompt_logits)))
-            return
+            return StepPlan(prompt=PromptWork(seq, 0, 0, twin_logits=twin.prompt_logits))
         if request.params.prompt_logprobs is None:
             self.kv.count_query(request.prompt_token_ids)
-        if plan.start is None and not plan.chunked:
-            self._prefill_whole(seq, queued)
-            return
+        if plan.start is None and not plan.chunked:                # the prompt in one call
+            ids = request.prompt_token_ids
+            prefill = Prefill(seq.seq_id, token_tensor(ids), request.params.prompt_logprobs,
+                              sample_next=self._sample_next(seq))
+            return StepPlan(self.kv.place(prefill), PromptWork(seq, len(ids), 0, queued=queued))
         adopting = time.perf_counter()
         hit = self._copy_prefix(plan.start, seq)
         cached = hit.length if hit else 0
@@ -143,9 +176,9 @@ class Scheduler:
                              host_cached=cached if hit and hit.on_host else 0,
                              adopt_seconds=time.perf_counter() - adopting, queued_seconds=queued)
         if beside:                  # a short prompt beside a long one: its rest in one call
-            self._advance(job, job.remaining)
-        else:
-            self.state.prefilling = job
+            return self._advance(job, job.remaining)
+        self.state.prefilling = job
+        return StepPlan()
 
     def _copy_prefix(self, start, seq: RunningSequence) -> Hit | None:
         """A start FromPrefix: the cached prefix copied into the sequence's pages -> its Hit (else None)."""
@@ -154,14 +187,7 @@ class Scheduler:
         self.kv.adopt(start.hit, seq.seq_id)
         return start.hit
 
-    def _prefill_whole(self, seq: RunningSequence, queued: float) -> None:
-        """The request's prompt prefilled in one call, its first token sampled."""
-        request = seq.request
-        work = PromptWork(seq, len(request.prompt_token_ids), 0, queued=queued, called=time.perf_counter())
-        result = self._run(Prefill(seq.seq_id, token_tensor(request.prompt_token_ids), request.params.prompt_logprobs))
-        self.update(StepResult(work, result))
-
-    def _resume(self, plan: plans.Resume) -> None:
+    def _resume(self, plan: plans.Resume) -> StepPlan:
         """A preempted sequence decodes again as the plan says: on its kept pages (all of them: it decodes on;
         else its lost tail recomputed in chunks), or its cache (prompt + generated) recomputed as a prompt is
         prefilled, from a copy of a cached prefix or from nothing, then sampling its next token."""
@@ -174,7 +200,7 @@ class Scheduler:
             if kept == len(ids) - 1:
                 self.state.running.append(seq)
                 log.info("request %s resumed on its kept pages", seq.request.request_id)
-                return
+                return StepPlan()
             cached = kept
         else:
             if kept:                          # what its entry kept gives way to a longer copy, or to nothing
@@ -187,69 +213,60 @@ class Scheduler:
                  seq.request.request_id, len(ids), cached)
         if cached or plan.chunked:            # in chunks, from the next turn
             self.state.prefilling = ChunkedPrefill(seq, ids, done=cached, cached=cached)
-            return
-        work = PromptWork(seq, len(ids), 0, resumed=True)
-        self.update(StepResult(work, self._run(Prefill(seq.seq_id, token_tensor(ids)))))
+            return StepPlan()
+        prefill = Prefill(seq.seq_id, token_tensor(ids), sample_next=self._sample_next(seq, resumed=True))
+        return StepPlan(self.kv.place(prefill), PromptWork(seq, len(ids), 0, resumed=True))
 
     # chunks
 
-    def _chunk(self, plan: plans.PrefillChunk) -> None:
+    def _chunk(self, plan: plans.PrefillChunk) -> StepPlan:
         """The prompt's next chunk (with plan.decode: and their decode step in the same call)."""
         self.state.short_went_first = False
         self.state.decode_owed = plan.decode is None
-        self._advance(self.state.prefilling, plan.tokens, plan.decode)
+        return self._advance(self.state.prefilling, plan.tokens, plan.decode)
 
-    def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> None:
-        """Prefills the job's next n prompt tokens: the first chunk as a prefill, the others as an
-        incremental prefill over the tokens before them (with `decode`: and a decode step of those running
-        sequences in the same call); update samples its first token after the last."""
+    def _advance(self, job: ChunkedPrefill, n: int, decode: list[RunningSequence] | None = None) -> StepPlan:
+        """The job's next n prompt tokens: the first chunk as a prefill, the others as an incremental prefill
+        over the tokens before them (with `decode`: and a decode step of those running sequences in the same
+        call); update samples its first token after the last."""
         ids = job.tokens
         chunk = token_tensor(ids[job.done:job.done + n])
-        work = PromptWork(job.seq, n, job.done, job=job, called=time.perf_counter())
+        work = PromptWork(job.seq, n, job.done, job=job)
+        sample = self._sample_next(job.seq, job.resumed) if job.done + n == len(ids) else None   # the last chunk
         if job.done == 0:                     # nothing cached: the first chunk is a prefill
-            self.update(StepResult(work, self._run(Prefill(job.seq.seq_id, chunk))))
-        elif decode is None:
-            self.update(StepResult(work, self._run(Extend(job.seq.seq_id, chunk, job.done))))
-        else:
-            step = self.decode.call_for(decode)
-            result = self._run(ExtendAndDecode(Extend(job.seq.seq_id, chunk, job.done), step))
-            self.update(StepResult(work, result, DecodeWork(decode, step.host_rows, result.decode)))
+            return StepPlan(self.kv.place(Prefill(job.seq.seq_id, chunk, sample_next=sample)), work)
+        extend = Extend(job.seq.seq_id, chunk, job.done, sample_next=sample)
+        if decode is None:
+            return StepPlan(self.kv.place(extend), work)
+        mixed = ExtendAndDecode(extend, self.decode.call_for(decode))
+        return StepPlan(self.kv.place(mixed), work, decode=decode)
 
-    # the one place a turn's results change the scheduler's state
-
-    def update(self, result: StepResult) -> None:
-        """Applies what a turn's work returned: a decode step's tokens (each committed: the sequence runs on or
-        ends), a step launched ahead read back, a prompt's call (a chunk counted; its first token sampled when
-        it is whole, the chunked prompt done)."""
-        if result.decode is not None:                # before a prompt in the same call joins the running
-            step = result.decode
-            self.decode.finish(step.batch, step.host_rows, step.result)
-        if result.read_back is not None:
-            self.decode.collect(result.read_back)
-        if result.prompt is not None:
-            self.prompts.apply(result.prompt, result.prefill, mixed=result.decode is not None)
+    def _sample_next(self, seq: RunningSequence, resumed: bool = False) -> SampleNext:
+        """How worker 0 draws the token after the sequence's prompt: on its device by the sequence's rule (a
+        grammar's row on the host), the logits kept where a request asks for them or a twin waits for them."""
+        request = seq.request
+        keep = not resumed and (request.return_logits or self.state.twin_waiting(request))
+        return SampleNext(seq.sampling(), on_host=seq.grammar is not None, logits=keep)
 
     # decoding
 
-    def _decode(self, plan: plans.DecodeStep) -> None:
+    def _decode(self, plan: plans.DecodeStep) -> StepPlan:
+        """A step of the batch: read back in this turn, or (`ahead`) launched and read back by a later one."""
         self.state.decode_owed = False
         if plan.ahead:
-            self.state.inflight = self.decode.launch(plan.batch, None)   # read back by the next StepAhead, or drain
-        else:
-            self.update(StepResult(decode=self.decode.run(plan.batch)))
+            return StepPlan(self.kv.place(self.decode.launch_call(plan.batch, None)), launch=plan.batch)
+        return StepPlan(self.kv.place(self.decode.call_for(plan.batch)), decode=plan.batch)
 
-    def _decode_ahead(self, plan: plans.StepAhead) -> None:
-        """Asynchronous scheduling: the next step launched, then the one in flight read back (DecodeSteps)."""
-        self.update(StepResult(read_back=self.decode.ahead(plan.batch, plan.rows)))
-
-    def _read_back(self) -> None:
-        """The step in flight, if any, read back (before anything but another decode step)."""
-        step = self.decode.drain()
-        if step is not None:
-            self.update(StepResult(read_back=step))
+    def _decode_ahead(self, plan: plans.StepAhead) -> StepPlan:
+        """Asynchronous scheduling: the next step launched (if any), then the one in flight read back."""
+        in_flight = self.decode.drain()
+        if not plan.batch:
+            return StepPlan(read_back=in_flight)
+        launch = self.kv.place(self.decode.launch_call(plan.batch, plan.rows))
+        return StepPlan(launch, launch=plan.batch, read_back=in_flight)
 
     @staticmethod
-    def _refuse(plan: plans.Stuck) -> None:
+    def _refuse(plan: plans.Stuck) -> StepPlan:
         raise RuntimeError(plan.why)
 
     # tokens

@@ -1,6 +1,6 @@
 """What worker 0's scheduler keeps about its requests: the sequences running, the prompt being prefilled
 in chunks, the decode step in flight, and the queues, as one SchedulerState that the policy reads
-(engine/scheduler/step_plan.py) and only the scheduler changes (engine/scheduler/scheduler.py, and its
+(engine/scheduler/policy.py) and only the scheduler changes (engine/scheduler/scheduler.py, and its
 decode_steps.py and prompt_results.py)."""
 import array
 import dataclasses
@@ -25,7 +25,7 @@ class RunningSequence:
     request: Request
     seq_id: int
     generated: list[int] = field(default_factory=list)
-    prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's: a twin's first token samples from it
+    prompt_logits: torch.Tensor | None = None    # [V] fp32, the prefill's where kept: a twin's first token samples from it
     grammar: SequenceGrammar | None = None       # response_format: masks what this sequence may sample
     preemptions: int = 0                         # times preempted (its cache now starts with prompt + generated)
     _recompute: tuple | None = field(default=None, repr=False, compare=False)   # (generated count, its tokens)
@@ -134,10 +134,17 @@ class SchedulerState:
         return bool(self.waiting or self.running or self.preempted or self.prefilling or self.inflight)
 
     def running_twin(self, request: Request) -> "RunningSequence | None":
-        """A running sequence with exactly this prompt (say the n choices of one request), if any; not
-        for a request that wants prompt logprobs (they come out of a prefill)."""
+        """A running sequence with exactly this prompt (say the n choices of one request) whose prompt logits were
+        kept, if any; not for a request that wants prompt logprobs (they come out of a prefill)."""
         if request.params.prompt_logprobs is not None:
             return None
         ids = request.prompt_token_ids
-        return next((s for s in self.running if not s.preemptions
+        return next((s for s in self.running if not s.preemptions and s.prompt_logits is not None
                      and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
+
+    def twin_waiting(self, request: Request) -> bool:
+        """Does a waiting request have exactly this prompt (say the next of one request's n choices)? Then the
+        prompt's logits are kept for it (running_twin)."""
+        ids = request.prompt_token_ids
+        return any(len(r.prompt_token_ids) == len(ids) and r.prompt_token_ids == ids and r.params.prompt_logprobs
+                   is None for r in self.waiting)

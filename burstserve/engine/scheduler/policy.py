@@ -184,7 +184,7 @@ class Policy:
 
     def _restoring(self, s: SchedulerState) -> bool:
         """Is the prompt being prefilled in chunks waiting for its restore from the host tier?"""
-        return s.prefilling is not None and self.kv.restore_pending(s.prefilling.seq.seq_id)
+        return s.prefilling is not None and self.kv.copies.restoring(s.prefilling.seq.seq_id)
 
     def _decode_ahead(self, s: SchedulerState) -> StepAhead:
         """The step in flight's rows that decode on: still running, and not ended for sure by the token in

@@ -54,3 +54,22 @@ def _carry_out(kv: KVManager, evictions) -> None:
     """kv.evict: it changes its own ledger (the one there is) and tells the workers (none here)."""
     kv.call = lambda message: None
     kv.evict(evictions)
+
+
+def test_the_host_tiers_copies_are_what_worker_0_last_reported_and_what_was_issued_since():
+    """The KV manager plans with the host tier's progress as a StepResult carries it (engine/cache/host_copies.py):
+    a report replaces what it knew; a copy issued since runs until the next report, where copies run beside
+    compute; on CPU (synchronous copies) nothing is ever pending."""
+    from burstserve.engine.cache.host_copies import HostCopies
+    from burstserve.engine.core.messages import HostProgress
+    rng = random.Random()
+    a, b, c = rng.sample(range(1000), 3)
+    copies = HostCopies()
+    copies.issued(storing=a, loading=b)                       # before any report: synchronous, nothing pending
+    assert not copies.storing(a) and not copies.restoring(b) and not copies.stores_queued()
+    copies.report(HostProgress(True, frozenset({b}), frozenset({a}), rng.randrange(1, 9)))
+    assert copies.restoring(b) and copies.storing(a) and copies.stores_queued() and not copies.storing(c)
+    copies.issued(storing=c)
+    assert copies.storing(c) and copies.storing(a)
+    copies.report(HostProgress(True))                          # the next report: every copy done
+    assert not any([copies.storing(a), copies.storing(c), copies.restoring(b), copies.stores_queued()])

@@ -286,3 +286,45 @@ def test_the_kv_managers_ledger_is_what_the_worker_holds_after_every_turn():
     assert {plans.Admit, plans.PrefillChunk, plans.DecodeStep, plans.StepAhead} <= kinds, kinds
     assert scheduler.preemptions.count > 0 and any(isinstance(c, Offload) for c in calls)
     assert not mismatches, mismatches[:3]
+
+
+def test_a_prompts_next_token_is_drawn_on_the_device_and_its_logits_stay_there():
+    """One sampling path: every prompt call's next token is drawn by the worker, as a decode step's rows are
+    (SampleNext), with its logprobs where asked; no token is drawn on the host (no grammar here); a chunk before
+    the last returns nothing; the logits come back only for the first of two twins (the second draws from them)."""
+    batch, engine = _workload()
+    rng = random.Random()
+    drawn = [SamplingParams(temperature=0.8, top_p=0.9, seed=rng.randrange(1 << 30), max_tokens=5, logprobs=2),
+             SamplingParams(temperature=0.7, top_k=5, max_tokens=5, ignore_eos=True)]
+    twin = [rng.randrange(256) for _ in range(9)]
+    batch += [("s0", [rng.randrange(256) for _ in range(7)], drawn[0]), ("s1", twin, drawn[1]),
+              ("s2", list(twin), drawn[1])]
+    prompt_calls, on_host = [], []
+
+    def watch(scheduler, runner):
+        run_here, sample = scheduler.call.run_here, scheduler.tokens.sample
+
+        def recorded(message):
+            result = run_here(message)
+            work = message.extend if isinstance(message, ExtendAndDecode) else message
+            if isinstance(work, (Prefill, Extend)):
+                prompt_calls.append((work, result))
+            return result
+
+        def host_sample(seq, logits, sample_logits=None):
+            on_host.append(seq.request.request_id)
+            return sample(seq, logits, sample_logits)
+
+        scheduler.call.run_here, scheduler.tokens.sample = recorded, host_sample
+
+    got, calls, scheduler = serve_in_process(EngineConfig(**engine, kv_cache_tokens=4096), [batch], watch)
+    assert len(got) == len(batch)
+    sampled = [(w, r) for w, r in prompt_calls if w.sample_next is not None]
+    assert all(r.token is not None for w, r in sampled)
+    assert all((r.logits is not None) == w.sample_next.logits for w, r in sampled)
+    assert all(r.token is None and r.logits is None for w, r in prompt_calls if w.sample_next is None)
+    assert any(w.sample_next is None for w, r in prompt_calls), "no prompt ran in chunks"
+    kept = [w.seq_id for w, r in sampled if w.sample_next.logits]
+    assert len(kept) == 1 and got["s2"][0].prefill.shared_prefill, kept      # s1 kept them; s2 copied its twin
+    assert on_host == ["s2"], on_host                                        # only the twin's copy drew on the host
+    assert got["s0"][0].logprobs is not None and len(got["s0"][0].logprobs) >= 2

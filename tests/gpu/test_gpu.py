@@ -299,7 +299,8 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     import burstserve.kernels.paged_attention as pa
     from burstserve.engine.model.config import EngineConfig, resolve_model
     from burstserve.engine.runner.model_runner import ModelRunner
-    from burstserve.engine.core.calls import Extend, Prefill
+    from burstserve.engine.core.calls import Extend, Prefill, SampleNext
+    from burstserve.engine.core.sampling import RowSampling
     from burstserve.engine.worker import runner_alone
     if not pa.fa4_available(torch.device("cuda:0")):
         pytest.skip("the prefix runs need flash-attn-4")
@@ -318,7 +319,7 @@ def test_small_chunk_after_a_long_prefix_splits_the_prefix_and_matches_transform
     ids = [random.randrange(2000) for _ in range(4100)]
     kv = runner_alone(runner)                 # places each call (where its tokens go) and runs it on the runner
     kv.call(Prefill(0, torch.tensor(ids[:4000])))
-    logits = kv.call(Extend(0, torch.tensor(ids[4000:]), 4000)).logits
+    logits = kv.call(Extend(0, torch.tensor(ids[4000:]), 4000, sample_next=SampleNext(RowSampling(), logits=True))).logits
     assert taken == [3] * cfg.num_layers                       # min(132 // 8 CTAs, 4000 // 1024, 8)
     ref = model(torch.tensor([ids], device="cuda:0"), logits_to_keep=1).logits[0, -1].float().cpu()
     diff = (logits - ref).abs().max().item()

@@ -1,11 +1,12 @@
 """What worker 0 asks of every worker, one message type per call, and what each call returns.
 
-Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`), its KV manager places it (where its tokens go
-over the workers: engine/cache/kv_manager.py `place`, the only keeper of that ledger; a cache change carries
-the tokens by worker it copies or keeps), and `call(message)` (engine/scheduler/dispatch.py) runs
-it on worker 0's own ModelRunner (the cache's calls on its WorkerCache, engine/runner/worker_cache.py) and sends
-every other worker the same calls in the same order, one Turn message a scheduler turn over the control
-plane (engine/control.py); each runs them with engine/worker.py `run_call` (one handler per type, `HANDLERS`). A handler
+Worker 0's scheduler builds a call (`Prefill(seq_id, token_ids)`) while it plans a turn and its KV manager
+places it (where its tokens go over the workers: engine/cache/kv_manager.py `place`, the only keeper of that
+ledger; a cache change carries the tokens by worker it copies or keeps); `call(message)`
+(engine/scheduler/dispatch.py) runs it on worker 0 and sends every other worker the same calls in the same
+order, one Turn message a scheduler turn over the control plane (engine/control.py). Every worker runs a call
+through its one entry point, ModelRunner.execute (engine/runner/model_runner.py: one handler per type, on the
+runner or for the cache's calls on its WorkerCache, engine/runner/worker_cache.py). A handler
 returns its result type on worker 0; elsewhere the result is dropped, so what only worker 0 needs (the
 logits, the sampled tokens) is filled on worker 0 alone.
 """

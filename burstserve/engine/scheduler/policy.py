@@ -1,8 +1,8 @@
-"""What the scheduler does next: one plan per turn, computed without changing anything.
+"""What the scheduler does next: one move per turn, computed without changing anything.
 
 Policy.plan(state) reads the scheduler's state (engine/scheduler/sequences.py) and the KV manager's queries
-(engine/cache/kv_manager.py) and answers with one of the plans below; Scheduler.carry_out does it, asking
-nothing more. A plan is complete: what runs, how (a request's start: a copy of a running twin, of a cached
+(engine/cache/kv_manager.py) and answers with one of the moves below; Scheduler.schedule makes it the turn's
+StepPlan (engine/scheduler/step.py), asking nothing more. A move is complete: what runs, how (a request's start: a copy of a running twin, of a cached
 prefix, or a prefill; whole or in chunks), and which prefix-cache entries to evict for its pages.
 
 The rules, in order:

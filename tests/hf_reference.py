@@ -14,8 +14,12 @@ def make_config(kind: str):
     scaling x4 over a 512-token pretraining length: prompts past 512 tokens use the scaled part), 'qwen3'
     (Qwen3 dense: q and k normed per head; head_dim 24, not hidden / heads = 16) or 'qwen3-yarn'; the mixtures of
     experts 'qwen3-moe' (8 experts, top 2 renormalized, layer 1 dense: mlp_only_layers), 'mixtral' (4 experts, top
-    2) and 'qwen2-moe' (6 experts, top 3 not renormalized, a gated shared expert, every second layer sparse)."""
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    2) and 'qwen2-moe' (6 experts, top 3 not renormalized, a gated shared expert, every second layer sparse); sliding
+    windows: 'gemma3' (Gemma 3: windows of 40 tokens in five layers of six, their RoPE base 10K, the full layers'
+    1M with linear scaling; head_dim 32, query_pre_attn_scalar 24), 'mistral-window' (every layer a window of 48)
+    and 'qwen2-window' (use_sliding_window: layers from max_window_layers=1 on, windows of 37)."""
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
     if kind == "llama-mha":
         return LlamaConfig(**TINY_SHAPE, num_key_value_heads=4, rope_theta=10000.0)
     if kind == "llama3-gqa":
@@ -42,6 +46,17 @@ def make_config(kind: str):
         return Qwen2MoeConfig(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0, num_experts=6,
                               num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=72,
                               decoder_sparse_step=2, norm_topk_prob=False)
+    if kind == "gemma3":
+        shape = dict(TINY_SHAPE, num_hidden_layers=7)
+        return Gemma3TextConfig(**shape, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                                sliding_window=40, rope_parameters={
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+    if kind == "mistral-window":
+        return MistralConfig(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0, sliding_window=48)
+    if kind == "qwen2-window":
+        return Qwen2Config(**TINY_SHAPE, num_key_value_heads=2, rope_theta=10000.0, use_sliding_window=True,
+                           sliding_window=37, max_window_layers=1)
     raise ValueError(kind)
 
 
@@ -56,6 +71,8 @@ def save_checkpoint(kind: str, path: str, seed: int) -> torch.nn.Module:
                 p.normal_(0, 0.1)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.3)
+            elif "layernorm" in name or name.endswith("norm.weight"):   # Gemma's are zeros (they scale by 1 + w)
+                p.normal_(p.mean().item(), 0.3)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)                  # routers: zeros at init would tie every expert
     model.save_pretrained(path)

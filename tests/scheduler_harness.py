@@ -11,7 +11,7 @@ from burstserve.engine.core.calls import Shutdown
 from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed
 from burstserve.engine.core.outputs import Request
 from burstserve.engine.model.config import EngineConfig, resolve_model
-from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.runner.model_runner import ModelRunner, worker_facts
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
 
@@ -31,7 +31,7 @@ def serve_in_process(engine: EngineConfig, batches: list[list[tuple]], prepare=N
 
     requests, outputs = queue.Queue(), queue.Queue()
     call = Dispatch(run_here, sent.append if sent is not None else None, runner.cache.host_progress)
-    scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len, [])
+    scheduler = Scheduler(call, requests, outputs, engine, cfg, worker_facts(runner), max_model_len, [])
     if prepare is not None:
         prepare(scheduler, runner)
     failure = []

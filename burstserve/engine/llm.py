@@ -34,7 +34,7 @@ from burstserve.engine.model.gguf import converted_checkpoint, gguf_file, packag
 from burstserve.engine.model.weights import weight_files
 from burstserve.engine.options import check_options, chunk_tokens, cluster_config, engine_config, with_options
 from burstserve.engine.pages.host_memory import offload_gib
-from burstserve.engine.parallel import STRATEGIES, get_strategy
+from burstserve.engine.parallel import STRATEGIES, get_strategy, window_refusal
 from burstserve.engine.request_checks import Prompt, RequestChecks, prompt_list
 from burstserve.engine.worker import spawned_worker_main
 from burstserve.kernels.attention import backend_refusal
@@ -89,7 +89,8 @@ class LLM:
             self.engine = self._head.gather(self.engine)
             self.engine = dataclasses.replace(self.engine, max_num_batched_tokens=chunk_tokens(
                 values, self.engine.world_size))        # the default chunk grows with every host's workers
-        reason = get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config)
+        reason = (window_refusal(self.model_config, self.engine.world_size)
+                  or get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config))
         if self._head is not None and reason:
             self._head.abort(reason)
         elif self._head is not None:

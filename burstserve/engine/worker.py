@@ -24,7 +24,7 @@ from burstserve.engine.control import GlooControl, PipeControl
 from burstserve.engine.core.calls import Shutdown, Turn
 from burstserve.engine.core.messages import AddRequest, StopScheduler, Tokens, WorkerFailed, WorkerReady
 from burstserve.engine.model.config import EngineConfig, default_dtype, resolve_model
-from burstserve.engine.runner.model_runner import ModelRunner
+from burstserve.engine.runner.model_runner import ModelRunner, worker_facts
 from burstserve.engine.scheduler.dispatch import Dispatch
 from burstserve.engine.scheduler.scheduler import Scheduler
 
@@ -95,10 +95,10 @@ def worker_main(rank: int, engine: EngineConfig, init_method: str | None, reques
             PipeControl(writers=pipes) if rank == 0 else PipeControl(reader=pipes))
         runner = ModelRunner(engine, cfg, rank, device, data_group, max_model_len)
         freeze_heap()
-        outputs.put(WorkerReady(rank, runner.facts()))
+        outputs.put(WorkerReady(rank, worker_facts(runner)))
         call = _make_call(runner, control, engine.world_size)
         if rank == 0:
-            scheduler = Scheduler(call, requests, outputs, engine, cfg, runner.facts(), max_model_len,
+            scheduler = Scheduler(call, requests, outputs, engine, cfg, worker_facts(runner), max_model_len,
                                   cfg.eos_token_ids)
             profiled(scheduler.run, os.environ.get(PROFILE_ENV))
             call(Shutdown())
@@ -172,7 +172,7 @@ def runner_alone(runner: ModelRunner) -> KVManager:
     """A KV manager over this runner alone, for tools and tests that drive ModelRunners without a scheduler (on
     several workers each one makes its own and places alike): kv.call(message) places work and runs it here."""
     call = Dispatch(lambda message: runner.execute(kv.place(message)), None)
-    kv = KVManager.of_workers(runner.engine, runner.facts(), call, prefix_caching=False)
+    kv = KVManager.of_workers(runner.engine, worker_facts(runner), call, prefix_caching=False)
     return kv
 
 

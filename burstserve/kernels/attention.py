@@ -125,6 +125,40 @@ def reference_attention(q, k, v, causal, scale, query_chunk: int = 1024):
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 
+def windowed_attention(q, k, v, scale: float, window: int, query_chunk: int = 1024):
+    """Sliding-window causal attention, aligned to the end: q [m, H, D] are the last m of the n positions whose
+    keys k, v [n, Hkv, D] hold; query i (position n - m + i) sees the keys j with n - m + i - window < j <= n - m + i
+    (transformers' sliding window: `window` keys, its own included) -> (out [m, H, D] in q's dtype, lse [m, H] fp32).
+    Materialized in fp32 a query chunk at a time, each against only the keys its window reaches."""
+    m, n = q.shape[0], k.shape[0]
+    outs, lses = [], []
+    for start in range(0, m, query_chunk):
+        stop = min(start + query_chunk, m)
+        first, last = n - m + start, n - m + stop - 1           # the chunk's positions
+        lo = max(0, first - window + 1)
+        out, lse = _masked(q[start:stop], k[lo:last + 1], v[lo:last + 1], scale,
+                           torch.arange(first, last + 1, device=q.device), lo, window)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def _masked(q, k, v, scale: float, positions: torch.Tensor, first_key: int, window: int):
+    """q [c, H, D] at `positions` [c] against the keys of positions first_key .. first_key + len(k) - 1, each
+    query seeing its window of them -> (out [c, H, D] fp32, lse [c, H])."""
+    c, h, d = q.shape
+    hkv = k.shape[1]
+    qc = q.float().view(c, hkv, h // hkv, d)
+    scores = torch.einsum("qhgd,khd->hgqk", qc, k.float()) * scale                 # [Hkv, g, c, Sk]
+    keys = torch.arange(first_key, first_key + k.shape[0], device=q.device)
+    gap = positions[:, None] - keys[None, :]                                       # [c, Sk]
+    scores.masked_fill_((gap < 0) | (gap >= window), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                          # [Hkv, g, c]
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.reshape(c, h, v.shape[-1]), lse.reshape(h, c).transpose(0, 1)
+
+
 _GPU_BACKENDS = {"flash_attn_4": _flash_attn_4, "cudnn": _cudnn, "flash_attn": _flash_attn_pkg,
                  "flash": _flash_aten}
 FP8_NAME = "fa3_fp8"                     # --attention-backend fa3-fp8: opt-in only, never chosen by auto

@@ -52,7 +52,7 @@ from burstserve.kernels.device import num_sms
 from burstserve.kernels.fp8_paged_attention import fp8_paged_decode
 from burstserve.kernels.kv_quant import Fp8Pages
 from burstserve.kernels.attention import (AttentionBackend, enable_fa4_compile_cache, fa4_forward, reference_attention,
-                                          select_backend)
+                                          select_backend, windowed_attention)
 from burstserve.kernels.merge import merge_into, merge_partials
 from burstserve.kernels.triton_setup import LazyTriton
 
@@ -68,13 +68,16 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
                     causal: bool = True, backend: str = "auto", num_chunks: int | None = None,
                     max_seqlen_q: int | None = None, rows_see_keys: bool = False,
                     host_sizes: tuple[list[int], list[int]] | None = None,
-                    gathered_attn: AttentionBackend | None = None):
+                    gathered_attn: AttentionBackend | None = None, window: int | None = None):
     """See the module docstring. backend: auto | fa4 | dense | reference; num_chunks (fa4 only):
     None chooses from the shapes, 1 never splits; max_seqlen_q: the batch's largest q_len or None
     (1 with one row per sequence: the decode fast path; cu_seqlens_q must then be arange(B + 1));
     host_sizes: cu_seqlens_q and seq_lens_k as lists, where the caller has them (the gathered path then
     does not read them back from the device, a wait for the queued work, every layer); gathered_attn (backend
     auto, FP8 pages, not a decode call): the attention the gathered keys go through, causal end-aligned."""
+    if window is not None:        # a sliding-window layer: each sequence's last keys gathered (windowed_attention)
+        return _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, True, None, max_seqlen_q,
+                         host_sizes, window)
     fp8 = isinstance(k_cache, Fp8Pages)
     if fp8 and q.is_cuda and backend == "auto" and max_seqlen_q == 1 and q.shape[0] == block_table.shape[0]:
         return fp8_paged_decode(q, k_cache, v_cache, block_table, seq_lens_k, scale)     # decode: in place
@@ -112,13 +115,13 @@ FA4_END_ALIGNED = AttentionBackend("fa4-end-aligned", _fa4_end_aligned)
 
 
 def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, causal, attn, max_seqlen_q=None,
-              host_sizes=None):
+              host_sizes=None, window=None):
     total_q, h, d = q.shape
     cu, lens = host_sizes or (cu_seqlens_q.tolist(), seq_lens_k.tolist())
     if max_seqlen_q is not None and any(b - a > max_seqlen_q for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"a sequence has more than max_seqlen_q={max_seqlen_q} new tokens: cu_seqlens_q {cu}")
     parts = [(cu[b], cu[b + 1], *_sequence(q[cu[b]:cu[b + 1]], k_cache, v_cache, block_table[b], n, causal, scale,
-                                           attn))
+                                           attn, window))
              for b, n in enumerate(lens) if cu[b + 1] > cu[b] and n > 0]
     if len(parts) == 1 and parts[0][:2] == (0, total_q):          # one sequence, every row (a chunk): as it is
         return parts[0][2], parts[0][3]
@@ -129,10 +132,15 @@ def _gathered(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
     return out, lse
 
 
-def _sequence(q, k_cache, v_cache, table_row, n, causal, scale, attn):
-    """One sequence's queries q [m, H, D] against the first n keys of its pages (table_row [max_blocks])."""
+def _sequence(q, k_cache, v_cache, table_row, n, causal, scale, attn, window=None):
+    """One sequence's queries q [m, H, D] against the first n keys of its pages (table_row [max_blocks]); with a
+    window, the last m + window - 1 of them, the queries being the last m positions (windowed_attention)."""
     bs = k_cache.shape[1]
     blocks = table_row[:(n + bs - 1) // bs].long()
+    if window is not None:
+        lo = max(0, n - q.shape[0] - window + 1)
+        k, v = _gather(k_cache, blocks, n, q.dtype)[lo:], _gather(v_cache, blocks, n, q.dtype)[lo:]
+        return windowed_attention(q, k, v, scale, window)
     if isinstance(k_cache, Fp8Pages) and n - (q.shape[0] if causal else 0) > FP8_GATHER_SEGMENT:
         return _fp8_segments(q, k_cache, v_cache, blocks, n, causal, scale, attn)
     k = _gather(k_cache, blocks, n, q.dtype)             # [n, Hkv, D]

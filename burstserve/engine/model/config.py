@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/model/rope.py; "dynamic" NTK is refused: its frequencies
@@ -59,6 +60,14 @@ class ModelConfig:
     expert_names: str = "qwen"                 # the checkpoint's names: "qwen" (mlp.experts.j.gate_proj),
                                                # "mixtral" (block_sparse_moe.experts.j.w1 / w3 / w2)
     router_weights_fp32: bool = False          # Mixtral: the routing weights stay fp32 in the combine
+    # sliding windows (Gemma 3, Mistral's sliding_window, Qwen's use_sliding_window): per layer the keys a query
+    # sees, its own included (0: every key before it); empty: every layer full
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None      # the windowed layers' RoPE base (Gemma 3: 10K; the full ones rope_theta)
+    attention_scale: float | None = None       # the softmax's scale (Gemma 3: query_pre_attn_scalar^-0.5); None: D^-0.5
+    gemma: bool = False                        # Gemma's decoder: RMSNorms scale by (1 + w), a norm after attention and
+                                               # before and after the MLP, GeGLU (tanh GELU), the embedding times
+                                               # sqrt(hidden)
 
     @property
     def kv_groups(self) -> int:
@@ -67,6 +76,19 @@ class ModelConfig:
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the experts."""
         return layer in self.sparse_layers
+
+    def window(self, layer: int) -> int | None:
+        """The keys layer `layer`'s queries see (their own included), or None: every key before them."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def scale(self) -> float:
+        """The attention softmax's scale."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
 
 def load_model_config(model_dir: str) -> ModelConfig:
@@ -103,20 +125,14 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if arch == "MistralForCausalLM" and raw.get("sliding_window"):
-        max_pos = raw.get("max_position_embeddings", 0)
-        if raw["sliding_window"] < max_pos:
-            raise ModelLoadError(f"{source}: Mistral with sliding_window={raw['sliding_window']} is not supported")
-    if arch == "MixtralForCausalLM" and raw.get("sliding_window"):
-        if raw["sliding_window"] < raw.get("max_position_embeddings", 0):
-            raise ModelLoadError(f"{source}: Mixtral with sliding_window={raw['sliding_window']} is not supported")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") \
-            and raw.get("use_sliding_window"):
-        family = arch.removesuffix("ForCausalLM")
-        raise ModelLoadError(f"{source}: {family} with use_sliding_window=true is not supported")
     if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelLoadError(f"{source}: attention_bias / mlp_bias on {arch} is not supported")
     heads = raw["num_attention_heads"]
+    gemma = arch == "Gemma3ForCausalLM"
+    local_theta = None
+    if gemma:
+        local_theta = _gemma_checks(raw, source)
+        raw = {**raw, "rope_parameters": (raw.get("rope_parameters") or {}).get("full_attention") or raw.get("rope_scaling")}
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -143,13 +159,53 @@ def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
         rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else rope,
         qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        layer_windows=layer_windows(arch, raw),
+        local_rope_theta=local_theta,
+        attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        gemma=gemma,
         **(_experts(arch, raw, source) if arch in MOE_ARCHITECTURES else {}),
     )
+
+
+def layer_windows(arch: str, raw: dict) -> tuple[int, ...]:
+    """Per layer its sliding window (0: full), as transformers reads the config: `layer_types` where it names
+    them ("sliding_attention"); else Gemma 3 every layer but each sliding_window_pattern-th (6), Mistral and
+    Mixtral every layer, Qwen with use_sliding_window the layers from max_window_layers on. A window as long as
+    the model's context changes nothing and is not kept."""
+    window = raw.get("sliding_window") or 0
+    layers = raw["num_hidden_layers"]
+    if not window or window >= raw.get("max_position_embeddings", 1 << 62):
+        return ()
+    if raw.get("layer_types"):
+        kinds = [kind == "sliding_attention" for kind in raw["layer_types"]]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = raw.get("sliding_window_pattern", 6)
+        kinds = [bool((i + 1) % pattern) for i in range(layers)]
+    elif arch.startswith("Qwen"):
+        kinds = [bool(raw.get("use_sliding_window")) and i >= raw.get("max_window_layers", 28) for i in range(layers)]
+    else:
+        kinds = [True] * layers
+    return tuple(window if k else 0 for k in kinds) if any(kinds) else ()
+
+
+def _gemma_checks(raw: dict, source: str) -> float:
+    """What the engine's Gemma 3 does not compute, refused by name -> the windowed layers' RoPE base."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelLoadError(f"{source}: Gemma 3 with {key}={raw[key]} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: Gemma 3 with use_bidirectional_attention is not supported (a causal LM only)")
+    if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: Gemma 3's hidden_activation {raw['hidden_activation']!r} is not supported")
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{source}: Gemma 3's windowed layers with rope type {local['rope_type']!r} are not supported")
+    return float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
 
 
 def _experts(arch: str, raw: dict, source: str) -> dict:
@@ -322,6 +378,9 @@ def resolve_model(engine: EngineConfig) -> tuple[ModelConfig, int]:
     else:
         cfg = load_model_config(engine.model)
         limit = context_limit(cfg)
+    if cfg.has_windows and not all(d.startswith("cpu") for d in engine.devices):
+        raise ModelLoadError(f"{engine.model}: sliding-window attention (windows of {max(cfg.layer_windows)} tokens) "
+                             "runs on CPU workers only so far: its GPU kernels are not built yet")
     max_len = engine.max_model_len or limit
     if max_len < 1:
         raise ModelLoadError(f"max_model_len must be positive, got {max_len}")

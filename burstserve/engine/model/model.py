@@ -1,10 +1,13 @@
 """The LLaMA-family decoder (LLaMA-2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral and Qwen2-MoE, whose sparse
-layers' MLP is engine/model/moe.py's experts), readable top to bottom.
+layers' MLP is engine/model/moe.py's experts; Gemma 3, whose layers add a norm after attention and around the
+MLP), readable top to bottom. A windowed layer (ModelConfig.window) has its own RoPE base where the checkpoint
+names one (Gemma 3's local layers); its window is the attention's (engine/runner/, engine/parallel/).
 
 Attention is not computed here: `forward` takes an `attend(layer, q, k, v)` callable, so the same
 model runs a sequence-parallel prefill (ring attention over shards) and a decode step over the
 distributed KV cache. Tensors are [tokens, ...] with no batch dimension.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,8 +34,10 @@ class LayerWeights:
     down: "torch.Tensor | Fp8Weight | None"       # [hidden, I]
     input_norm: torch.Tensor       # [hidden]
     post_norm: torch.Tensor        # [hidden]
-    q_norm: torch.Tensor | None = None    # [D] (Qwen3): each head of q RMS-normed before RoPE
+    q_norm: torch.Tensor | None = None    # [D] (Qwen3, Gemma 3): each head of q RMS-normed before RoPE
     k_norm: torch.Tensor | None = None    # [D] and of k
+    pre_mlp_norm: torch.Tensor | None = None    # [hidden] (Gemma 3: post_norm then follows attention)
+    post_mlp_norm: torch.Tensor | None = None   # [hidden]
     experts: ExpertWeights | None = None  # a sparse layer's MLP (engine/model/moe.py)
 
 
@@ -60,7 +65,14 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.v_proj.bias": (kvd,)})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.gemma:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (hid,), p + "post_feedforward_layernorm.weight": (hid,)})
     return shapes
+
+
+def gemma_norm(weight: torch.Tensor) -> torch.Tensor:
+    """A Gemma RMSNorm's weight as the engine's norms take it: they scale by (1 + w), computed in fp32."""
+    return (1.0 + weight.float()).to(weight.dtype)
 
 
 # A prefill's MLP runs this many rows at a time (LlamaModel.mlp): large enough that its GEMMs run at full
@@ -89,7 +101,7 @@ class LlamaModel:
         self.reduce_attention = reduce_attention
         self.vocab = vocab
         self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
+        self.norm = self._norm_weight(weights.pop("model.norm.weight"))
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")
         self.dtype = self.embed.dtype
         self.layers = [self._layer(weights, i, quantization) for i in range(cfg.num_layers)]
@@ -100,6 +112,11 @@ class LlamaModel:
         self.kv_fp8 = is_fp8(kv_cache_dtype) and not fp8_attention      # K/V rounded before attention
         self.inv_freq = inverse_frequencies(cfg).to(device)
         self.rope_scaling = attention_scaling(cfg)                     # YaRN's factor on cos/sin, else 1
+        local = cfg.local_rope_theta is not None and cfg.has_windows      # the windowed layers' own RoPE base
+        self.local_inv_freq = inverse_frequencies(
+            dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)).to(device) if local else None
+        # Gemma: the embedding times sqrt(hidden), rounded to the weights' dtype as transformers rounds it
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype) if cfg.gemma else None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, quantization: str) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -117,11 +134,16 @@ class LlamaModel:
                                                           w.pop(p + "mlp.up_proj.weight")])),
             down=None if sparse else linear(w.pop(p + "mlp.down_proj.weight")),
             experts=take_expert_weights(self.cfg, w, i, quantization) if sparse else None,
-            input_norm=w.pop(p + "input_layernorm.weight"),
-            post_norm=w.pop(p + "post_attention_layernorm.weight"),
-            q_norm=w.pop(a + "q_norm.weight") if self.cfg.qk_norm else None,
-            k_norm=w.pop(a + "k_norm.weight") if self.cfg.qk_norm else None,
+            input_norm=self._norm_weight(w.pop(p + "input_layernorm.weight")),
+            post_norm=self._norm_weight(w.pop(p + "post_attention_layernorm.weight")),
+            q_norm=self._norm_weight(w.pop(a + "q_norm.weight")) if self.cfg.qk_norm else None,
+            k_norm=self._norm_weight(w.pop(a + "k_norm.weight")) if self.cfg.qk_norm else None,
+            pre_mlp_norm=self._norm_weight(w.pop(p + "pre_feedforward_layernorm.weight")) if self.cfg.gemma else None,
+            post_mlp_norm=self._norm_weight(w.pop(p + "post_feedforward_layernorm.weight")) if self.cfg.gemma else None,
         )
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return gemma_norm(weight) if self.cfg.gemma else weight
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 seq_parallel=None, whole_layers=None) -> torch.Tensor:
@@ -140,7 +162,11 @@ class LlamaModel:
             reduce = lambda t: t                                       # noqa: E731  (whole weights: no partial sums)
         reduce_o = reduce if self.reduce_attention else (lambda t: t)  # burst-zero: o_proj whole
         residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype, self.rope_scaling)   # [S, D]
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale.to(residual.device)
+        cos_sin = rope_cos_sin(self.inv_freq, positions, self.dtype, self.rope_scaling)   # [S, D] each
+        local_cos_sin = (rope_cos_sin(self.local_inv_freq, positions, self.dtype) if self.local_inv_freq is not None
+                         else cos_sin)
         rows = self.fp8_rows and seq_parallel is None and whole_layers is None   # x as Fp8Rows (no gather of them)
         norm = fp8.rms_norm_rows if rows else fused.rms_norm
         x = norm(residual, self.layers[0].input_norm, eps) if self.layers else residual
@@ -149,6 +175,7 @@ class LlamaModel:
                 layer = whole_layers.layer(i)
             qkv = fp8.linear(gather(x), layer.qkv, layer.qkv_bias)      # [S, (H + 2 Hkv) D]
             norms = (layer.q_norm, layer.k_norm, eps) if layer.q_norm is not None else None   # Qwen3's, first
+            cos, sin = local_cos_sin if cfg.window(i) is not None else cos_sin
             fused.rope_(qkv, cos, sin, h, hkv, norms)                   # q, k (normed and) rotated in place
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
             n = qkv.shape[0]
@@ -158,8 +185,14 @@ class LlamaModel:
             attn = attend(i, q.view(n, h, d), k, v)                     # [S, H, D]
             delta = reduce_o(fp8.linear(attn.reshape(attn.shape[0], h * d), layer.o))
             post_norm = fused.rms_norm if layer.experts is not None else norm   # the router reads x unquantized
-            x, residual = post_norm(delta, layer.post_norm, eps, residual)
+            if layer.pre_mlp_norm is not None:                         # Gemma: attention's output normed first
+                delta = fused.rms_norm(delta, layer.post_norm, eps)
+                x, residual = post_norm(delta, layer.pre_mlp_norm, eps, residual)
+            else:
+                x, residual = post_norm(delta, layer.post_norm, eps, residual)
             delta = reduce(self.mlp(gather(x), layer, rows))
+            if layer.post_mlp_norm is not None:
+                delta = fused.rms_norm(delta, layer.post_mlp_norm, eps)
             if i + 1 < len(self.layers):
                 x, residual = norm(delta, self.layers[i + 1].input_norm, eps, residual)
             else:
@@ -195,6 +228,9 @@ class LlamaModel:
     def _mlp(self, x: "torch.Tensor | fp8.Fp8Rows", layer: LayerWeights, rows: bool) -> torch.Tensor:
         if layer.experts is not None:
             return experts_mlp(x, layer.experts)
+        if self.cfg.gemma:                                           # GeGLU: tanh GELU of gate, times up
+            gate, up = fp8.linear(x, layer.gate_up).chunk(2, dim=-1)
+            return fp8.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
         act = fp8.silu_and_mul_rows if rows else fused.silu_and_mul
         return fp8.linear(act(fp8.linear(x, layer.gate_up)), layer.down)
 

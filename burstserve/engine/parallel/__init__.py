@@ -30,9 +30,19 @@ STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
 SP_STRATEGIES = tuple(STRATEGIES)
 
 
+def window_refusal(cfg, world_size: int) -> str | None:
+    """Why a model with sliding windows cannot run on these workers, or None: its windowed layers run on one
+    worker so far (the halo exchange over sequence shards is not built yet)."""
+    if cfg.has_windows and world_size > 1:
+        return (f"a model with sliding-window attention (windows of {max(cfg.layer_windows)} tokens) runs on one "
+                f"worker so far, not {world_size}: name one device")
+    return None
+
+
 def get_strategy(name: str, world_size: int) -> PrefillStrategy:
     """The strategy `name` built for world_size workers (KeyError: not a --sp-strategy name)."""
     return STRATEGIES[name](world_size)
 
 
-__all__ = ["PrefillContext", "PrefillStrategy", "SP_STRATEGIES", "STRATEGIES", "get_strategy", "kv_view"]
+__all__ = ["PrefillContext", "PrefillStrategy", "SP_STRATEGIES", "STRATEGIES", "get_strategy", "kv_view",
+           "window_refusal"]

@@ -29,8 +29,11 @@ class DecodeStep:
 
 
 class DecodeAttention:
-    def __init__(self, pool: PagePool, scale: float, world_size: int, group=None, backend: str = "auto"):
+    def __init__(self, pool: PagePool, scale: float, world_size: int, group=None, backend: str = "auto",
+                 windows: tuple[int, ...] = ()):
+        """windows: per layer its sliding window (ModelConfig.layer_windows; 0 or empty: full)."""
         self.pool, self.scale, self.world_size, self.group = pool, scale, world_size, group
+        self.windows = windows
         self.backend = backend          # kernels.paged_attention backend
         self.step: DecodeStep | None = None
 
@@ -51,9 +54,10 @@ class DecodeAttention:
         """q [B, H, D], k and v [B, Hkv, D] (one new token per sequence) -> out [B, H, D]."""
         step = self.step
         self.pool.write(layer, step.slots, k, v)
+        window = (self.windows[layer] or None) if self.windows else None     # a sliding window: its last keys
         out, lse = paged_attention(q, *self.pool.layer(layer), step.block_table, step.cu_seqlens_q,
                                    step.seq_lens, self.scale, causal=False, backend=self.backend,   # one query: sees every key
-                                   max_seqlen_q=1)
+                                   max_seqlen_q=1, window=window)
         if self.world_size == 1:
             return out
         return merge_over_workers(out, lse, self.world_size, self.group)

@@ -65,7 +65,7 @@ def kv_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 class PrefillContext:
     """What a strategy may use to build a prefill's attention; fixed for a runner's life."""
     backend: AttentionBackend          # the local kernel: (q, k, v, causal, scale) -> (out, lse)
-    scale: float                       # head_dim ** -0.5
+    scale: float                       # the softmax scale (ModelConfig.scale: head_dim ** -0.5 unless the checkpoint says)
     ring: RingCommunicator | None      # the K/V ring; None with one worker or replicated K/V
     overlap: bool                      # ring exchanges overlap compute (--no-overlap: they do not)
     data_group: object = None          # the workers' data-plane process group (None: the default group)

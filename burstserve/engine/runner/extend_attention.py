@@ -51,12 +51,14 @@ class ExtendAttention:
     def __init__(self, pool: PagePool, seq_id: int, cached_local: int, slots: torch.Tensor,
                  new_shards: list[Shard], rank: int, backend: AttentionBackend, scale: float, ring=None,
                  overlap: bool = True, group=None, way: ExtendWay = ExtendWay.RING, fp8: bool = False,
-                 pass_kv_cached: list[int] | None = None):
+                 pass_kv_cached: list[int] | None = None, windows: tuple[int, ...] = ()):
         """cached_local: the sequence's tokens already on this worker (its first slots); slots [n_w]:
         where this worker's new tokens' K/V go (empty if it keeps none); new_shards: the n new tokens
         over the workers (way "whole": all on one; "local" under tp: the strategy's one shard);
         pass_kv_cached (way "ring", bf16 pages): every worker's cached tokens of the sequence, by rank, to
-        pass the cached K/V around the ring rather than the queries to them (None: pass-Q)."""
+        pass the cached K/V around the ring rather than the queries to them (None: pass-Q); windows: per layer
+        its sliding window (ModelConfig.layer_windows; a model with windows runs on one worker)."""
+        self.windows = windows
         self.pool, self.rank, self.scale, self.backend, self.group = pool, rank, scale, backend, group
         # FP8 attention: the new tokens' own K/V through it; over FP8 pages the cached keys too, gathered a segment at
         # a time as every chunk over FP8 pages gathers them (kernels.paged_attention); over bf16 pages the cached
@@ -112,6 +114,9 @@ class ExtendAttention:
     def _local_partial(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The queries q [m, H, D] against the sequence's keys on this worker (the new ones causally, when
         it keeps them) -> (out [m, H, D] in q's dtype, lse [m, H] fp32)."""
+        if self.windows and self.windows[layer]:            # a sliding-window layer: the keys its window reaches
+            return paged_attention(q, *self.pool.layer(layer), self.table, self.cu[q.shape[0]], self.keys, self.scale,
+                                   host_sizes=([0, q.shape[0]], [self.key_count]), window=self.windows[layer])
         if self.fresh_in_fp8 and self.keeps_new:
             return self._fresh_in_fp8(layer, q, k, v)
         runs = self._prefix_runs(layer, q)

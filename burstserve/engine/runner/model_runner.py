@@ -30,7 +30,7 @@ from burstserve.engine.runner.extend_graphs import ExtendGraphs
 from burstserve.engine.runner.step_tokens import FedTokens, PendingTokens, sampled_next, sampled_result, with_step
 from burstserve.engine.runner.worker_cache import AfterRestore, PlacedExtend, WorkerCache
 from burstserve.engine.runner.worker_memory import check_weights_fit, peak_memory_all_workers
-from burstserve.kernels.attention import select_backend
+from burstserve.kernels.attention import select_backend, windowed_attention
 from burstserve.kernels.kv_quant import SCALE_BYTES, is_fp8
 from burstserve.kernels.paged_attention import fa4_available
 
@@ -57,7 +57,7 @@ class ModelRunner:
         self.backend = select_backend(device, dtype, attn.num_heads, attn.num_kv_heads, cfg.head_dim, engine.kernel)
         self.model = self.layout.build_model(weights, self._all_reduce, engine.quantization, engine.kv_cache_dtype, self.backend.fp8)
         self.whole_layers = self.layout.whole_layers   # a prefill's layers gathered whole (burst-zero), or None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.scale
         multi_ring = self.strategy.kv_workers > 1   # K/V spread over several workers (a ring, even if unused)
         self.ring = RingCommunicator(rank, self.world_size, device, data_group) if multi_ring else None
         self.kv_fp8 = is_fp8(engine.kv_cache_dtype)
@@ -77,7 +77,7 @@ class ModelRunner:
         self.passes_kv = PassKVChoice(engine, attn.num_kv_heads, cfg.head_dim, dtype.itemsize, size.pass_q_reserve_bytes,
                                       device, rank)   # a "ring" extend's way of passing
         share = self.strategy.kv_share(max_model_len)   # a worker's share of the longest sequence
-        self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group)
+        self.decode_attention = DecodeAttention(self.pool, self.scale, self.strategy.kv_workers, data_group, windows=cfg.layer_windows)
         # prompts this short run on the weight slices (burst-zero; else 0)
         self.sliced_max_tokens = self.layout.sliced_limit(engine.zero_sliced_max_tokens, share, self.prefill_context)
         self.graphs = DecodeGraphs.create(self, engine)    # None: eager decode (CPU, or no capturable kernel)
@@ -132,8 +132,11 @@ class ModelRunner:
             positions = torch.arange(seq_parallel.padded)
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
-            kv = torch.stack([k, v], dim=1) if self.ring is not None else kv_view(k, v)   # [n, 2, Hkv, D]
             store = lambda: self.pool.write(layer, slots, k[:n], v[:n])   # noqa: E731  (tp-v3: not the padding's)
+            if self.cfg.window(layer) is not None:        # one worker (model_refusal): the prompt in position order
+                store()
+                return windowed_attention(q, k, v, self.scale, self.cfg.window(layer))[0]
+            kv = torch.stack([k, v], dim=1) if self.ring is not None else kv_view(k, v)   # [n, 2, Hkv, D]
             return attention(q, kv, store)                               # (a ring sends kv: contiguous)
 
         hidden = self.model.forward(local_ids, positions.to(self.device), attend, seq_parallel,
@@ -234,9 +237,8 @@ class ModelRunner:
         return with_step(self.cache.with_restore(seq_id, result), decode_logits, step, self.rank)
 
     def _graphed_extend(self, placed: PlacedExtend, decode_rows: int = 0) -> bool:
-        """Whether an extend so placed (with a decode step of decode_rows sequences) replays a CUDA graph
-        (engine/runner/extend_graphs.py): its way runs every new token on every worker in order ("whole", or "local"
-        on one worker or tp), and a graph is that large. The same answer on every worker (one placement)."""
+        """Whether an extend so placed (and decode_rows decode rows) replays a CUDA graph (engine/runner/extend_graphs.py):
+        its way runs every new token in order on every worker ("whole"; "local"), a graph that large (every worker alike)."""
         n = placed.shards_tokens
         return (self.extend_graphs is not None and self.extend_graphs.fits(n, decode_rows) and placed.way != ExtendWay.RING
                 and placed.positions.shape[0] == n and bool((placed.positions == torch.arange(n)).all()))
@@ -252,7 +254,7 @@ class ModelRunner:
         slots = placed.host_slots.to(self.device)
         attend = ExtendAttention(self.pool, seq_id, placed.cached, slots, shards, self.rank, self.backend, self.scale,
                                  self.ring, self.engine.overlap, self.data_group, way, self.ring_fp8,
-                                 placed.cached_all if self.passes_kv(placed) else None)
+                                 placed.cached_all if self.passes_kv(placed) else None, self.cfg.layer_windows)
         if restore_waits:
             attend = AfterRestore(attend, restore_waits)
         last = (0, n - 1) if way == ExtendWay.WHOLE else owner_of_position(shards, n - 1)
@@ -315,17 +317,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def facts(self) -> WorkerFacts:
-        """What this worker reports of itself (engine/core/messages.py)."""
-        return WorkerFacts(
-            rank=self.rank, device=str(self.device), kernel=self.backend.name, block_size=self.block_size,
-            kv_pages_per_worker=self.pool.num_pages, placement=self.strategy.placement,
-            max_pages_per_seq=self.pool.max_pages_per_seq,
-            kv_cache_dtype="fp8" if self.pool.fp8 else str(self.dtype).removeprefix("torch."),
-            kv_host_pages=self.cache.host.num_pages if self.cache.host else 0, cuda_graphs=self.graphs is not None,
-            mixed_graph_tokens=self.extend_graphs.mixed_max_tokens if self.extend_graphs is not None else 0,
-            zero_sliced_max_tokens=self.sliced_max_tokens, prefill_rows_max=self.prefill_rows_max)
-
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.data_group)
         return x
@@ -337,6 +328,17 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         else:
             synchronize(self.device)
+
+
+def worker_facts(runner: ModelRunner) -> WorkerFacts:
+    """What a worker reports of itself (engine/core/messages.py)."""
+    return WorkerFacts(
+        rank=runner.rank, device=str(runner.device), kernel=runner.backend.name, block_size=runner.block_size,
+        kv_pages_per_worker=runner.pool.num_pages, placement=runner.strategy.placement, max_pages_per_seq=runner.pool.max_pages_per_seq,
+        kv_cache_dtype="fp8" if runner.pool.fp8 else str(runner.dtype).removeprefix("torch."),
+        kv_host_pages=runner.cache.host.num_pages if runner.cache.host else 0, cuda_graphs=runner.graphs is not None,
+        mixed_graph_tokens=runner.extend_graphs.mixed_max_tokens if runner.extend_graphs is not None else 0,
+        zero_sliced_max_tokens=runner.sliced_max_tokens, prefill_rows_max=runner.prefill_rows_max)
 
 
 # What each call runs (engine/core/calls.py): the work on the runner, the cache's changes on its WorkerCache.

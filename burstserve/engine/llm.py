@@ -89,8 +89,8 @@ class LLM:
             self.engine = self._head.gather(self.engine)
             self.engine = dataclasses.replace(self.engine, max_num_batched_tokens=chunk_tokens(
                 values, self.engine.world_size))        # the default chunk grows with every host's workers
-        reason = (window_refusal(self.model_config, self.engine.world_size)
-                  or get_strategy(self.engine.sp_strategy, self.engine.world_size).model_refusal(self.model_config))
+        strategy = get_strategy(self.engine.sp_strategy, self.engine.world_size)
+        reason = window_refusal(self.model_config, strategy) or strategy.model_refusal(self.model_config)
         if self._head is not None and reason:
             self._head.abort(reason)
         elif self._head is not None:

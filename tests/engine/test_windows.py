@@ -63,6 +63,23 @@ def test_the_engine_matches_transformers(checkpoint, chunked):
                 assert out.metrics.prefill_stats.chunks > 1, out.metrics.prefill_stats
 
 
+@pytest.mark.parametrize("strategy", ["tp", "tp-v3"])
+def test_tensor_parallel_workers_match_transformers(checkpoint, strategy):
+    """tp and tp-v3 on two workers (each holds every position of its heads): whole prompts and chunks shorter than
+    the window give transformers' logits and greedy tokens."""
+    kind, path, model = checkpoint
+    window = max(load_model_config(path).layer_windows)
+    prompts = _prompts(model.config.vocab_size, window)
+    with LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy,
+             max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+        for prompt, out in zip(prompts, outputs):
+            want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+            diff = (llm.next_token_logits(prompt) - want_logits).abs().max().item()
+            assert diff <= 1e-4, f"{kind}, {strategy}: {len(prompt)} tokens, logits differ by {diff}"
+            assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, strategy, len(prompt)))
+
+
 def test_a_prefix_hit_matches_transformers_and_the_window_changes_the_answer(checkpoint):
     """A prompt three windows long, then one sharing most of it (its K/V copied from the prefix cache, the rest
     extended): each one's next-token logits and greedy tokens are transformers'. transformers with every window
@@ -91,13 +108,15 @@ def test_a_prefix_hit_matches_transformers_and_the_window_changes_the_answer(che
 
 
 def test_what_is_not_built_yet_is_refused_by_name(checkpoint):
-    """A windowed model on several workers, or on a GPU (its kernels take no window yet), is refused before any
-    worker starts, naming the window."""
+    """A windowed model under a strategy that shards the sequence over several workers, or on a GPU (its kernels
+    take no window yet), is refused before any worker starts, naming the window."""
     kind, path, model = checkpoint
     window = max(load_model_config(path).layer_windows)
-    with pytest.raises(InvalidRequestError, match=f"sliding-window attention \\(windows of {window} tokens\\) runs "
-                                                  "on one worker so far, not 2"):
-        LLM(path, devices="cpu", context_parallel_size=2, dtype="float32")
+    for strategy in ("burst", "ulysses", "burst-zero"):
+        with pytest.raises(InvalidRequestError, match=f"sliding-window attention \\(windows of {window} tokens\\) "
+                                                      f"runs on one worker or under --sp-strategy tp / tp-v3 so far; "
+                                                      f"{strategy} shards the sequence over 2 workers"):
+            LLM(path, devices="cpu", context_parallel_size=2, dtype="float32", sp_strategy=strategy)
     with pytest.raises(ModelLoadError, match="runs on CPU workers only so far"):
         resolve_model(EngineConfig(model=path, devices=["cuda:0"]))
 

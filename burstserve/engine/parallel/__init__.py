@@ -30,12 +30,14 @@ STRATEGIES: dict[str, type[PrefillStrategy]] = {s.name: s for s in (
 SP_STRATEGIES = tuple(STRATEGIES)
 
 
-def window_refusal(cfg, world_size: int) -> str | None:
-    """Why a model with sliding windows cannot run on these workers, or None: its windowed layers run on one
-    worker so far (the halo exchange over sequence shards is not built yet)."""
-    if cfg.has_windows and world_size > 1:
+def window_refusal(cfg, strategy: PrefillStrategy) -> str | None:
+    """Why a model with sliding windows cannot run under this strategy, or None: its windowed layers run where every
+    worker holds every position of the sequence (one worker, tp, tp-v3); the halo exchange over sequence shards is
+    not built yet."""
+    if cfg.has_windows and strategy.kv_workers > 1:
         return (f"a model with sliding-window attention (windows of {max(cfg.layer_windows)} tokens) runs on one "
-                f"worker so far, not {world_size}: name one device")
+                f"worker or under --sp-strategy tp / tp-v3 so far; {strategy.name} shards the sequence over "
+                f"{strategy.world_size} workers")
     return None
 
 

@@ -69,7 +69,8 @@ def test_the_host_tiers_copies_are_what_worker_0_last_reported_and_what_was_issu
     assert not copies.storing(a) and not copies.restoring(b) and not copies.stores_queued()
     copies.report(HostProgress(True, frozenset({b}), frozenset({a}), rng.randrange(1, 9)))
     assert copies.restoring(b) and copies.storing(a) and copies.stores_queued() and not copies.storing(c)
-    copies.issued(storing=c)
-    assert copies.storing(c) and copies.storing(a)
+    copies.report(HostProgress(True, storing=frozenset({a})))
+    copies.issued(storing=c)                                   # queued: an idle engine pumps it out
+    assert copies.storing(c) and copies.storing(a) and copies.stores_queued()
     copies.report(HostProgress(True))                          # the next report: every copy done
     assert not any([copies.storing(a), copies.storing(c), copies.restoring(b), copies.stores_queued()])

@@ -18,11 +18,14 @@ class HostCopies:
 
     def issued(self, storing: int | None = None, loading: int | None = None) -> None:
         """A store of `storing` or a restore into `loading` just issued: running until a report says otherwise
-        (where copies run beside compute; on CPU they are done when their call returns)."""
+        (where copies run beside compute; on CPU they are done when their call returns). A store is queued a
+        layer at a time (engine/pages/host_pool.py), so an idle engine pumps it out until a report says none is."""
         p = self.progress
-        if p.asynchronous:
-            self.progress = replace(p, storing=p.storing | {storing} if storing is not None else p.storing,
-                                    loading=p.loading | {loading} if loading is not None else p.loading)
+        if p.asynchronous and storing is not None:
+            p = replace(p, storing=p.storing | {storing}, queued=max(p.queued, 1))
+        if p.asynchronous and loading is not None:
+            p = replace(p, loading=p.loading | {loading})
+        self.progress = p
 
     def restoring(self, seq_id: int) -> bool:
         return seq_id in self.progress.loading

@@ -133,7 +133,7 @@ class ModelRunner:
 
         def attend(layer, q, k, v):                                     # q [n, H, D], k, v [n, Hkv, D]
             store = lambda: self.pool.write(layer, slots, k[:n], v[:n])   # noqa: E731  (tp-v3: not the padding's)
-            if self.cfg.window(layer) is not None:        # one worker (model_refusal): the prompt in position order
+            if self.cfg.window(layer) is not None:   # every worker holds every position (window_refusal): in order
                 store()
                 return windowed_attention(q, k, v, self.scale, self.cfg.window(layer))[0]
             kv = torch.stack([k, v], dim=1) if self.ring is not None else kv_view(k, v)   # [n, 2, Hkv, D]

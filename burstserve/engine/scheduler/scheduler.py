@@ -241,12 +241,12 @@ class Scheduler:
         mixed = ExtendAndDecode(extend, self.decode.call_for(decode))
         return StepPlan(self.kv.place(mixed), work, decode=decode)
 
-    def _sample_next(self, seq: RunningSequence, resumed: bool = False) -> SampleNext:
+    @staticmethod
+    def _sample_next(seq: RunningSequence, resumed: bool = False) -> SampleNext:
         """How worker 0 draws the token after the sequence's prompt: on its device by the sequence's rule (a
-        grammar's row on the host), the logits kept where a request asks for them or a twin waits for them."""
-        request = seq.request
-        keep = not resumed and (request.return_logits or self.state.twin_waiting(request))
-        return SampleNext(seq.sampling(), on_host=seq.grammar is not None, logits=keep)
+        grammar's row on the host); a request's first token with the logits back too, kept for a twin (the same
+        prompt admitted while it runs: one request's n choices) to draw its own first token from."""
+        return SampleNext(seq.sampling(), on_host=seq.grammar is not None, logits=not resumed)
 
     # decoding
 

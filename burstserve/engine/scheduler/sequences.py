@@ -141,10 +141,3 @@ class SchedulerState:
         ids = request.prompt_token_ids
         return next((s for s in self.running if not s.preemptions and s.prompt_logits is not None
                      and len(s.request.prompt_token_ids) == len(ids) and s.request.prompt_token_ids == ids), None)
-
-    def twin_waiting(self, request: Request) -> bool:
-        """Does a waiting request have exactly this prompt (say the next of one request's n choices)? Then the
-        prompt's logits are kept for it (running_twin)."""
-        ids = request.prompt_token_ids
-        return any(len(r.prompt_token_ids) == len(ids) and r.prompt_token_ids == ids and r.params.prompt_logprobs
-                   is None for r in self.waiting)

@@ -116,7 +116,8 @@ class LlamaModel:
         self.local_inv_freq = inverse_frequencies(
             dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)).to(device) if local else None
         # Gemma: the embedding times sqrt(hidden), rounded to the weights' dtype as transformers rounds it
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype) if cfg.gemma else None
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=self.dtype, device=device) if cfg.gemma
+                            else None)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, quantization: str) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -163,7 +164,7 @@ class LlamaModel:
         reduce_o = reduce if self.reduce_attention else (lambda t: t)  # burst-zero: o_proj whole
         residual = self._embed(token_ids, whole_layers is not None)   # [S, hidden]
         if self.embed_scale is not None:
-            residual = residual * self.embed_scale.to(residual.device)
+            residual = residual * self.embed_scale
         cos_sin = rope_cos_sin(self.inv_freq, positions, self.dtype, self.rope_scaling)   # [S, D] each
         local_cos_sin = (rope_cos_sin(self.local_inv_freq, positions, self.dtype) if self.local_inv_freq is not None
                          else cos_sin)
